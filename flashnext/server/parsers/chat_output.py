@@ -1,0 +1,167 @@
+"""One state machine from generated text to reasoning, content and tool calls, streamed or not.
+
+Decisions:
+- Calls are held until `</tool_call>` and emitted whole (start, then the arguments in one fragment). A
+  call streamed early could not be taken back when it turns out malformed or truncated, and an agent
+  acting on half a call is worse than one waiting for it.
+- A call naming a function that is not among the request's tools is content, not a call: the client
+  cannot dispatch it, and it is most often the model quoting or inventing a call in prose. Shown as
+  text, nothing is lost; as a call, the agent would fail on it. A call with a missing or ill-typed
+  parameter is still a call: the tool reports that to the agent, which can retry.
+- Whitespace that opens a section (before `<think>`, after `<think>`, `</think>` and `</tool_call>`) is
+  framing written by the template, not text, and is dropped. Nothing else is dropped.
+- Text is held back only while it may be the start of the next tag: `<think>` at the start, `</think>`
+  in reasoning, `<tool_call>` in content (only when the request has tools).
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import string
+from enum import Enum
+from typing import Any
+
+from flashnext.server.parsers.messages import (ContentDelta, Delta, ParsedMessage, ReasoningDelta,
+                                                ToolCallArguments, ToolCallStart, collect)
+from flashnext.server.parsers.registry import get_tool_parser
+from flashnext.server.parsers.scanning import REJECTED, ScannedCall, ToolCallScanner
+from flashnext.server.parsers.tags import (THINK_CLOSE, THINK_OPEN, TOOL_CALL_OPEN, partial_tag_len)
+from flashnext.server.parsers.tool_schema import ToolSchemas
+
+_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+def new_call_id() -> str:
+    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+
+
+class _Section(Enum):
+    START = "start"          # before the first text: a `<think>` may open
+    REASONING = "reasoning"
+    CONTENT = "content"
+    TOOL_CALL = "tool_call"  # after `<tool_call>`, until the scanner decides
+
+
+class ChatOutputParser:
+    """Feed the generated text as it is decoded; get back deltas. `parse` does the same for a whole text.
+
+    tool_format: "hermes", "qwen3_coder", or None when the request has no tools.
+    tools: the request's `tools` (dicts or pydantic models); a call must name one of them.
+    reasoning: whether thinking is enabled; if not, `<think>` is ordinary content.
+    starts_in_reasoning: the prompt already opened `<think>`, so the generation begins inside reasoning
+      and only its `</think>` shows; without it, a generation that does not begin with `<think>` has no
+      reasoning at all.
+    """
+
+    def __init__(self, tool_format: str | None, tools: Any = None, reasoning: bool = True,
+                 starts_in_reasoning: bool = False):
+        self._tools = ToolSchemas(tools)
+        scanner_type = get_tool_parser(tool_format) if tool_format is not None else None
+        self._scanner_type: type[ToolCallScanner] | None = scanner_type if self._tools else None
+        self._starts_in_reasoning = starts_in_reasoning
+        self._section = _Section.START if reasoning else _Section.CONTENT
+        self._skip_whitespace = reasoning
+        self._pending = ""  # text not yet emitted: a possible tag prefix, or the body of an open call
+        self._scanner: ToolCallScanner | None = None
+        self._call_ids: set[str] = set()
+        self._out: list[Delta] = []
+        self._used = False
+        self._finished = False
+
+    @property
+    def has_tool_calls(self) -> bool:
+        """Whether a call was emitted: the choice's finish_reason is then `tool_calls`."""
+        return bool(self._call_ids)
+
+    def feed(self, delta_text: str) -> list[Delta]:
+        assert not self._finished, "feed after finish"
+        self._used = True
+        self._pending += delta_text
+        self._advance(final=False)
+        return self._take()
+
+    def finish(self) -> list[Delta]:
+        """The generation ended: release what was held back; an unfinished call becomes content."""
+        assert not self._finished, "finish called twice"
+        self._used = self._finished = True
+        self._advance(final=True)
+        assert not self._pending, "text left behind at finish"
+        return self._take()
+
+    def parse(self, full_text: str) -> ParsedMessage:
+        """The non-streaming result: exactly what the concatenated deltas of any chunking add up to."""
+        assert not self._used, "parse needs a fresh parser"
+        return collect(self.feed(full_text) + self.finish())
+
+    def _take(self) -> list[Delta]:
+        out, self._out = self._out, []
+        return out
+
+    def _emit_text(self, text: str) -> None:
+        if not text:
+            return
+        kind = ReasoningDelta if self._section is _Section.REASONING else ContentDelta
+        if self._out and type(self._out[-1]) is kind:
+            self._out[-1] = kind(self._out[-1].text + text)
+        else:
+            self._out.append(kind(text))
+
+    def _emit_call(self, call: ScannedCall) -> None:
+        call_id = new_call_id()
+        while call_id in self._call_ids:
+            call_id = new_call_id()
+        index = len(self._call_ids)
+        self._call_ids.add(call_id)
+        self._out.append(ToolCallStart(index=index, id=call_id, name=call.name))
+        self._out.append(ToolCallArguments(index=index, text=json.dumps(call.arguments, ensure_ascii=False)))
+
+    def _advance(self, final: bool) -> None:
+        while True:
+            if self._section is _Section.TOOL_CALL:
+                verdict = self._scanner.scan(self._pending, final)
+                if verdict is None:
+                    return
+                self._scanner = None
+                self._section = _Section.CONTENT
+                if verdict is REJECTED:
+                    self._emit_text(TOOL_CALL_OPEN)  # and the body is scanned again as content
+                else:
+                    self._emit_call(verdict)
+                    self._pending = self._pending[verdict.end:]
+                    self._skip_whitespace = True
+                continue
+            if self._skip_whitespace:
+                self._pending = self._pending.lstrip()
+                if not self._pending:
+                    return
+                self._skip_whitespace = False
+            if self._section is _Section.START:
+                if self._pending.startswith(THINK_OPEN):
+                    self._pending = self._pending[len(THINK_OPEN):]
+                    self._section, self._skip_whitespace = _Section.REASONING, True
+                    continue
+                if THINK_OPEN.startswith(self._pending) and not final:
+                    return
+                self._section = _Section.REASONING if self._starts_in_reasoning else _Section.CONTENT
+                continue
+            if self._section is _Section.REASONING:
+                tag = THINK_CLOSE
+            elif self._scanner_type is not None:
+                tag = TOOL_CALL_OPEN
+            else:
+                self._emit_text(self._pending)
+                self._pending = ""
+                return
+            found = self._pending.find(tag)
+            if found >= 0:
+                self._emit_text(self._pending[:found])
+                self._pending = self._pending[found + len(tag):]
+                if self._section is _Section.REASONING:
+                    self._section, self._skip_whitespace = _Section.CONTENT, True
+                else:
+                    self._section, self._scanner = _Section.TOOL_CALL, self._scanner_type(self._tools)
+                continue
+            held = 0 if final else partial_tag_len(self._pending, tag)
+            self._emit_text(self._pending[:len(self._pending) - held])
+            self._pending = self._pending[len(self._pending) - held:]
+            return

@@ -1,0 +1,148 @@
+"""The request's tools as the parsers need them: which function names exist, and how the text of a
+qwen3_coder parameter becomes a JSON value according to the tool's JSON schema."""
+from __future__ import annotations
+
+import ast
+import json
+import math
+from typing import Any
+
+
+class ToolSchemas:
+    """Function name -> its `parameters` JSON schema, from the request's `tools`.
+
+    Accepts OpenAI tool dicts ({"type": "function", "function": {...}}), bare function dicts, or pydantic
+    models of either (anything with model_dump).
+    """
+
+    def __init__(self, tools: Any = None):
+        self._parameters: dict[str, dict] = {}
+        for tool in tools or ():
+            spec = tool.model_dump(exclude_none=True) if hasattr(tool, "model_dump") else tool
+            if not isinstance(spec, dict):
+                continue
+            function = spec.get("function", spec)
+            name = function.get("name") if isinstance(function, dict) else None
+            if isinstance(name, str) and name:
+                parameters = function.get("parameters")
+                self._parameters[name] = parameters if isinstance(parameters, dict) else {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._parameters
+
+    def __bool__(self) -> bool:
+        return bool(self._parameters)
+
+    def parameter_schema(self, function: str, parameter: str) -> dict | None:
+        properties = self._parameters.get(function, {}).get("properties")
+        schema = properties.get(parameter) if isinstance(properties, dict) else None
+        return schema if isinstance(schema, dict) else None
+
+
+class _Invalid:
+    """Marks text that is not a JSON value (None is a valid value, so it cannot mark failure)."""
+
+
+INVALID = _Invalid()
+
+
+def _is_json_value(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, str)):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)  # 1e400 parses to inf, which json.dumps would write as invalid JSON
+    if isinstance(value, list):
+        return all(_is_json_value(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_json_value(v) for k, v in value.items())
+    return False
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_json(text: str) -> Any:
+    """The JSON value of text, or INVALID. NaN/Infinity are refused: we must re-serialise as strict JSON."""
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        return INVALID
+    return value if _is_json_value(value) else INVALID
+
+
+def _tuples_to_lists(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_tuples_to_lists(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _tuples_to_lists(v) for k, v in value.items()}
+    return value
+
+
+def parse_literal(text: str) -> Any:
+    """JSON first, then a Python literal (True, None, single quotes: what models write by habit)."""
+    value = parse_json(text)
+    if value is not INVALID:
+        return value
+    try:
+        value = _tuples_to_lists(ast.literal_eval(text))
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return INVALID
+    return value if _is_json_value(value) else INVALID
+
+
+def _schema_types(schema: Any) -> set[str] | None:
+    """The JSON types a schema allows, or None when it does not say (then any value goes)."""
+    if not isinstance(schema, dict):
+        return None
+    declared = schema.get("type")
+    if isinstance(declared, str):
+        return {declared}
+    if isinstance(declared, list):
+        return {t for t in declared if isinstance(t, str)} or None
+    branches = [*(schema.get("anyOf") or ()), *(schema.get("oneOf") or ())]
+    if branches:
+        types: set[str] = set()
+        for branch in branches:
+            branch_types = _schema_types(branch)
+            if branch_types is None:  # one untyped branch accepts anything
+                return None
+            types |= branch_types
+        return types
+    choices = schema.get("enum") or ([schema["const"]] if "const" in schema else None)
+    if isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices):
+        return {"string"}
+    return None
+
+
+def strip_framing_newlines(raw: str) -> str:
+    """The format writes a value as `<parameter=k>\\nVALUE\\n</parameter>`: remove exactly those two."""
+    if raw.startswith("\n"):
+        raw = raw[1:]
+    if raw.endswith("\n"):
+        raw = raw[:-1]
+    return raw
+
+
+def coerce_parameter(raw: str, schema: dict | None) -> Any:
+    """The JSON value of one qwen3_coder parameter, typed by its JSON schema.
+
+    Strings are kept verbatim (code keeps its indentation and inner newlines). Other declared types are
+    parsed as JSON, then as a Python literal; text that is neither stays a string, so the tool itself
+    reports the bad argument to the agent. Without a usable schema: JSON if it parses, else the string.
+    """
+    text = strip_framing_newlines(raw)
+    types = _schema_types(schema)
+    if types is None:
+        value = parse_json(text)
+        return text if value is INVALID else value
+    if "string" in types:
+        if "null" in types and text.strip() in ("null", "None"):
+            return None
+        return text
+    value = parse_literal(text.strip())
+    if value is INVALID:
+        return text
+    if isinstance(value, float) and value.is_integer() and "integer" in types and "number" not in types:
+        return int(value)
+    return value
