@@ -1,0 +1,295 @@
+"""Load a Hugging Face checkpoint folder into our canonical state_dict keys (docs/CONTRACTS.md).
+
+Handles single-file and sharded safetensors, the multimodal `model.language_model.` prefix, vision-tower and
+MTP tensors (skipped), per-expert or fused (possibly transposed) MoE experts, the PLE n-gram table split into
+shards, and GPTQ/AutoRound int4 and block-FP8 weights, which are dequantised on the target device.
+Everything is planned from the safetensors headers first, so a missing, misshapen or unexpected tensor is
+reported before a single byte of weight data is read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from .fp8 import dequantize_block_fp8
+from .int4 import dequantize_gptq
+from .quant_config import QuantizationConfig, read_quantization_config
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+_SKIPPED = (("vision tower", ("model.visual.", "visual.")), ("multi-token-prediction (MTP)", ("mtp.",)))
+_DTYPES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8,
+           "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
+_EXPERT_KEY = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+_NGRAM_KEY = re.compile(r"^(.*\.ngram_embedding)\.weight$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded; the message says what is wrong in it."""
+
+
+def _listing(names: list[str], limit: int = 10) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" ... and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def canonical_name(checkpoint_key: str) -> str:
+    """Checkpoint key -> our key: multimodal releases nest the text model under `model.language_model.`."""
+    if checkpoint_key.startswith("model.language_model."):
+        return "model." + checkpoint_key[len("model.language_model."):]
+    return checkpoint_key
+
+
+class _Tensors:
+    """The tensors of a checkpoint folder, by canonical name, read lazily through safetensors headers."""
+
+    def __init__(self, folder: Path):
+        index = folder / INDEX_FILE
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+            missing = [f for f in files if not (folder / f).exists()]
+            if missing:
+                raise CheckpointError(
+                    f"{index} lists {len(missing)} shard file(s) that are not in the folder: {_listing(missing)}"
+                )
+        elif (folder / "model.safetensors").exists():
+            files = ["model.safetensors"]
+        else:
+            raise CheckpointError(f"no model.safetensors or {INDEX_FILE} in {folder}")
+        self.handles = {}
+        self.where: dict[str, tuple[str, str]] = {}
+        skipped = {group: 0 for group, _ in _SKIPPED}
+        for file in files:
+            try:
+                handle = safe_open(str(folder / file), framework="pt", device="cpu")
+            except Exception as error:  # safetensors raises its own untyped errors for bad headers
+                raise CheckpointError(f"{folder / file} is not a readable safetensors file "
+                                      f"(truncated or corrupt?): {error}") from error
+            self.handles[file] = handle
+            for key in handle.keys():
+                group = next((g for g, prefixes in _SKIPPED if key.startswith(prefixes)), None)
+                if group is not None:
+                    skipped[group] += 1
+                    continue
+                name = canonical_name(key)
+                if name in self.where:
+                    raise CheckpointError(f"tensor {name} appears twice in the checkpoint "
+                                          f"({self.where[name][0]} and {file})")
+                self.where[name] = (file, key)
+        for group, count in skipped.items():
+            if count:
+                log.info("skipping %d %s tensors (not used for text generation)", count, group)
+        self.used: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def _slice(self, name: str):
+        file, key = self.where[name]
+        return self.handles[file].get_slice(key)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def nbytes(self, name: str) -> int:
+        piece = self._slice(name)
+        return math.prod(piece.get_shape()) * _DTYPES.get(piece.get_dtype(), 4)
+
+    def use(self, name: str) -> str:
+        self.used.add(name)
+        return name
+
+    def read(self, name: str, device: torch.device) -> torch.Tensor:
+        file, key = self.where[name]
+        return self.handles[file].get_tensor(key).to(device)
+
+
+@dataclass
+class _Recipe:
+    """How to build one expected tensor: the canonical source tensors it reads, and the builder."""
+
+    sources: list[str]
+    build: Callable[[], torch.Tensor]
+
+
+class _Planner:
+    def __init__(self, tensors: _Tensors, quant: QuantizationConfig, config: dict, device, dtype):
+        self.t, self.quant, self.config, self.device, self.dtype = tensors, quant, config, device, dtype
+
+    # A 2-D weight `X.weight` stored plain, as int4 (`X.qweight` ...) or as fp8 (+ `X.weight_scale_inv`).
+    def weight(self, name: str, shape: tuple[int, ...]) -> _Recipe | None:
+        base = name[: -len(".weight")] if name.endswith(".weight") else None
+        t = self.t
+        if base is not None and t.has(base + ".qweight"):
+            parts = [base + s for s in (".qweight", ".qzeros", ".scales", ".g_idx") if t.has(base + s)]
+            if len(parts) < 3:
+                raise CheckpointError(f"int4 tensor {base}.qweight comes without its qzeros/scales")
+            rows, cols = t.shape(base + ".qweight")
+            # The bit width follows from the packed rows and the expected input size (AutoRound may keep
+            # some layers at 8 bits); anything else is a shape mismatch.
+            bits = 32 * rows // shape[-1] if len(shape) == 2 and shape[-1] else 0
+            if len(shape) != 2 or cols != shape[0] or bits not in (2, 4, 8) or rows * 32 != bits * shape[-1]:
+                got = (cols, rows * 32 // (self.quant.bits if self.quant.bits < 16 else 4))
+                raise CheckpointError(f"tensor {base} (int4) has the wrong shape: expected {shape}, got {got}")
+
+            def build() -> torch.Tensor:
+                packed = {s.rsplit(".", 1)[1]: t.read(s, self.device) for s in parts}
+                return dequantize_gptq(packed["qweight"], packed["qzeros"], packed["scales"], packed.get("g_idx"),
+                                       bits=bits, zeros_minus_one=self.quant.zeros_minus_one)
+
+            return _Recipe([t.use(p) for p in parts], build)
+        if not t.has(name):
+            return None
+        self._check_shape(name, t.shape(name), shape)
+        scale = name + "_scale_inv"
+        if t.has(scale):
+            block = self.quant.fp8_block
+            return _Recipe([t.use(name), t.use(scale)],
+                           lambda: dequantize_block_fp8(t.read(name, self.device), t.read(scale, self.device), block))
+        return _Recipe([t.use(name)], lambda: t.read(name, self.device))
+
+    @staticmethod
+    def _check_shape(name: str, got: tuple[int, ...], expected: tuple[int, ...]) -> None:
+        if tuple(got) != tuple(expected):
+            raise CheckpointError(f"tensor {name} has the wrong shape: expected {tuple(expected)}, got {tuple(got)}")
+
+    def _stacked(self, shape: tuple[int, ...], pieces: list[list[_Recipe]], split: list[int]) -> _Recipe:
+        """Stack per-expert weights: out[e] = cat(pieces[e], dim 0), each piece `split[j]` rows."""
+
+        def build() -> torch.Tensor:
+            out = torch.empty(shape, dtype=self.dtype, device=self.device)
+            for e, recipes in enumerate(pieces):
+                row = 0
+                for recipe, rows in zip(recipes, split):
+                    out[e, row: row + rows].copy_(recipe.build())
+                    row += rows
+            return out
+
+        return _Recipe([s for recipes in pieces for r in recipes for s in r.sources], build)
+
+    def experts(self, name: str, shape: tuple[int, ...]) -> _Recipe | None:
+        prefix, kind = _EXPERT_KEY.match(name).groups()
+        t = self.t
+        if t.has(name):
+            got = t.shape(name)
+            # Qwen3-VL-MoE-style checkpoints store the fused experts as [E, in, out]; transpose when the shape
+            # can only mean that (transformers' Transpose(check_dims=True)).
+            if got != tuple(shape) and got == (shape[0], shape[2], shape[1]):
+                return _Recipe([t.use(name)], lambda: t.read(name, self.device).transpose(1, 2).contiguous())
+            self._check_shape(name, got, shape)
+            return _Recipe([t.use(name)], lambda: t.read(name, self.device))
+        num_experts, rows, cols = shape
+        projections = ["gate_proj", "up_proj"] if kind == "gate_up_proj" else ["down_proj"]
+        split = [rows // len(projections)] * len(projections)
+        if not t.has(f"{prefix}.0.{projections[0]}.weight") and not t.has(f"{prefix}.0.{projections[0]}.qweight"):
+            return None
+        pieces, missing = [], []
+        for e in range(num_experts):
+            recipes = []
+            for proj, piece_rows in zip(projections, split):
+                piece = f"{prefix}.{e}.{proj}.weight"
+                recipe = self.weight(piece, (piece_rows, cols))
+                if recipe is None:
+                    missing.append(piece)
+                recipes.append(recipe)
+            pieces.append(recipes)
+        if missing:
+            raise CheckpointError(f"checkpoint is missing {len(missing)} expert tensor(s): {_listing(missing)}")
+        return self._stacked(shape, pieces, split)
+
+    def ngram_table(self, name: str, shape: tuple[int, ...]) -> _Recipe | None:
+        direct = self.weight(name, shape)
+        if direct is not None:
+            return direct
+        prefix = _NGRAM_KEY.match(name).group(1)
+        count = 0
+        while self.t.has(f"{prefix}.shard_{count}.weight"):
+            count += 1
+        if count == 0:
+            return None
+        text = self.config.get("text_config", self.config)
+        declared = text.get("split_ngram_parts")
+        if declared is not None and declared != count:
+            raise CheckpointError(f"config.json declares split_ngram_parts={declared} but the checkpoint has "
+                                  f"{count} shards of {prefix}")
+        rows = [self.t.shape(f"{prefix}.shard_{i}.weight")[0] for i in range(count)]
+        if sum(rows) != shape[0]:
+            raise CheckpointError(f"tensor {name} has the wrong shape: expected {tuple(shape)}, got "
+                                  f"{(sum(rows), *self.t.shape(f'{prefix}.shard_0.weight')[1:])} from {count} shards")
+        shards = [self.weight(f"{prefix}.shard_{i}.weight", (r, shape[1])) for i, r in enumerate(rows)]
+
+        def build() -> torch.Tensor:
+            # Filled shard by shard: the real table is ~100 GB, too big for a temporary concatenation.
+            out = torch.empty(shape, dtype=self.dtype, device=self.device)
+            start = 0
+            for shard, r in zip(shards, rows):
+                out[start: start + r].copy_(shard.build())
+                start += r
+            return out
+
+        return _Recipe([s for shard in shards for s in shard.sources], build)
+
+    def plan(self, name: str, shape: tuple[int, ...]) -> _Recipe | None:
+        if _EXPERT_KEY.match(name):
+            return self.experts(name, shape)
+        if _NGRAM_KEY.match(name):
+            return self.ngram_table(name, shape)
+        return self.weight(name, shape)
+
+
+def load_checkpoint(
+    path: str | Path,
+    expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Read the checkpoint folder `path` into tensors keyed and shaped like `expected` ({name: (shape, dtype)}).
+
+    Floating tensors come back in `dtype` (quantised ones dequantised), integer buffers in their expected dtype,
+    all on `device`. Raises CheckpointError naming the problem for missing, unexpected or misshapen tensors,
+    unreadable files and missing shards.
+    """
+    folder = Path(path)
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    device = torch.device(device)
+    tensors = _Tensors(folder)
+    planner = _Planner(tensors, read_quantization_config(config), config, device, dtype)
+    recipes, missing = {}, []
+    for name, (shape, _) in expected.items():
+        recipe = planner.plan(name, tuple(shape))
+        if recipe is None:
+            missing.append(name)
+        else:
+            recipes[name] = recipe
+    if missing:
+        raise CheckpointError(f"checkpoint {folder} is missing {len(missing)} tensor(s): {_listing(missing)}")
+    unexpected = sorted(set(tensors.where) - tensors.used)
+    if unexpected:
+        raise CheckpointError(f"checkpoint {folder} has {len(unexpected)} tensor(s) this model does not use: "
+                              f"{_listing(unexpected)}")
+    total = sum(tensors.nbytes(s) for recipe in recipes.values() for s in recipe.sources)
+    result = {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", disable=not progress) as bar:
+        for name, recipe in recipes.items():
+            shape, expected_dtype = expected[name]
+            out_dtype = dtype if expected_dtype.is_floating_point else expected_dtype
+            tensor = recipe.build().to(out_dtype)
+            assert tuple(tensor.shape) == tuple(shape), (name, tensor.shape, shape)
+            result[name] = tensor
+            bar.update(sum(tensors.nbytes(s) for s in recipe.sources))
+    return result
