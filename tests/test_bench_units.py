@@ -1,0 +1,284 @@
+"""The bench suite's pieces on their own: statistics, workload generators, SSE parsing, flags, report."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import httpx
+import pytest
+
+from flashnext.bench import agentic_session as session
+from flashnext.bench import cli, floors, report, results
+from flashnext.bench.client import BenchError, OpenAIClient, api_root
+from flashnext.bench.concurrency import aggregate_rate
+from flashnext.bench.experts import hit_rate, parse_metrics
+from flashnext.bench.stats import decode_rate, median, percentile, prefill_rate, summarize
+from flashnext.bench.target import model_bytes
+from flashnext.bench.text import TextSizer, fresh_salt, varied_text
+from flashnext.bench.tools import TOOLS
+
+
+# --- statistics ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("values,q,expected", [
+    ([3.0], 50, 3.0), ([1, 2, 3, 4], 50, 2.5), ([1, 2, 3, 4], 0, 1), ([1, 2, 3, 4], 100, 4),
+    ([10, 20, 30, 40, 50], 25, 20.0), ([5, 1, 4, 2, 3], 90, 4.6)])
+def test_percentile_matches_linear_interpolation(values, q, expected):
+    assert percentile(values, q) == pytest.approx(expected)
+
+
+def test_percentile_rejects_out_of_range_q_and_empty_is_nan():
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+    assert math.isnan(median([]))
+
+
+def test_summarize_skips_missing_values():
+    s = summarize([2.0, None, 4.0, float("nan"), 9.0])
+    assert s["n"] == 3 and s["mean"] == pytest.approx(5.0) and s["min"] == 2.0 and s["max"] == 9.0
+    assert s["median"] == 4.0 and s["stdev"] == pytest.approx(math.sqrt(13.0))
+    assert summarize([7.0])["stdev"] == 0.0
+    assert summarize([None])["n"] == 0 and math.isnan(summarize([])["mean"])
+
+
+def test_rates_follow_the_protocol_formulas():
+    assert decode_rate(1000, wall_s=2.5, ttft_s=0.5) == pytest.approx(500.0)
+    assert decode_rate(1000, wall_s=0.5, ttft_s=0.5) is None
+    assert decode_rate(0, wall_s=1.0, ttft_s=0.1) is None
+    assert decode_rate(10, wall_s=1.0, ttft_s=None) is None
+    assert prefill_rate(10_000, 0.25) == pytest.approx(40_000.0)
+    assert prefill_rate(10_000, None) is None and prefill_rate(10_000, 0.0) is None
+
+
+def test_aggregate_rate_spans_first_token_to_last_end():
+    batch = [{"t_start": 100.0, "ttft_s": 1.0, "wall_s": 3.0, "completion_tokens": 100},
+             {"t_start": 100.5, "ttft_s": 1.0, "wall_s": 4.5, "completion_tokens": 100}]
+    assert aggregate_rate(batch) == pytest.approx(200 / (105.0 - 101.0))
+    assert aggregate_rate([{"t_start": 0.0, "ttft_s": None, "wall_s": 1.0, "completion_tokens": 0}]) is None
+
+
+def test_expert_metrics_parse_and_hit_rate():
+    text = ('# HELP flashnext_expert_cache_hits_total hits\n'
+            'flashnext_expert_cache_hits_total{layer="0"} 30\nflashnext_expert_cache_hits_total{layer="1"} 10\n'
+            'flashnext_expert_cache_misses_total 10\nflashnext_expert_cache_bytes_copied_total 2.6e+07\n'
+            'flashnext_expert_cache_hits_total_created 1.7e9\nother_metric 5\n')
+    assert parse_metrics(text) == {"hits": 40.0, "misses": 10.0, "bytes_copied": 2.6e7}
+    assert parse_metrics(None) == {} and parse_metrics("other 1\n") == {}
+    assert hit_rate(40, 10) == pytest.approx(0.8)
+    assert hit_rate(0, 0) is None and hit_rate(None, 3) is None
+
+
+def test_model_bytes_from_props_or_log():
+    assert model_bytes({"model_bytes": 123}, "") == 123
+    assert model_bytes(None, "INFO model_bytes=44236593152 layers=48") == 44236593152
+    assert model_bytes({}, "loaded 41.5 GB of weights in 9.1 s") == int(41.5e9)
+    assert model_bytes({}, "loaded 2 GiB") == 2 * 2**30
+    assert model_bytes({}, "nothing here") is None
+
+
+# --- workload generators ------------------------------------------------------------------------
+
+def test_varied_text_is_deterministic_varied_and_sized():
+    a, b = varied_text(2000, seed=3), varied_text(2000, seed=3)
+    assert a == b and a != varied_text(2000, seed=4)
+    words = a.split()
+    assert 2000 <= len(words) < 2030
+    assert len(set(a.split(". "))) > 0.9 * len(a.split(". "))  # sentences rarely repeat
+
+
+def test_salts_are_fresh():
+    assert len({fresh_salt() for _ in range(100)}) == 100
+
+
+def test_text_sizer_estimates_and_calibrates():
+    sizer = TextSizer(tokens_per_word=1.5)
+    assert sizer.words_for(1500) == 1000 and not sizer.measured
+    assert abs(sizer.estimate(sizer.filler(3000, seed=1)) - 3000) < 60
+
+    class Counting:
+        async def count_tokens(self, text):
+            return 2 * len(text.split())
+
+    class NoTokenize:
+        async def count_tokens(self, text):
+            return None
+
+    measured = asyncio.run(TextSizer.calibrate(Counting()))
+    assert measured.measured and measured.tokens_per_word == pytest.approx(2.0)
+    assert asyncio.run(measured.count(Counting(), "a b c")) == (6, True)
+    estimated = asyncio.run(TextSizer.calibrate(NoTokenize()))
+    assert not estimated.measured and asyncio.run(estimated.count(NoTokenize(), "a b")) == (3, False)
+
+
+def test_tool_schemas_are_the_ten_of_the_protocol():
+    names = [t["function"]["name"] for t in TOOLS]
+    assert names == ["read", "bash", "edit", "write", "grep", "ls", "todo_read", "todo_write",
+                     "web_search", "web_fetch"]
+    assert all(t["function"]["parameters"]["type"] == "object" for t in TOOLS)
+    assert {s.tool for s in session.STEPS} <= set(names)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 17])
+def test_tool_results_are_exact_size_in_range_and_deterministic(seed):
+    for turn, step in enumerate(session.STEPS):
+        text = session.tool_result(turn, seed)
+        assert len(text) == step.size and 300 <= step.size <= 35_000
+        assert text.isascii() and text == session.tool_result(turn, seed)
+    assert session.tool_result(4, seed) != session.tool_result(4, seed + 1)
+    assert {len(session.tool_result(t, seed, scale=0.01)) for t in range(session.TURNS)} >= {session.MIN_RESULT_BYTES}
+
+
+def _history(scale: float, turns: int = session.TURNS - 1) -> list[dict]:
+    messages = session.opening_messages()
+    for turn in range(turns):
+        session.append_turn(messages, turn, session.scripted_call(turn), seed=0, scale=scale)
+    return messages
+
+
+def test_agentic_history_reaches_about_35k_tokens_at_turn_12():
+    # Turn 12's prompt holds the 11 earlier calls and results.
+    tokens = session.estimated_tokens(_history(1.0))
+    assert 30_000 <= tokens <= 40_000
+    growth = [session.estimated_tokens(_history(1.0, t)) for t in range(session.TURNS)]
+    assert growth == sorted(growth)
+    assert session.estimated_tokens(_history(0.1)) < tokens / 3
+    assert _history(1.0) == _history(1.0)
+
+
+def test_history_keeps_call_and_result_paired():
+    messages = _history(0.05, turns=3)
+    assert [m["role"] for m in messages] == ["system", "user"] + ["assistant", "tool"] * 3
+    for call_msg, result in zip(messages[2::2], messages[3::2]):
+        assert result["tool_call_id"] == call_msg["tool_calls"][0]["id"]
+        json.loads(call_msg["tool_calls"][0]["function"]["arguments"])
+
+
+def test_usable_call_takes_only_known_tools_with_object_arguments():
+    good = {"id": "c1", "function": {"name": "grep", "arguments": '{"pattern": "x"}'}}
+    assert session.usable_call([good])["function"]["name"] == "grep"
+    assert session.usable_call([{"id": "c", "function": {"name": "rm", "arguments": "{}"}}]) is None
+    assert session.usable_call([{"id": "c", "function": {"name": "read", "arguments": "{bad"}}]) is None
+    assert session.usable_call([{"function": {"name": "read", "arguments": "[1]"}}, good])["id"] == "c1"
+    assert session.usable_call([]) is None
+
+
+# --- the SSE client -----------------------------------------------------------------------------
+
+def _sse(*chunks) -> bytes:
+    return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks).encode() + b"data: [DONE]\n\n"
+
+
+def _delta(**delta):
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+
+
+def _client(body: bytes, status: int = 200, seen: list | None = None) -> OpenAIClient:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if seen is not None:
+            seen.append(json.loads(request.content))
+        return httpx.Response(status, content=body, headers={"content-type": "text/event-stream"})
+    return OpenAIClient("http://x/v1", model="m", transport=httpx.MockTransport(handler))
+
+
+def test_stream_timing_usage_and_request_body():
+    seen: list = []
+    body = _sse(_delta(role="assistant", content=""), _delta(content="Hel"), _delta(content="lo"),
+                {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
+                {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 2,
+                                          "prompt_tokens_details": {"cached_tokens": 8}}})
+    r = asyncio.run(_client(body, seen=seen).chat([{"role": "user", "content": "hi"}], 2, ignore_eos=True))
+    assert (r.content, r.prompt_tokens, r.completion_tokens, r.cached_tokens) == ("Hello", 12, 2, 8)
+    assert r.n_deltas == 2 and r.finish_reason == "length"
+    assert 0 <= r.ttft_s <= r.last_delta_s <= r.wall_s
+    sent = seen[0]
+    assert sent["stream"] and sent["stream_options"] == {"include_usage": True}
+    assert (sent["temperature"], sent["top_p"], sent["top_k"], sent["min_p"]) == (0.6, 0.95, 20, 0.0)
+    assert sent["chat_template_kwargs"] == {"enable_thinking": False}
+    assert sent["ignore_eos"] and sent["min_tokens"] == 2 == sent["max_tokens"]
+
+
+def test_stream_merges_tool_call_fragments_and_reasoning():
+    body = _sse(_delta(reasoning_content="hmm"),
+                _delta(tool_calls=[{"index": 0, "id": "call_1", "type": "function",
+                                    "function": {"name": "read", "arguments": '{"pa'}}]),
+                _delta(tool_calls=[{"index": 0, "function": {"arguments": 'th": "a.py"}'}}]),
+                {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 9}})
+    r = asyncio.run(_client(body).chat([], 16, tools=TOOLS, tool_choice="required"))
+    assert r.reasoning == "hmm" and r.cached_tokens is None and r.n_deltas == 3
+    assert r.tool_calls == [{"id": "call_1", "type": "function",
+                             "function": {"name": "read", "arguments": '{"path": "a.py"}'}}]
+
+
+def test_stream_errors_are_explained():
+    with pytest.raises(BenchError, match="400"):
+        asyncio.run(_client(b'{"error": "bad"}', status=400).chat([], 4))
+    with pytest.raises(BenchError, match="usage"):
+        asyncio.run(_client(_sse(_delta(content="x"))).chat([], 4))
+
+
+def test_api_root_accepts_v1_or_not():
+    assert api_root("http://h:8/v1/") == api_root("http://h:8") == "http://h:8"
+
+
+# --- flags, floors, results files, report ---------------------------------------------------------
+
+def _parse(argv):
+    import argparse
+    parser = argparse.ArgumentParser()
+    cli.add_bench_arguments(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)
+
+
+def test_every_flag_is_also_an_env_var(monkeypatch):
+    args = _parse(["bench", "decode", "--url", "http://x"])
+    assert args.max_tokens == 1000 and args.runs is None and args.tool_choice == "required" and not args.no_plots
+    monkeypatch.setenv("FLASHNEXT_BENCH_MAX_TOKENS", "7")
+    monkeypatch.setenv("FLASHNEXT_BENCH_DEPTHS", "0,64")
+    monkeypatch.setenv("FLASHNEXT_BENCH_NO_PLOTS", "1")
+    monkeypatch.setenv("FLASHNEXT_BENCH_URL", "http://env")
+    args = _parse(["bench", "all", "--depths", "0"])
+    assert (args.max_tokens, args.depths, args.no_plots, args.url) == (7, "0", True, "http://env")
+    monkeypatch.setenv("FLASHNEXT_BENCH_RUNS", "many")
+    with pytest.raises(SystemExit):
+        _parse(["bench", "decode"])
+
+
+def test_floors_by_model_name_or_flag():
+    assert floors.floor_for({"model_id": "flash-next-int4", "flags": {}}, "decode") == 775.0
+    assert floors.floor_for({"model_id": "/ckpt/x", "flags": {"model": "/tmp/qwen3-next-80b"}}, "decode") == 1790.0
+    assert floors.floor_for({"model_id": "qwen3-next-80b", "flags": {}}, "prefill") is None
+    assert floors.floor_for({"model_id": "tiny-flash-next", "flags": {}}, "decode") is None
+    assert floors.floor_for({"model_id": "whatever", "flags": {"floor": "flash-next"}}, "prefill") == 58_000.0
+
+
+def _fake_result(tmp_path):
+    samples = [{"phase": "run", "run": i, "prompt": "essay", "depth": 0, "depth_tokens": 0, "depth_measured": True,
+                "decode_tok_s": 500.0 + i, "ttft_s": 0.1, "wall_s": 2.1, "completion_tokens": 1000,
+                "prompt_tokens": 40, "cached_tokens": 0} for i in range(3)]
+    target = type("T", (), {"model_id": "flash-next", "describe": lambda self: {"url": "http://x", "launched": False}})()
+    args = _parse(["bench", "decode", "--url", "http://x"])
+    result = results.build("decode", target, args, samples, {"nan": float("nan")}, results.utc_now())
+    return results.write(result, tmp_path)
+
+
+def test_results_file_and_report(tmp_path):
+    path = _fake_result(tmp_path)
+    assert path.name.startswith("decode-flash-next-") and path.suffix == ".json"
+    data = json.loads(path.read_text())
+    assert data["schema_version"] == results.SCHEMA_VERSION and data["info"]["nan"] is None
+    assert data["commit"] and data["gpu"] and data["flags"]["url"] == "http://x"
+    text = report.render([path])
+    assert "### decode — flash-next" in text and "| 0 | essay | 3 | 1,000 | 501.0 | 500.0 | 502.0 |" in text
+    assert "775" in text and "64.6%" in text  # the floor and the share of it
+    out = tmp_path / "section.md"
+    assert cli.run_bench(_parse(["bench", "report", str(path), "--out", str(out)])) == 0
+    assert out.read_text() == text
+    assert _fake_result(tmp_path) != path  # same second, same bench: a new name, nothing overwritten
+
+
+def test_report_refuses_foreign_json(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text('{"a": 1}')
+    with pytest.raises(ValueError, match="not a flashnext bench results file"):
+        report.load(p)
