@@ -143,7 +143,7 @@ def test_normalisation():
         {"role": "developer", "content": [{"type": "text", "text": "Rule one."}, {"type": "text", "text": "Two."}]},
         {"role": "user", "content": "Hi", "name": None},
         {"role": "assistant", "content": None, "reasoning": "think",
-         "tool_calls": [call("f", {"a": [1, {"b": "ü"}]}), call("g", {}) | {"function": {"name": "g", "arguments": ""}}]},
+         "tool_calls": [call("f", {"a": [1, {"b": "ü"}]}), {"function": {"name": "g", "arguments": " "}}]},
     ]
     out = normalize_messages(messages)
     assert out[0] == {"role": "system", "content": "Rule one.\nTwo."}

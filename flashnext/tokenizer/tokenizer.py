@@ -72,7 +72,7 @@ class Tokenizer:
 
     @property
     def tool_format(self) -> str:
-        """"qwen3_coder" when the template writes XML calls (<function=NAME>), else "hermes" (JSON calls)."""
+        """The tool-call syntax the template teaches: "qwen3_coder" (XML, <function=NAME>) or "hermes" (JSON)."""
         return "qwen3_coder" if self.chat_template and "<function=" in self.chat_template else "hermes"
 
     def apply_chat_template(self, messages, tools=None, add_generation_prompt: bool = True, **kwargs) -> str:
