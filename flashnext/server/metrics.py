@@ -1,0 +1,93 @@
+"""Prometheus metrics under vLLM's names, so existing dashboards and autoscalers read them unchanged.
+
+Per-request histograms are filled once, when a request finishes, from its RequestMetrics; the engine's
+gauges and cumulative counters are read from `engine.stats()` when Prometheus scrapes — never in the
+generation loop.
+"""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000)
+
+
+class _EngineCollector:
+    """Reads the engine's own counters at scrape time."""
+
+    def __init__(self, settings, engine_provider):
+        self.settings, self.engine_provider = settings, engine_provider
+
+    def collect(self):
+        engine = self.engine_provider()
+        if engine is None:
+            return
+        s = engine.stats()
+        labels = [self.settings.served_model_name]
+        for name, doc, value in (("num_requests_running", "Requests in the running batch.", s.num_running),
+                                 ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+                                 ("kv_cache_usage_perc", "KV-cache usage, 0 to 1.", s.kv_cache_usage)):
+            for prefix in ("vllm:", "flashnext_"):
+                g = GaugeMetricFamily(prefix + name, doc, labels=["model_name"])
+                g.add_metric(labels, value)
+                yield g
+        for name, doc, value in (("prompt_tokens", "Prompt tokens processed.", s.prompt_tokens_total),
+                                 ("generation_tokens", "Tokens generated.", s.generation_tokens_total),
+                                 ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                  s.prefix_queries),
+                                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hits)):
+            for prefix in ("vllm:", "flashnext_"):
+                c = CounterMetricFamily(prefix + name, doc, labels=["model_name"])
+                c.add_metric(labels, value)
+                yield c
+
+
+class ServerMetrics:
+    """The served name labels every series; it is read per use because it is known only after loading."""
+
+    def __init__(self, settings, engine_provider):
+        self.registry = CollectorRegistry()
+        self.settings = settings
+        self.registry.register(_EngineCollector(settings, engine_provider))
+        common = dict(labelnames=["model_name"], registry=self.registry)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", buckets=_TTFT_BUCKETS,
+                              **common)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens.", buckets=_ITL_BUCKETS,
+                             **common)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", buckets=_E2E_BUCKETS,
+                             **common)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduling.",
+                               buckets=_E2E_BUCKETS, **common)
+        self.prompt_len = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.",
+                                    buckets=_TOKEN_BUCKETS, **common)
+        self.gen_len = Histogram("vllm:request_generation_tokens", "Generated tokens per request.",
+                                 buckets=_TOKEN_BUCKETS, **common)
+        self.success = Counter("vllm:request_success", "Finished requests by reason.",
+                               labelnames=["model_name", "finished_reason"], registry=self.registry)
+
+    def observe_finished(self, out) -> None:
+        name = self.settings.served_model_name
+        self.success.labels(name, out.finish_reason).inc()
+        self.prompt_len.labels(name).observe(out.prompt_tokens)
+        self.gen_len.labels(name).observe(out.completion_tokens)
+        m = out.metrics
+        if m is None:
+            return
+        if m.ttft is not None:
+            self.ttft.labels(name).observe(m.ttft)
+        if m.queue_time is not None:
+            self.queue.labels(name).observe(m.queue_time)
+        itl = self.itl.labels(name)
+        for gap in m.inter_token_times:
+            itl.observe(gap)
+        if m.finished_time is not None:
+            self.e2e.labels(name).observe(m.finished_time - m.arrival_time)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,207 @@
+"""POST /v1/chat/completions: template → engine → reasoning/tool-call parsing → OpenAI JSON or SSE."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Request
+
+from flashnext.engine.sampling_params import InvalidParams
+from flashnext.server import parsers
+from flashnext.server.app import check_model, get_engine, settings_of
+from flashnext.server.errors import APIError
+from flashnext.server.generation import Fanout, collect, fit_context, jobs_for, sampling_params
+from flashnext.server.logprobs import TokenTexts, chat_logprobs
+from flashnext.server.parsers.messages import ContentDelta, ReasoningDelta, ToolCallArguments, ToolCallStart
+from flashnext.server.protocol import ChatCompletionRequest, log_unknown_fields
+from flashnext.server.streaming import event_stream, sse_response
+
+router = APIRouter()
+
+SYSTEM_FINGERPRINT = "fp_flashnext"
+
+
+@dataclass
+class RenderedChat:
+    prompt_ids: list[int]
+    tools: list[dict] | None       # what the template saw, and what the parser may call
+    reasoning: bool                # parse <think>…</think> at all
+    starts_in_reasoning: bool      # the prompt already opened <think>
+
+
+def _template_kwargs(req) -> dict:
+    kwargs = dict(req.chat_template_kwargs or {})
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is not None:
+        kwargs.setdefault("reasoning_effort", effort)
+        if effort == "none":
+            kwargs.setdefault("enable_thinking", False)
+    return kwargs
+
+
+def _tools_for(req) -> list[dict] | None:
+    choice = getattr(req, "tool_choice", None)
+    if not req.tools or choice == "none":
+        return None
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    if choice is not None and not isinstance(choice, str):
+        name = choice.function.get("name")
+        tools = [t for t in tools if t["function"]["name"] == name]
+        if not tools:
+            raise APIError(400, f"tool_choice names the function '{name}', which is not in tools.", "tool_choice")
+    return tools
+
+
+async def render_chat(engine, req) -> RenderedChat:
+    """Renders with the model's template; a template that rejects the conversation is a 400."""
+    from flashnext.tokenizer.chat_template import ChatTemplateError
+
+    tools = _tools_for(req)
+    kwargs = _template_kwargs(req)
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+
+    def render():
+        prompt = engine.tokenizer.apply_chat_template(messages, tools=tools,
+                                                      add_generation_prompt=req.add_generation_prompt, **kwargs)
+        if isinstance(prompt, str):
+            return prompt, engine.tokenizer.encode(prompt)
+        return engine.tokenizer.decode(prompt, skip_special_tokens=False), list(prompt)
+
+    try:
+        text, ids = await asyncio.to_thread(render)
+    except ChatTemplateError as exc:
+        raise APIError(400, f"The chat template rejected the messages: {exc}", "messages", "invalid_messages") from None
+    reasoning = kwargs.get("enable_thinking", True) is not False
+    return RenderedChat(ids, tools, reasoning, reasoning and text.rstrip().endswith("<think>"))
+
+
+def _parser(engine, settings, rendered: RenderedChat):
+    fmt = settings.tool_call_parser
+    if fmt == "auto":
+        fmt = getattr(engine.tokenizer, "tool_format", None)
+    return parsers.ChatOutputParser(fmt, rendered.tools, rendered.reasoning, rendered.starts_in_reasoning)
+
+
+def openai_deltas(deltas) -> list[dict]:
+    """Parser deltas → OpenAI `delta` objects; neighbouring text of one kind goes into one delta."""
+    out: list[dict] = []
+    for d in deltas:
+        if isinstance(d, ContentDelta):
+            if out and set(out[-1]) == {"content"}:
+                out[-1]["content"] += d.text
+            else:
+                out.append({"content": d.text})
+        elif isinstance(d, ReasoningDelta):
+            if out and set(out[-1]) == {"reasoning_content", "reasoning"}:
+                out[-1]["reasoning_content"] += d.text
+                out[-1]["reasoning"] += d.text
+            else:
+                out.append({"reasoning_content": d.text, "reasoning": d.text})
+        elif isinstance(d, ToolCallStart):
+            out.append({"tool_calls": [{"index": d.index, "id": d.id, "type": d.type,
+                                        "function": {"name": d.name, "arguments": ""}}]})
+        elif isinstance(d, ToolCallArguments):
+            out.append({"tool_calls": [{"index": d.index, "function": {"arguments": d.text}}]})
+    return out
+
+
+def _finish_reason(reason: str | None, called_tools: bool) -> str | None:
+    if reason == "abort":
+        raise APIError(503, "The request was aborted by the server (shutting down?).", None, "aborted")
+    return "tool_calls" if called_tools and reason == "stop" else reason
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": min(cached_tokens, prompt_tokens)}}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    log_unknown_fields("chat.completions", body)
+    engine, settings = get_engine(request), settings_of(request)
+    model = check_model(request, body.model)
+    top_k = (body.top_logprobs or 0) if body.logprobs else None
+    limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    try:  # range errors before the (slower) template
+        sampling_params(body, max_tokens=limit, logprobs=top_k)
+    except InvalidParams as exc:
+        if exc.param == "logprobs":  # chat calls the count top_logprobs
+            exc.param = "top_logprobs"
+        raise
+    rendered = await render_chat(engine, body)
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = fit_context(len(rendered.prompt_ids), limit, engine.max_model_len, param)
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=top_k)
+    cid = f"chatcmpl-{uuid.uuid4().hex}"
+    fan = Fanout(engine, jobs_for(cid, rendered.prompt_ids, params), request.app.state.metrics)
+    head = {"id": cid, "created": int(time.time()), "model": model, "system_fingerprint": SYSTEM_FINGERPRINT}
+    texts = TokenTexts(engine.tokenizer)
+    if body.stream:
+        await fan.admitted(timeout=min(0.5, settings.keepalive_s))
+        writer = _ChatChunks(head, [_parser(engine, settings, rendered) for _ in range(body.n)], texts, top_k,
+                             body.stream_options.include_usage if body.stream_options else False)
+        return sse_response(event_stream(fan, writer, settings.keepalive_s))
+    results = await collect(request, fan)
+    choices = []
+    for i, res in enumerate(results):
+        parsed = _parser(engine, settings, rendered).parse(res.text)
+        message = {"role": "assistant", "content": parsed.content if parsed.content or parsed.tool_calls else ""}
+        if parsed.reasoning is not None:
+            message["reasoning_content"] = message["reasoning"] = parsed.reasoning
+        if parsed.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {"name": c.name, "arguments": c.arguments}}
+                                     for c in parsed.tool_calls]
+        choices.append({"index": i, "message": message,
+                        "logprobs": chat_logprobs(res.logprobs, texts, top_k) if top_k is not None else None,
+                        "finish_reason": _finish_reason(res.finish_reason, bool(parsed.tool_calls))})
+    usage = _usage(len(rendered.prompt_ids), sum(r.completion_tokens for r in results), results[0].cached_tokens)
+    return {**head, "object": "chat.completion", "choices": choices, "usage": usage}
+
+
+class _ChatChunks:
+    def __init__(self, head: dict, parsers_: list, texts: TokenTexts, top_k: int | None, include_usage: bool):
+        self.head, self.parsers, self.texts, self.top_k = head, parsers_, texts, top_k
+        self.include_usage = include_usage
+        self.called_tools = [False] * len(parsers_)
+        self.completion = [0] * len(parsers_)
+        self.prompt_tokens = self.cached_tokens = 0
+
+    def _chunk(self, index: int, delta: dict, finish_reason=None, logprobs=None) -> dict:
+        chunk = {**self.head, "object": "chat.completion.chunk",
+                 "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def start(self) -> list[dict]:
+        return [self._chunk(i, {"role": "assistant", "content": ""}) for i in range(len(self.parsers))]
+
+    def output(self, index: int, out) -> list[dict]:
+        self.completion[index] = out.completion_tokens
+        if index == 0:
+            self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
+        parser = self.parsers[index]
+        deltas = openai_deltas(parser.feed(out.text) if out.text else [])
+        if out.finished:
+            deltas += openai_deltas(parser.finish())
+        logprobs = chat_logprobs(out.logprobs, self.texts, self.top_k) if self.top_k is not None and out.logprobs else None
+        if logprobs and not deltas:
+            deltas = [{"content": ""}]
+        chunks = []
+        for delta in deltas:
+            self.called_tools[index] |= "tool_calls" in delta
+            chunks.append(self._chunk(index, delta, logprobs=logprobs))
+            logprobs = None
+        if out.finished:
+            chunks.append(self._chunk(index, {}, _finish_reason(out.finish_reason, self.called_tools[index])))
+        return chunks
+
+    def end(self) -> list[dict]:
+        if not self.include_usage:
+            return []
+        usage = _usage(self.prompt_tokens, sum(self.completion), self.cached_tokens)
+        return [{**self.head, "object": "chat.completion.chunk", "choices": [], "usage": usage}]

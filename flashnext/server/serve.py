@@ -1,0 +1,167 @@
+"""`flashnext serve`: flags (each also an env var), background model loading, uvicorn.
+
+The HTTP server comes up first and answers /health with 503 while the model loads, so orchestrators can
+tell "starting" from "dead".
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import sys
+import time
+
+log = logging.getLogger("flashnext.server")
+
+ENV_PREFIX = "FLASHNEXT_"
+DEFAULT_MODEL = ""  # empty: the engine's embedded tiny synthetic model
+
+
+def _env_name(flag: str) -> str:
+    return ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
+
+
+def _add(parser, flag: str, *, type=str, default=None, help: str, choices=None):
+    env = _env_name(flag)
+    raw = os.environ.get(env)
+    if raw is not None:
+        try:
+            default = type(raw)
+        except ValueError:
+            parser.error(f"{env}={raw!r} is not a valid value for {flag}.")
+    shown = "" if default is None or default == "" else f"; default {default}"
+    parser.add_argument(flag, type=type, default=default, choices=choices, help=f"{help} [env {env}{shown}]")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    _add(parser, "--model", default=DEFAULT_MODEL,
+         help="model directory, Hugging Face hub id or preset name (default: the embedded tiny synthetic model)")
+    _add(parser, "--host", default="127.0.0.1", help="address to listen on")
+    _add(parser, "--port", type=int, default=8000, help="port to listen on")
+    _add(parser, "--api-key", help="require 'Authorization: Bearer <key>' on every route but /health and /metrics")
+    _add(parser, "--api-key-file", help="read the API key from this file (keeps it out of the process list)")
+    _add(parser, "--served-model-name", help="the model id clients send and /v1/models lists (default: --model)")
+    _add(parser, "--max-model-len", type=int, help="context length (default: the model's)")
+    _add(parser, "--max-num-seqs", type=int, help="most sequences in the running batch")
+    _add(parser, "--max-queued-requests", type=int,
+         help="most requests waiting for a slot; more get 429 with Retry-After")
+    _add(parser, "--gpu-memory-fraction", type=float, help="share of GPU memory the engine may plan for")
+    _add(parser, "--dtype", help="activation dtype (auto, bfloat16, float16, float32)")
+    _add(parser, "--tool-call-parser", default="auto", choices=["auto", "hermes", "qwen3_coder"],
+         help="tool-call format in the model's output (auto: from the chat template)")
+    _add(parser, "--max-request-bytes", type=int, default=32 << 20, help="largest request body accepted (413 above)")
+    _add(parser, "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
+
+
+# Flags that belong to the engine, under the engine's field names.
+_ENGINE_FLAGS = {"model": "model", "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
+                 "max_queued_requests": "max_queued_requests", "gpu_memory_fraction": "gpu_memory_fraction",
+                 "dtype": "dtype"}
+
+
+def engine_args_from(args: argparse.Namespace):
+    """The engine's EngineArgs from our flags; unset flags keep the engine's defaults."""
+    from flashnext.engine.args import EngineArgs
+
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    values = {}
+    for flag, field in _ENGINE_FLAGS.items():
+        value = getattr(args, flag)
+        if value is None or value == "":
+            continue
+        if field not in fields:
+            raise SystemExit(f"--{flag.replace('_', '-')} is not supported by this engine build.")
+        values[field] = value
+    return EngineArgs(**values)
+
+
+def load_engine(engine_args):
+    from flashnext.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_args(engine_args)
+
+
+def _api_key(args) -> str | None:
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file) as f:
+                key = f.read().strip()
+        except OSError as exc:
+            raise SystemExit(f"cannot read --api-key-file {args.api_key_file}: {exc.strerror}")
+        if not key:
+            raise SystemExit(f"--api-key-file {args.api_key_file} is empty.")
+        return key
+    return args.api_key or None
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from flashnext.server.app import ServerSettings, build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine_args = engine_args_from(args)
+    settings = ServerSettings(served_model_name=args.served_model_name or args.model or "flashnext-tiny",
+                              model_path=args.model or "", api_key=_api_key(args),
+                              max_request_bytes=args.max_request_bytes, tool_call_parser=args.tool_call_parser,
+                              max_num_seqs=args.max_num_seqs)
+    slot = {"engine": None}
+    app = build_app(lambda: slot["engine"], settings)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    failed = []
+
+    async def load():
+        start = time.perf_counter()
+        try:
+            engine = await asyncio.to_thread(load_engine, engine_args)
+            if hasattr(engine, "start"):
+                await engine.start()
+        except BaseException as exc:
+            log.exception("loading the model failed")
+            failed.append(exc)
+            server.should_exit = True
+            return
+        if not args.served_model_name and not args.model:
+            settings.served_model_name = getattr(engine, "model_name", settings.served_model_name)
+        _log_loaded(engine, settings, time.perf_counter() - start)
+        slot["engine"] = engine
+
+    async def main():
+        task = asyncio.create_task(load())
+        try:
+            await server.serve()
+        finally:
+            task.cancel()
+            engine = slot["engine"]
+            if engine is not None and hasattr(engine, "shutdown"):
+                result = engine.shutdown()
+                if asyncio.iscoroutine(result):
+                    await result
+
+    log.info("serving on http://%s:%d (model loading in the background; /health answers 503 until ready)",
+             args.host, args.port)
+    asyncio.run(main())
+    return 1 if failed else 0
+
+
+def _log_loaded(engine, settings, seconds: float) -> None:
+    source = getattr(engine, "model_path", None) or settings.model_path or "the embedded tiny synthetic model"
+    log.info("loaded %s from %s in %.1f s; serving it as '%s', max_model_len %d", getattr(engine, "model_name", "?"),
+             source, seconds, settings.served_model_name, engine.max_model_len)
+    plan = getattr(engine, "memory_plan", None)
+    if plan is not None:
+        log.info("memory plan: %s", plan)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flashnext serve", description="OpenAI-compatible HTTP server")
+    add_serve_arguments(parser)
+    return run_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Requests that end badly: a client that disconnects mid-stream, and more clients than the engine admits."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from test_server_harness import ServerProcess, shared_server  # noqa: F401  (fixture)
+
+LONG_CHAT = {"messages": [{"role": "user", "content": "Tell a very long story."}], "ignore_eos": True}
+
+
+def wait_idle(server: ServerProcess, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = server.engine_stats()
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0 or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+def test_debug_engine_needs_the_key(shared_server):
+    assert httpx.get(shared_server.base + "/debug/engine").status_code == 401
+    assert {"num_running", "num_waiting", "kv_cache_usage"} <= set(shared_server.engine_stats())
+
+
+def test_disconnect_mid_stream_frees_the_request(shared_server):
+    before = wait_idle(shared_server)
+    with shared_server.client() as c:
+        with c.stream("POST", "/v1/chat/completions", json={**LONG_CHAT, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in got)
+            assert shared_server.engine_stats()["num_running"] == 1
+        # leaving the block closes the connection mid-stream
+    after = wait_idle(shared_server, timeout=5)
+    assert after["num_running"] == 0 and after["num_waiting"] == 0, after
+    assert after["kv_cache_usage"] <= before["kv_cache_usage"] + 1e-6, (before, after)
+
+
+def test_disconnect_while_waiting_for_non_streaming_answer(shared_server):
+    wait_idle(shared_server)
+    with pytest.raises(httpx.ReadTimeout):
+        with shared_server.client(timeout=1.0) as c:
+            c.post("/v1/chat/completions", json=LONG_CHAT)
+    after = wait_idle(shared_server, timeout=5)
+    assert after["num_running"] == 0 and after["num_waiting"] == 0, after
+
+
+@pytest.fixture(scope="module")
+def tight_server():
+    server = ServerProcess("--max-queued-requests", "1", "--max-num-seqs", "1")
+    yield server
+    server.stop()
+
+
+def test_overload_answers_429_with_retry_after_and_admitted_requests_finish(tight_server):
+    async def one(client: httpx.AsyncClient, i: int):
+        body = {"messages": [{"role": "user", "content": f"Story {i}"}], "max_tokens": 32, "ignore_eos": True,
+                "stream": i % 2 == 0}
+        r = await client.post("/v1/chat/completions", json=body)
+        return r
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=tight_server.base, headers=tight_server.headers,
+                                     timeout=300) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(10)))
+
+    responses = asyncio.run(burst())
+    refused = [r for r in responses if r.status_code in (429, 503)]
+    admitted = [r for r in responses if r.status_code == 200]
+    assert refused and admitted and len(refused) + len(admitted) == len(responses), \
+        [r.status_code for r in responses]
+    for r in refused:
+        assert int(r.headers["Retry-After"]) >= 1
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    for r in admitted:
+        if r.headers["content-type"].startswith("text/event-stream"):
+            assert r.text.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in r.text
+            assert '"error"' not in r.text
+        else:
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+            assert r.json()["usage"]["completion_tokens"] == 32
+    assert httpx.get(tight_server.base + "/health").status_code == 200
