@@ -13,7 +13,7 @@ from flashnext.server.errors import APIError, error_body, install_handlers
 from flashnext.server.metrics import ServerMetrics
 
 # Routes a client may call without the API key: probes and scrapers rarely carry one.
-_OPEN_PATHS = ("/health", "/metrics", "/ping")
+_OPEN_PATHS = ("/health", "/metrics")
 
 
 @dataclass
@@ -63,7 +63,7 @@ class _Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.settings.api_key and not scope["path"].startswith(_OPEN_PATHS):
+        if self.settings.api_key and scope["path"] not in _OPEN_PATHS:
             auth = headers.get("authorization", "")
             token = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get("x-api-key", "")
             if not secrets.compare_digest(token.encode(), self.settings.api_key.encode()):

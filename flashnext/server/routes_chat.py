@@ -136,19 +136,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = fit_context(len(rendered.prompt_ids), limit, engine.max_model_len, param)
     params = sampling_params(body, max_tokens=max_tokens, logprobs=top_k)
+    output_parsers = [_parser(engine, settings, rendered) for _ in range(body.n)]
     cid = f"chatcmpl-{uuid.uuid4().hex}"
-    fan = Fanout(engine, jobs_for(cid, rendered.prompt_ids, params), request.app.state.metrics)
     head = {"id": cid, "created": int(time.time()), "model": model, "system_fingerprint": SYSTEM_FINGERPRINT}
     texts = TokenTexts(engine.tokenizer)
+    fan = Fanout(engine, jobs_for(cid, rendered.prompt_ids, params), request.app.state.metrics)
     if body.stream:
         await fan.admitted(timeout=min(0.5, settings.keepalive_s))
-        writer = _ChatChunks(head, [_parser(engine, settings, rendered) for _ in range(body.n)], texts, top_k,
+        writer = _ChatChunks(head, output_parsers, texts, top_k,
                              body.stream_options.include_usage if body.stream_options else False)
         return sse_response(event_stream(fan, writer, settings.keepalive_s))
     results = await collect(request, fan)
     choices = []
     for i, res in enumerate(results):
-        parsed = _parser(engine, settings, rendered).parse(res.text)
+        parsed = output_parsers[i].parse(res.text)
         message = {"role": "assistant", "content": parsed.content if parsed.content or parsed.tool_calls else ""}
         if parsed.reasoning is not None:
             message["reasoning_content"] = message["reasoning"] = parsed.reasoning

@@ -61,10 +61,10 @@ async def completions(body: CompletionRequest, request: Request):
         params = sampling_params(body, max_tokens=fit_context(len(ids), limit, engine.max_model_len),
                                  logprobs=body.logprobs)
         jobs += jobs_for(cid, ids, params, first_index=p * body.n)
-    fan = Fanout(engine, jobs, request.app.state.metrics)
     head = {"id": cid, "created": int(time.time()), "model": model, "system_fingerprint": SYSTEM_FINGERPRINT}
     texts = TokenTexts(engine.tokenizer)
     echoes = [engine.tokenizer.decode(job.prompt_ids) if body.echo else "" for job in jobs]
+    fan = Fanout(engine, jobs, request.app.state.metrics)
     if body.stream:
         await fan.admitted(timeout=min(0.5, settings.keepalive_s))
         writer = _CompletionChunks(head, echoes, texts, body.logprobs, body.n,
