@@ -38,7 +38,7 @@ def pack_int32(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     words = (values.unflatten(-1, (-1, per_word)) << shifts.to(torch.int64)).sum(-1)
     # Words above 2**31 wrap to negative int32, exactly what the int32 bit pattern is.
     words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-    return words.movedim(-1, dim)
+    return words.movedim(-1, dim).contiguous()
 
 
 def dequantize_gptq(
