@@ -256,7 +256,8 @@ def _fake_result(tmp_path):
     samples = [{"phase": "run", "run": i, "prompt": "essay", "depth": 0, "depth_tokens": 0, "depth_measured": True,
                 "decode_tok_s": 500.0 + i, "ttft_s": 0.1, "wall_s": 2.1, "completion_tokens": 1000,
                 "prompt_tokens": 40, "cached_tokens": 0} for i in range(3)]
-    target = type("T", (), {"model_id": "flash-next", "describe": lambda self: {"url": "http://x", "launched": False}})()
+    describe = {"url": "http://x", "launched": False}
+    target = type("T", (), {"model_id": "flash-next", "describe": lambda self: describe})()
     args = _parse(["bench", "decode", "--url", "http://x"])
     result = results.build("decode", target, args, samples, {"nan": float("nan")}, results.utc_now())
     return results.write(result, tmp_path)

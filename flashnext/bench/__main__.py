@@ -1,6 +1,6 @@
-"""`python -m flashnext.bench bench …`: the bench CLI on its own (the same as `flashnext bench …`)."""
+"""`python -m flashnext.bench decode …`: the same as `flashnext bench decode …`, without the main CLI."""
 import sys
 
 from flashnext.bench.cli import main
 
-sys.exit(main())
+sys.exit(main(["bench", *sys.argv[1:]]))

@@ -13,28 +13,32 @@ QUESTION = "Retell the text above as a long story."
 
 
 async def run(ctx):
-    args, client = ctx.args, ctx.target.client
+    args = ctx.args
     samples = []
     for n in parse_ints(args.streams):
         prompts = [salted_prompt(ctx.sizer, args.prompt_tokens, args.seed + 100 * n + i, QUESTION) for i in range(n)]
-        deltas = [0] * n
-
-        def on_delta(i):
-            def update(count):
-                deltas[i] = count
-                ctx.progress.update(f"{sum(deltas)}/{n * args.gen_tokens} deltas")
-            return update
-
         ctx.progress.start(f"concurrency {n} stream{'s' if n > 1 else ''}:")
-        rs = await asyncio.gather(*(client.chat([{"role": "user", "content": p}], args.gen_tokens,
-                                                ignore_eos=True, on_delta=on_delta(i))
-                                    for i, p in enumerate(prompts)))
-        batch = [r.sample(phase="run", streams=n, stream=i) for i, r in enumerate(rs)]
+        batch = await _batch(ctx, prompts)
         samples += batch
-        agg = aggregate_rate(batch)
         ctx.progress.done(f"median {md.num(median(s['decode_tok_s'] for s in batch if s['decode_tok_s']))} "
-                          f"tok/s per stream, aggregate {md.num(agg)} tok/s")
+                          f"tok/s per stream, aggregate {md.num(aggregate_rate(batch))} tok/s")
     return samples, {}
+
+
+async def _batch(ctx, prompts: list[str]) -> list[dict]:
+    """All prompts at once; the progress line counts the deltas of all streams together."""
+    n, gen = len(prompts), ctx.args.gen_tokens
+    deltas = [0] * n
+
+    def counter(i):
+        def update(count):
+            deltas[i] = count
+            ctx.progress.update(f"{sum(deltas)}/{n * gen} deltas")
+        return update
+
+    rs = await asyncio.gather(*(ctx.target.client.chat([{"role": "user", "content": p}], gen, ignore_eos=True,
+                                                       on_delta=counter(i)) for i, p in enumerate(prompts)))
+    return [r.sample(phase="run", streams=n, stream=i) for i, r in enumerate(rs)]
 
 
 def aggregate_rate(batch: list[dict]) -> float | None:

@@ -53,7 +53,8 @@ def table(result: dict) -> str:
             rate = summarize(s["decode_tok_s"] for s in group)
             ttft = summarize(s["ttft_s"] for s in group)
             depth_tokens = f"{group[0]['depth_tokens']:,}" + ("" if group[0]["depth_measured"] else " (est.)")
-            rows.append([depth_tokens, name, len(group), md.num(summarize(s["completion_tokens"] for s in group)["mean"], 0),
+            gen = summarize(s["completion_tokens"] for s in group)["mean"]
+            rows.append([depth_tokens, name, len(group), md.num(gen, 0),
                          md.num(rate["mean"]), md.num(rate["min"]), md.num(rate["max"]), md.num(ttft["mean"], 3),
                          *md.vs_floor(rate["mean"], floor)])
     return md.table(["depth tokens", "prompt", "runs", "gen tokens", "decode tok/s mean", "min", "max",

@@ -29,7 +29,8 @@ async def run(ctx):
     while churned < args.churn_tokens:
         size = min(args.conv_tokens, args.churn_tokens - churned)
         user = f"{fresh_salt()}\n\n{ctx.sizer.filler(size, seed=args.seed + 5000 + k)}\n\n{QUESTION}"
-        r = await ctx.chat(f"idle churn {churned:,}/{args.churn_tokens:,} tokens:", [{"role": "user", "content": user}], 1)
+        r = await ctx.chat(f"idle churn {churned:,}/{args.churn_tokens:,} tokens:",
+                           [{"role": "user", "content": user}], 1)
         samples.append(r.sample(phase="churn", request=k))
         churned += max(r.prompt_tokens or 0, 1)
         k += 1

@@ -4,7 +4,6 @@ from __future__ import annotations
 from flashnext.bench import markdown as md
 from flashnext.bench.decode import parse_ints
 from flashnext.bench.floors import floor_for
-from flashnext.bench.plots import pyplot, save
 from flashnext.bench.stats import prefill_rate, summarize
 from flashnext.bench.text import fresh_salt
 

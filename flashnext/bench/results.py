@@ -44,7 +44,7 @@ def gpu_info() -> list[dict] | str:
     return gpus or "cpu"
 
 
-_LAUNCHERS = {"__main__.py": ["python", "-m", "flashnext.bench"], "cli.py": ["python", "-m", "flashnext.cli"]}
+_LAUNCHERS = {"cli.py": ["python", "-m", "flashnext.cli"]}
 
 
 def command_line(argv: list[str] | None = None) -> str:

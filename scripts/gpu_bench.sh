@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# PERF.md's benchmarks on the GPU machine (no network): synthesise the full-size checkpoint, serve it with our
+# server, run the chosen benchmarks, keep the results in bench/results/ (and in $OUT when set).
+#
+#   scripts/gpu_bench.sh                    # every benchmark, full protocol, one server
+#   scripts/gpu_bench.sh decode prefill     # some of them (each starts the server anew: load time each)
+#   QUICK=1 scripts/gpu_bench.sh all        # small sizes: a smoke run that fits a 10-minute slot
+#
+# Settings (environment):
+#   PRESET=flash-next  DTYPE=int4       what `flashnext synth` makes
+#   CKPT=/tmp/flashnext-$PRESET-$DTYPE  where the checkpoint goes (reused when it has a config.json)
+#   SERVER_ARGS="..."                   extra `flashnext serve` flags for every run
+#   BENCH_ARGS="..."                    extra `flashnext bench` flags (e.g. "--runs 3 --depths 0,10000,65536")
+#   HOST_TIER_ARGS="..."                when set, idle runs a second time with these server flags (host-RAM KV tier)
+#   EXPERT_BUDGET_ARGS="..."            when set, experts runs a second time with these server flags (VRAM budget)
+#   OUT_DIR=bench/results  OUT=...      results folder; $OUT (the device machine's return folder) gets a copy
+#   PYTHON=python3
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+PRESET=${PRESET:-flash-next}
+DTYPE=${DTYPE:-int4}
+CKPT=${CKPT:-/tmp/flashnext-$PRESET-$DTYPE}
+OUT_DIR=${OUT_DIR:-bench/results}
+BENCHES=("$@")
+[ ${#BENCHES[@]} -gt 0 ] || BENCHES=(all)
+
+# 1. Imports. The machine has no network: wheels travel in .whl/ and install from there.
+declare -A WHEEL=([torch]=torch [safetensors]=safetensors [tokenizers]=tokenizers [jinja2]=jinja2
+                  [fastapi]=fastapi [uvicorn]=uvicorn [pydantic]=pydantic [prometheus_client]=prometheus-client
+                  [httpx]=httpx [matplotlib]=matplotlib)
+missing() { for m in "${!WHEEL[@]}"; do "$PY" -c "import $m" 2>/dev/null || echo "${WHEEL[$m]}"; done; }
+need=$(missing)
+if [ -n "$need" ] && [ -d .whl ]; then
+  echo "installing from .whl/: $need"
+  # shellcheck disable=SC2086
+  "$PY" -m pip install --quiet --no-index --find-links .whl $need || true
+  need=$(missing)
+fi
+if echo "$need" | grep -qx matplotlib; then
+  echo "matplotlib missing: no plots (carry its wheel in .whl/ to get them)"
+  BENCH_ARGS="${BENCH_ARGS:-} --no-plots"
+  need=$(echo "$need" | grep -vx matplotlib || true)
+fi
+if [ -n "$need" ]; then
+  pyver=$("$PY" -c 'import sys; print(f"{sys.version_info.major}{sys.version_info.minor}")')
+  echo "missing on this machine: $(echo $need)"
+  echo "carry their wheels (and dependencies) in .whl/, made on a machine with network, e.g.:"
+  echo "  pip download --only-binary=:all: --python-version $pyver --platform manylinux2014_x86_64 -d .whl $(echo $need)"
+  exit 2
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || echo "no nvidia-smi: results will say cpu"
+
+# 2. The checkpoint: random weights of the released config, in the released quantisation.
+if [ ! -f "$CKPT/config.json" ]; then
+  echo "synthesising $PRESET ($DTYPE) into $CKPT; free disk: $(df -h --output=avail "$(dirname "$CKPT")" | tail -1)"
+  t0=$SECONDS
+  "$PY" -m flashnext.cli synth --preset "$PRESET" --dtype "$DTYPE" --out "$CKPT"
+  echo "synthesised in $((SECONDS - t0)) s: $(du -sh "$CKPT" | cut -f1)"
+fi
+
+# 3. The benchmarks. Each run writes its JSON as soon as it ends, and $OUT gets a copy after each, so a
+# run cut short by a time limit still returns what finished.
+if [ -n "${QUICK:-}" ]; then
+  BENCH_ARGS="--max-tokens 128 --warmups 1 --runs 2 --depths 0,10000 --lengths 10000 --scale 0.3 \
+--conversations 2 --conv-tokens 8000 --churn-tokens 16000 --streams 1,2,4 --prompt-tokens 8000 ${BENCH_ARGS:-}"
+fi
+copy_out() { if [ -n "${OUT:-}" ]; then mkdir -p "$OUT/results" && cp -r "$OUT_DIR"/. "$OUT/results/"; fi; }
+bench() {  # bench NAME SERVER_ARGS
+  echo "== flashnext bench $1 (server args: ${2:-none})"
+  # shellcheck disable=SC2086
+  "$PY" -m flashnext.bench "$1" --model "$CKPT" --server-args "$2" --out-dir "$OUT_DIR" --floor "$PRESET" \
+    ${BENCH_ARGS:-} || echo "bench $1 failed (status $?); going on"
+  copy_out
+}
+for name in "${BENCHES[@]}"; do
+  bench "$name" "${SERVER_ARGS:-}"
+  if [ -n "${HOST_TIER_ARGS:-}" ] && { [ "$name" = idle ] || [ "$name" = all ]; }; then
+    bench idle "${SERVER_ARGS:-} $HOST_TIER_ARGS"
+  fi
+  if [ -n "${EXPERT_BUDGET_ARGS:-}" ] && { [ "$name" = experts ] || [ "$name" = all ]; }; then
+    bench experts "${SERVER_ARGS:-} $EXPERT_BUDGET_ARGS"
+  fi
+done
+"$PY" -m flashnext.bench report "$OUT_DIR"/*.json --out "$OUT_DIR/report.md" && cat "$OUT_DIR/report.md"
+copy_out
