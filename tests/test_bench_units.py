@@ -14,7 +14,7 @@ from flashnext.bench.client import BenchError, OpenAIClient, api_root
 from flashnext.bench.concurrency import aggregate_rate
 from flashnext.bench.experts import hit_rate, parse_metrics
 from flashnext.bench.stats import decode_rate, median, percentile, prefill_rate, summarize
-from flashnext.bench.target import model_bytes
+from flashnext.bench.target import load_seconds, model_bytes
 from flashnext.bench.text import TextSizer, fresh_salt, varied_text
 from flashnext.bench.tools import TOOLS
 
@@ -69,12 +69,17 @@ def test_expert_metrics_parse_and_hit_rate():
     assert hit_rate(0, 0) is None and hit_rate(None, 3) is None
 
 
-def test_model_bytes_from_props_or_log():
-    assert model_bytes({"model_bytes": 123}, "") == 123
-    assert model_bytes(None, "INFO model_bytes=44236593152 layers=48") == 44236593152
-    assert model_bytes({}, "loaded 41.5 GB of weights in 9.1 s") == int(41.5e9)
-    assert model_bytes({}, "loaded 2 GiB") == 2 * 2**30
-    assert model_bytes({}, "nothing here") is None
+def test_model_bytes_from_props_log_or_checkpoint(tmp_path):
+    assert model_bytes({"model_bytes": 123}, "") == (123, "/props model_bytes")
+    assert model_bytes(None, "INFO model_bytes=44236593152 layers=48")[0] == 44236593152
+    assert model_bytes({}, "loaded 41.5 GB of weights in 9.1 s") == (int(41.5e9), "server log")
+    assert model_bytes({}, "loaded 2 GiB")[0] == 2 * 2**30
+    assert model_bytes({}, "nothing here", "no-such-dir") == (None, None)
+    (tmp_path / "model-00001.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / "model-00002.safetensors").write_bytes(b"x" * 24)
+    assert model_bytes({}, "", str(tmp_path)) == (1024, "checkpoint files")
+    line = "INFO flashnext.server: loaded m from /ckpt in 12.5 s; serving it as 'm', max_model_len 4096"
+    assert load_seconds(line) == 12.5 and load_seconds("serving") is None
 
 
 # --- workload generators ------------------------------------------------------------------------

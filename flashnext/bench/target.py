@@ -21,6 +21,7 @@ from flashnext.bench.client import BenchError, OpenAIClient
 _BYTES_KEYS = ("model_bytes", "model_size_bytes", "weights_bytes")
 # e.g. "loaded 41.2 GB of weights in 12.3 s" or "model_bytes=44236593152"
 _LOG_BYTES = re.compile(r"model_bytes[=: ]+(\d+)|loaded\D{0,20}?([\d.]+)\s*(GiB|GB|MiB|MB)", re.I)
+_LOG_LOAD_S = re.compile(r"\bloaded .* in ([\d.]+) s\b")
 _UNITS = {"gib": 2**30, "gb": 1e9, "mib": 2**20, "mb": 1e6}
 
 
@@ -90,17 +91,28 @@ class LaunchedServer:
             self.proc.wait()
 
 
-def model_bytes(props: dict | None, log_text: str) -> int | None:
-    """The checkpoint size the server reports, from /props or its log, or None."""
+def model_bytes(props: dict | None, log_text: str, model: str | None = None) -> tuple[int | None, str | None]:
+    """(bytes, where from): what /props or the server's log reports, else the size of the checkpoint's
+    safetensors files when --model is a folder; (None, None) when nothing says."""
     for key in _BYTES_KEYS:
         if isinstance(props, dict) and isinstance(props.get(key), (int, float)):
-            return int(props[key])
+            return int(props[key]), f"/props {key}"
     m = _LOG_BYTES.search(log_text)
-    if not m:
-        return None
-    if m.group(1):
-        return int(m.group(1))
-    return int(float(m.group(2)) * _UNITS[m.group(3).lower()])
+    if m and m.group(1):
+        return int(m.group(1)), "server log"
+    if m:
+        return int(float(m.group(2)) * _UNITS[m.group(3).lower()]), "server log"
+    if model and Path(model).is_dir():
+        files = list(Path(model).glob("*.safetensors"))
+        if files:
+            return sum(f.stat().st_size for f in files), "checkpoint files"
+    return None, None
+
+
+def load_seconds(log_text: str) -> float | None:
+    """The load time our server logs ("loaded … in 12.3 s"), or None."""
+    m = _LOG_LOAD_S.search(log_text)
+    return float(m.group(1)) if m else None
 
 
 @dataclass
