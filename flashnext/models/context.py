@@ -1,0 +1,45 @@
+"""What one forward step computes: which sequences, which of their tokens, and where their state lives.
+
+Models stay functions of (tokens, this context): the engine owns the pools and says, per sequence, its
+recurrent-state slot, its KV block table and how many of its tokens are already computed. Tokens of all
+segments are concatenated in one flat batch, segment after segment.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Segment:
+    slot: int                  # recurrent-state slot in the StatePool
+    blocks: torch.Tensor       # int64 KV block ids of the sequence, in order, covering context_len + length
+    start: int                 # first row of this segment in the flat batch
+    length: int                # tokens computed in this step
+    context_len: int           # tokens of this sequence computed in earlier steps
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
+    def total_len(self) -> int:
+        return self.context_len + self.length
+
+
+@dataclass
+class ForwardContext:
+    segments: list[Segment]
+    kv: "KVPool"               # noqa: F821 - flashnext.cache.kv_pool
+    states: "StatePool"        # noqa: F821 - flashnext.cache.state_pool
+    positions: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        parts = [torch.arange(s.context_len, s.total_len) for s in self.segments]
+        device = self.kv.device
+        self.positions = torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=torch.long, device=device)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.length for s in self.segments)

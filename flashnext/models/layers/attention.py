@@ -1,0 +1,65 @@
+"""Gated attention over paged KV: per head q_proj gives [query | gate]; zero-centred q/k norms; partial
+RoPE; GQA; output × sigmoid(gate) → o_proj. `token_mask` lets indexed attention restrict each query to
+the tokens its indexer selected (None: plain causal attention).
+"""
+import torch
+from torch import nn
+
+from flashnext.models.context import ForwardContext, Segment
+from flashnext.models.layers.norms import ZeroCenteredRMSNorm
+from flashnext.models.layers.rope import apply_rotary
+from flashnext.weights.config import ModelConfig
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.scaling = self.head_dim ** -0.5
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, 2 * self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+
+    def token_mask(self, x, cos, sin, ctx: ForwardContext, seg: Segment) -> torch.Tensor | None:
+        return None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        n = x.shape[0]
+        q, gate = self.q_proj(x).view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = apply_rotary(self.q_norm(q), cos, sin)
+        k = apply_rotary(self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        k_cache = ctx.kv.k[self.layer_idx].view(-1, self.num_kv_heads, self.head_dim)
+        v_cache = ctx.kv.v[self.layer_idx].view(-1, self.num_kv_heads, self.head_dim)
+        out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
+        for seg in ctx.segments:
+            rows = slice(seg.start, seg.end)
+            new_rows = ctx.kv.token_rows(seg.blocks, seg.context_len, seg.total_len)
+            k_cache[new_rows] = k[rows]
+            v_cache[new_rows] = v[rows]
+            all_rows = ctx.kv.token_rows(seg.blocks, 0, seg.total_len)
+            mask = self.token_mask(x[rows], cos[rows], sin[rows], ctx, seg)
+            out[rows] = self._attend(q[rows], k_cache[all_rows], v_cache[all_rows], seg, mask)
+        out = out.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
+        return self.o_proj(out)
+
+    def _attend(self, q, k, v, seg: Segment, mask: torch.Tensor | None) -> torch.Tensor:
+        """q [T, H, D]; k, v [L, KVH, D] with L = context + T. Eager softmax, as the oracle computes it."""
+        groups = self.num_heads // self.num_kv_heads
+        k = k.repeat_interleave(groups, dim=1).transpose(0, 1)   # [H, L, D]
+        v = v.repeat_interleave(groups, dim=1).transpose(0, 1)
+        scores = (q.transpose(0, 1) @ k.transpose(1, 2)) * self.scaling   # [H, T, L]
+        query_pos = torch.arange(seg.context_len, seg.total_len, device=q.device)
+        visible = torch.arange(seg.total_len, device=q.device)[None, :] <= query_pos[:, None]
+        if mask is not None:
+            visible = visible & mask
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return (probs @ v).transpose(0, 1)

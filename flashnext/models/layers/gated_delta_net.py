@@ -1,0 +1,78 @@
+"""GatedDeltaNet token mixer (linear attention with a gated delta-rule state).
+
+Projections come in two checkpoint layouts: split (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`;
+Qwen3.5 / Flash-Next) and fused per key-head group (`in_proj_qkvz` viewed as groups of
+[q | k | v·r | z·r], `in_proj_ba` as [b·r | a·r] with r = value heads per key head; Qwen3-Next).
+State per sequence: the conv tail and the fp32 S matrix, in the StatePool slot.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashnext.models.context import ForwardContext
+from flashnext.models.layers.norms import GatedRMSNorm
+from flashnext.ops.causal_conv1d import causal_conv1d
+from flashnext.ops.gated_delta_rule import gated_delta_rule
+from flashnext.weights.config import ModelConfig
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_k_heads = cfg.linear_num_key_heads
+        self.num_v_heads = cfg.linear_num_value_heads
+        self.head_k_dim = cfg.linear_key_head_dim
+        self.head_v_dim = cfg.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        conv_dim = 2 * self.key_dim + self.value_dim
+        self.split = cfg.gdn_split_projections
+        hidden = cfg.hidden_size
+        if self.split:
+            self.in_proj_qkv = nn.Linear(hidden, conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
+            self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        else:
+            self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, cfg.linear_conv_kernel, groups=conv_dim, bias=False,
+                                padding=cfg.linear_conv_kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, eps=cfg.rms_norm_eps, activation=cfg.gdn_output_gate)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+
+    def _project(self, x: torch.Tensor):
+        """→ mixed qkv [N, conv_dim] as [all q | all k | all v], z [N, Hv, Dv], b and a [N, Hv]."""
+        n = x.shape[0]
+        if self.split:
+            z = self.in_proj_z(x).view(n, self.num_v_heads, self.head_v_dim)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        r = self.num_v_heads // self.num_k_heads
+        qkvz = self.in_proj_qkvz(x).view(n, self.num_k_heads, -1)
+        q, k, v, z = torch.split(qkvz, [self.head_k_dim, self.head_k_dim, r * self.head_v_dim, r * self.head_v_dim], dim=-1)
+        b, a = torch.split(self.in_proj_ba(x).view(n, self.num_k_heads, 2 * r), [r, r], dim=-1)
+        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+        return mixed, z.reshape(n, self.num_v_heads, self.head_v_dim), b.reshape(n, -1), a.reshape(n, -1)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        mixed, z, b, a = self._project(x)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        conv_state, ssm_state = ctx.states.conv[self.layer_idx], ctx.states.ssm[self.layer_idx]
+        weight = self.conv1d.weight.squeeze(1)
+        out = torch.empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
+        for seg in ctx.segments:
+            rows = slice(seg.start, seg.end)
+            qkv, conv_state[seg.slot] = causal_conv1d(mixed[rows], weight, conv_state[seg.slot])
+            q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            o, ssm_state[seg.slot] = gated_delta_rule(
+                q.reshape(seg.length, self.num_k_heads, self.head_k_dim),
+                k.reshape(seg.length, self.num_k_heads, self.head_k_dim),
+                v.reshape(seg.length, self.num_v_heads, self.head_v_dim),
+                g[rows], beta[rows], ssm_state[seg.slot])
+            out[rows] = o
+        out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(out.reshape(x.shape[0], self.value_dim))

@@ -1,0 +1,39 @@
+"""Flash-Next hyper-connections: the residual is `hc_count` streams side by side ([N, hc·H]).
+
+Around a block: a grouped zero-centred RMSNorm per stream, a low-rank sigmoid mixer that weights each
+normed stream, and the mean over streams as the block input. After the block every stream adds
+2·sigmoid(W·xn / hc) × the block output to its *un-normalised* self. The final mixer (no injection)
+reduces the streams to the hidden size before lm_head.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashnext.models.layers.norms import ZeroCenteredRMSNorm
+from flashnext.weights.config import ModelConfig
+
+
+class HyperConnection(nn.Module):
+    def __init__(self, cfg: ModelConfig, with_injection: bool = True):
+        super().__init__()
+        self.hc = cfg.hc_count
+        self.hidden = cfg.hidden_size
+        width = cfg.hc_hidden_size
+        self.hc_norm = ZeroCenteredRMSNorm(width, eps=cfg.rms_norm_eps, group_size=cfg.hidden_size)
+        self.input_mix_weight_down = nn.Linear(width, cfg.hc_lowrank, bias=False)
+        self.input_mix_weight_up = nn.Linear(cfg.hc_lowrank, width, bias=False)
+        self.block_inject_weight = nn.Linear(width, self.hc, bias=False) if with_injection else None
+
+    def mix(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h [N, hc·H] → (block input [N, H], injection weights [N, hc] or None)."""
+        normed = self.hc_norm(h)
+        mix = F.silu(self.input_mix_weight_down(normed) / self.hc)
+        mix = torch.sigmoid(self.input_mix_weight_up(mix)).unflatten(-1, (self.hc, self.hidden))
+        block_input = (mix * normed.unflatten(-1, (self.hc, self.hidden))).mean(dim=-2)
+        if self.block_inject_weight is None:
+            return block_input, None
+        return block_input, 2 * torch.sigmoid(self.block_inject_weight(normed) / self.hc)
+
+    @staticmethod
+    def inject(h: torch.Tensor, block_output: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return h + (block_output.unsqueeze(-2) * weights.unsqueeze(-1)).flatten(-2)

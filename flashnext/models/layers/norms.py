@@ -1,0 +1,44 @@
+"""RMS norms of the Qwen hybrid family.
+
+`ZeroCenteredRMSNorm` scales by (1 + w), so an all-zero weight is the identity; it can normalise groups
+of `group_size` features separately (the hyper-connection streams). `GatedRMSNorm` is GatedDeltaNet's
+output norm: a plain weight (no +1) times an activated gate.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6, group_size: int | None = None):
+        super().__init__()
+        self.eps = eps
+        self.group_size = group_size
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        if self.group_size is not None:
+            h = h.reshape(*h.shape[:-1], -1, self.group_size)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.group_size is not None:
+            h = h.flatten(-2)
+        # Multiply in fp32, then round once: transformers does the same and bf16 parity depends on it.
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6, activation: str = "silu"):
+        super().__init__()
+        self.eps = eps
+        self.activation = activation
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        g = gate.float()
+        g = F.silu(g) if self.activation == "silu" else torch.sigmoid(g)
+        return (h * g).to(dtype)

@@ -1,0 +1,81 @@
+"""QSA indexer of Flash-Next attention: which earlier tokens each query may attend to.
+
+Every complete block of `compress_ratio` tokens gets one key: the fp32 mean of its raw indexer keys,
+rounded to the activation dtype, k_layernorm'ed and RoPE'd at the block's first position. A query scores
+blocks by Σ_heads relu(q_h · key_b) / √d, keeps the top budget/ratio blocks, and always sees the
+1…ratio-1 tail tokens of its incomplete block. While a query has ≤ budget/ratio complete blocks it sees
+everything: dense causal attention.
+
+A pooled key never changes once its block is complete, so the pooled keys live in the KV pages
+(`kv.index_keys`) and only the raw keys of the incomplete block are carried (`states.index_ring`).
+"""
+import math
+
+import torch
+from torch import nn
+
+from flashnext.models.context import ForwardContext, Segment
+from flashnext.models.layers.norms import ZeroCenteredRMSNorm
+from flashnext.models.layers.rope import apply_rotary
+from flashnext.weights.config import ModelConfig
+
+
+class QSAIndexer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rope):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.indexer_heads
+        self.head_dim = cfg.indexer_head_dim
+        self.ratio = cfg.indexer_compress_ratio
+        self.block_topk = cfg.indexer_budget // cfg.indexer_compress_ratio
+        self.index_qk_proj = nn.Linear(cfg.hidden_size, (self.num_heads + 1) * self.head_dim, bias=False)
+        self.q_layernorm = ZeroCenteredRMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.k_layernorm = ZeroCenteredRMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self._rope = [rope]   # shared with the model, kept out of the module tree (no duplicate buffers)
+
+    def _append_block_keys(self, raw: torch.Tensor, ctx: ForwardContext, seg: Segment) -> None:
+        """Pool the blocks this segment completes into the pages; keep the remainder in the ring."""
+        ring = ctx.states.index_ring[self.layer_idx][seg.slot]
+        first_block = seg.context_len // self.ratio
+        pending = torch.cat([ring[: seg.context_len % self.ratio], raw], dim=0)
+        complete = pending.shape[0] // self.ratio
+        if complete:
+            groups = pending[: complete * self.ratio].view(complete, self.ratio, self.head_dim)
+            pooled = self.k_layernorm(groups.float().mean(dim=1).to(raw.dtype))
+            starts = (first_block + torch.arange(complete, device=raw.device)) * self.ratio
+            cos, sin = self._rope[0](starts, raw.dtype)
+            keys = apply_rotary(pooled[:, None, :], cos, sin)[:, 0]
+            per_page = ctx.kv.block_size // self.ratio
+            block_ids = first_block + torch.arange(complete, device=raw.device)
+            rows = seg.blocks[block_ids // per_page] * per_page + block_ids % per_page
+            ctx.kv.index_keys[self.layer_idx].view(-1, self.head_dim)[rows] = keys
+        rest = pending[complete * self.ratio:]
+        ring[: rest.shape[0]] = rest
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext, seg: Segment) -> torch.Tensor:
+        """x [T, hidden] of one segment → visibility mask [T, total_len] (before the causal mask)."""
+        q, raw = torch.split(self.index_qk_proj(x), [self.num_heads * self.head_dim, self.head_dim], dim=-1)
+        q = apply_rotary(self.q_layernorm(q.view(-1, self.num_heads, self.head_dim)), cos, sin)
+        self._append_block_keys(raw, ctx, seg)
+
+        total = seg.total_len
+        num_blocks = total // self.ratio
+        query_pos = torch.arange(seg.context_len, total, device=x.device)
+        complete_before = (query_pos + 1) // self.ratio          # complete blocks each query can see
+        mask = torch.zeros(seg.length, total, dtype=torch.bool, device=x.device)
+        if num_blocks:
+            per_page = ctx.kv.block_size // self.ratio
+            block_ids = torch.arange(num_blocks, device=x.device)
+            rows = seg.blocks[block_ids // per_page] * per_page + block_ids % per_page
+            keys = ctx.kv.index_keys[self.layer_idx].view(-1, self.head_dim)[rows]
+            scores = torch.einsum("thd,bd->tbh", q.float(), keys.float()).relu().sum(-1) / math.sqrt(self.head_dim)
+            visible_block = block_ids[None, :] < complete_before[:, None]
+            scores = scores.masked_fill(~visible_block, float("-inf"))
+            top = scores.topk(min(self.block_topk, num_blocks), dim=-1).indices
+            chosen = torch.zeros(seg.length, num_blocks, dtype=torch.bool, device=x.device)
+            chosen.scatter_(1, top, True)
+            chosen &= visible_block
+            mask[:, : num_blocks * self.ratio] = chosen.repeat_interleave(self.ratio, dim=1)
+        token = torch.arange(total, device=x.device)
+        tail = (token[None, :] >= complete_before[:, None] * self.ratio) & (token[None, :] <= query_pos[:, None])
+        return mask | tail

@@ -1,0 +1,72 @@
+"""Qwen3.8-Flash-Next (`qwen4_exp`): hybrid GatedDeltaNet / QSA-indexed attention, sparse MoE in every
+layer, four hyper-connection residual streams, PLE n-gram embeddings on one early layer.
+
+Layer i: [PLE] → hyper-connection → (GatedDeltaNet | IndexedAttention) → inject → hyper-connection →
+SparseMoe → inject. No pre-norms and no final norm: the mixers normalise; a final mixer feeds lm_head.
+"""
+import torch
+from torch import nn
+
+from flashnext.models.context import ForwardContext
+from flashnext.models.layers.gated_delta_net import GatedDeltaNet
+from flashnext.models.layers.hyper_connection import HyperConnection
+from flashnext.models.layers.indexed_attention import IndexedAttention
+from flashnext.models.layers.moe import SparseMoe
+from flashnext.models.layers.ple import PLELayer
+from flashnext.models.layers.rope import RotaryEmbedding
+from flashnext.weights.config import ModelConfig
+
+
+class Qwen4ExpDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding):
+        super().__init__()
+        self.is_linear = cfg.layer_types[layer_idx] == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg, layer_idx)
+        else:
+            self.self_attn = IndexedAttention(cfg, layer_idx, rope)
+        self.mlp = SparseMoe(cfg)
+        self.ple = PLELayer(cfg, layer_idx, cfg.ple_layers.index(layer_idx)) if layer_idx in cfg.ple_layers else None
+        self.attn_hyper_connection = HyperConnection(cfg)
+        self.mlp_hyper_connection = HyperConnection(cfg)
+
+    def forward(self, h, input_ids, cos, sin, ctx: ForwardContext):
+        if self.ple is not None:
+            h = h + self.ple(h, input_ids, ctx)
+        x, inject = self.attn_hyper_connection.mix(h)
+        x = self.linear_attn(x, ctx) if self.is_linear else self.self_attn(x, cos, sin, ctx)
+        h = HyperConnection.inject(h, x, inject)
+        x, inject = self.mlp_hyper_connection.mix(h)
+        return HyperConnection.inject(h, self.mlp(x), inject)
+
+
+class Qwen4ExpModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
+        self.layers = nn.ModuleList(Qwen4ExpDecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers))
+        self.hyper_connection_mixer = HyperConnection(cfg, with_injection=False)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        e = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(ctx.positions, e.dtype)
+        h = e.repeat(1, self.cfg.hc_count)                    # every stream starts as the embedding
+        for layer in self.layers:
+            h = layer(h, input_ids, cos, sin, ctx)
+        return self.hyper_connection_mixer.mix(h)[0]
+
+
+class Qwen4ExpForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Qwen4ExpModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
