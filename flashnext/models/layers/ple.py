@@ -67,9 +67,13 @@ class NGramEmbedding(nn.Module):
         sizes = ngram_head_sizes(cfg.ngram_vocab_size_base, heads, ple_index)
         offsets = [sum(sizes[:i]) for i in range(heads)]
         rows = math.ceil(sum(sizes) / cfg.ngram_vocab_divisible_by) * cfg.ngram_vocab_divisible_by
-        self.register_buffer("layer_multipliers", torch.tensor(ngram_multipliers(cfg.vocab_size, cfg.ngram_size, ple_index, cfg.ngram_seed)))
-        self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(sizes, dtype=torch.long))
-        self.register_buffer("ngram_heads_offsets", torch.tensor(offsets, dtype=torch.long))
+        # Derived on the CPU even when the model is built on "meta": the loader checks the checkpoint's
+        # copies against these values, so they must exist before any weight is read.
+        cpu = torch.device("cpu")
+        multipliers = ngram_multipliers(cfg.vocab_size, cfg.ngram_size, ple_index, cfg.ngram_seed)
+        self.register_buffer("layer_multipliers", torch.tensor(multipliers, dtype=torch.long, device=cpu))
+        self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(sizes, dtype=torch.long, device=cpu))
+        self.register_buffer("ngram_heads_offsets", torch.tensor(offsets, dtype=torch.long, device=cpu))
         self.ngram_embedding = nn.Embedding(rows, cfg.ple_embed_dim // heads)
 
     def row_ids(self, history: torch.Tensor, length: int) -> torch.Tensor:

@@ -1,0 +1,33 @@
+"""Everything the engine is configured by; the CLI maps its flags (and env vars) onto these fields."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MODEL = "tiny-flash-next"
+
+
+@dataclass
+class EngineArgs:
+    model: str = DEFAULT_MODEL            # folder, hub id or preset name
+    dtype: str = "auto"                   # auto: the checkpoint's dtype on GPU, float32 on CPU
+    device: str = "auto"                  # auto: cuda if available
+    max_model_len: int | None = None      # default: the model's max_position_embeddings
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048    # token budget of one step (prefill chunks + decodes)
+    max_queued_requests: int = 256
+    gpu_memory_fraction: float = 0.9
+    kv_cache_gb: float | None = None      # explicit KV pool size; default: from free memory
+    block_size: int = 16
+    seed: int = 0
+
+
+def resolve_dtype(name: str, device) -> "torch.dtype":  # noqa: F821
+    import torch
+
+    if name in ("auto", None, ""):
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+             "float32": torch.float32, "fp32": torch.float32}
+    if name not in table:
+        raise ValueError(f"--dtype {name!r} is not one of {', '.join(table)}")
+    return table[name]

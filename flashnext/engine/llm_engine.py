@@ -1,0 +1,244 @@
+"""The synchronous engine: admission checks, one step = schedule → run → update, outputs per request.
+
+It owns the model, the pools and the scheduler; nothing else touches device memory. AsyncLLM drives it
+from one thread; the Python API `LLM` drives it directly.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from flashnext.cache.kv_pool import KVPool
+from flashnext.cache.state_pool import StatePool
+from flashnext.engine.args import EngineArgs, resolve_dtype
+from flashnext.engine.errors import RequestRejected
+from flashnext.engine.loading import LoadedModel, load_model
+from flashnext.engine.model_runner import ModelRunner
+from flashnext.engine.outputs import RequestOutput, TokenLogprob
+from flashnext.engine.request import Request, Status
+from flashnext.engine.sampler import validate_token_ids
+from flashnext.engine.sampling_params import InvalidParams, SamplingParams
+from flashnext.engine.scheduler import Scheduler
+from flashnext.tokenizer.detokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("flashnext.engine")
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_queries: int
+    prefix_hits: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_preemptions: int
+    free_kv_blocks: int
+    total_kv_blocks: int
+    free_state_slots: int
+    total_state_slots: int
+
+
+@dataclass
+class MemoryPlan:
+    device: str
+    dtype: str
+    weight_bytes: int
+    kv_blocks: int
+    block_size: int
+    kv_bytes: int
+    state_slots: int
+    state_bytes: int
+
+    def __str__(self) -> str:
+        gib = 1 << 30
+        return (f"{self.device} {self.dtype}: weights {self.weight_bytes / gib:.2f} GiB, KV {self.kv_blocks} blocks × "
+                f"{self.block_size} tokens = {self.kv_bytes / gib:.2f} GiB ({self.kv_blocks * self.block_size} tokens), "
+                f"{self.state_slots} state slots = {self.state_bytes / gib:.2f} GiB")
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None):
+        self.args = args
+        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.loaded = loaded or load_model(args.model, self.device, self.dtype)
+        cfg = self.config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        block_size = KVPool.fit_block_size(cfg, args.block_size)
+        slot_bytes = StatePool.bytes_per_slot(cfg, self.dtype)
+        num_blocks = self._plan_kv_blocks(block_size, slot_bytes)
+        self.kv = KVPool(cfg, num_blocks, block_size, self.dtype, self.device)
+        self.states = StatePool(cfg, args.max_num_seqs, self.dtype, self.device)
+        self.memory_plan = MemoryPlan(str(self.device), str(self.dtype).replace("torch.", ""), self.loaded.weight_bytes,
+                                      num_blocks, block_size, num_blocks * KVPool.bytes_per_block(cfg, block_size, self.dtype),
+                                      args.max_num_seqs, args.max_num_seqs * slot_bytes)
+        self.scheduler = Scheduler(self.kv, self.states, args.max_num_seqs, args.max_num_batched_tokens)
+        eos = set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(e for e in eos if e < cfg.vocab_size)
+        self.runner = ModelRunner(self.loaded.model, self.kv, self.states, self.eos_token_ids, self.device)
+        self.requests: dict[str, Request] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        log.info("memory plan: %s", self.memory_plan)
+
+    def _plan_kv_blocks(self, block_size: int, slot_bytes: int) -> int:
+        per_block = KVPool.bytes_per_block(self.config, block_size, self.dtype)
+        if self.args.kv_cache_gb is not None:
+            budget = int(self.args.kv_cache_gb * (1 << 30))
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            reserve = total * (1 - self.args.gpu_memory_fraction)
+            activations = 2 << 30   # prefill chunk activations, logits and sampling scratch
+            budget = int(free - reserve - activations - self.args.max_num_seqs * slot_bytes)
+        else:
+            # CPU: enough for every sequence at full length, capped at 4 GiB
+            budget = min(4 << 30, self.args.max_num_seqs * self.max_model_len * per_block // block_size)
+        blocks = budget // per_block
+        if blocks < 1:
+            raise RuntimeError(f"no memory left for the KV cache (budget {budget / (1 << 30):.2f} GiB); lower "
+                               "--max-num-seqs or raise --gpu-memory-fraction / --kv-cache-gb")
+        return max(blocks, -(-self.max_model_len // block_size))
+
+    @property
+    def model_name(self) -> str:
+        return self.args.model
+
+    # ---- requests ----
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
+        if request_id in self.requests:
+            raise RequestRejected(f"request id {request_id!r} is already running", "request_id")
+        if not prompt_ids:
+            raise RequestRejected("the prompt is empty", "prompt")
+        vocab = self.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestRejected(f"prompt token ids {bad[:5]} lie outside the vocabulary of {vocab}", "prompt")
+        try:
+            validate_token_ids(params, vocab)
+        except InvalidParams as e:
+            raise RequestRejected(str(e), e.param) from None
+        n = len(prompt_ids)
+        wanted = params.max_tokens or 1
+        if n + wanted > self.max_model_len:
+            raise RequestRejected(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{n + wanted} tokens ({n} in the prompt, {wanted} for the completion). Shorten the prompt or "
+                f"lower max_tokens.", "messages", "context_length_exceeded")
+        if self.kv.blocks_for(n + wanted) > self.kv.num_blocks:
+            raise RequestRejected(f"the request needs {n + wanted} tokens of KV cache; the pool holds "
+                                  f"{self.kv.num_blocks * self.kv.block_size} (raise --kv-cache-gb)",
+                                  "max_tokens", "context_length_exceeded")
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens)
+        request = Request(request_id, list(prompt_ids), params, detok, self.max_model_len)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        self.prompt_tokens_total += n
+        return request
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.pop(request_id, None)
+        if request is None or request.finished:
+            return None
+        request.finish_reason = "abort"
+        self.scheduler.finish(request)
+        return self._output(request)
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    # ---- one step ----
+    def step(self) -> list[RequestOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        now = time.time()
+        for c in chunks:
+            if c.request.metrics.first_scheduled_time is None:
+                c.request.metrics.first_scheduled_time = now
+        sampling = [c.request for c in chunks if c.samples]
+        sampled = self.runner.run(chunks)
+        for c in chunks:
+            c.request.num_computed += c.num_tokens
+        outputs = []
+        if sampled is not None:
+            tokens = sampled.token_ids.tolist()
+            logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
+            top = None
+            if sampled.top_logprobs is not None:
+                top = (sampled.top_logprobs[0].tolist(), sampled.top_logprobs[1].tolist())
+            for i, request in enumerate(sampling):
+                lp = None
+                if logprobs is not None and request.params.logprobs is not None:
+                    k = request.params.logprobs
+                    pairs = list(zip(top[0][i][:k], top[1][i][:k])) if top is not None else []
+                    lp = TokenLogprob(tokens[i], logprobs[i], pairs)
+                self._append_token(request, tokens[i], lp)
+        for c in chunks:
+            r = c.request
+            if r.pending_ids or r.finished:
+                outputs.append(self._output(r))
+        return outputs
+
+    def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
+        now = time.time()
+        m = request.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        else:
+            m.inter_token_times.append(now - m.last_token_time)
+        m.last_token_time = now
+        request.output_ids.append(token)
+        request.pending_ids.append(token)
+        self.generation_tokens_total += 1
+        if logprob is not None:
+            request.pending_logprobs.append(logprob)
+        params = request.params
+        n_out = len(request.output_ids)
+        finish = None
+        if n_out >= params.min_tokens:
+            if token in self.eos_token_ids and not params.ignore_eos:
+                finish, request.stop_reason = "stop", token
+            elif token in params.stop_token_ids:
+                finish, request.stop_reason = "stop", token
+        hidden = finish is not None and not (request.params.include_stop_str_in_output and token in params.stop_token_ids)
+        text = "" if hidden else request.detokenizer.push([token])
+        emit, matched = request.stop_matcher.feed(text)
+        request.pending_text += emit
+        if matched is not None and finish is None:
+            finish, request.stop_reason = "stop", matched
+        if finish is None and (n_out >= request.max_output or request.num_tokens >= self.max_model_len):
+            finish = "length"
+        if finish is not None:
+            if matched is None:
+                request.pending_text += request.stop_matcher.feed(request.detokenizer.flush())[0] + request.stop_matcher.flush()
+            request.finish_reason = finish
+            self.scheduler.finish(request)
+            self.requests.pop(request.request_id, None)
+
+    def _output(self, request: Request) -> RequestOutput:
+        out = RequestOutput(
+            request_id=request.request_id, token_ids=request.pending_ids, text=request.pending_text,
+            finish_reason=request.finish_reason, prompt_tokens=len(request.prompt_ids),
+            cached_tokens=request.num_cached, completion_tokens=len(request.output_ids),
+            logprobs=request.pending_logprobs if request.params.logprobs is not None else None,
+            stop_reason=request.stop_reason, metrics=request.metrics)
+        request.pending_ids, request.pending_text, request.pending_logprobs = [], "", []
+        if request.finished:
+            request.metrics.finished_time = time.time()
+        return out
+
+    def stats(self) -> EngineStats:
+        total = self.kv.num_blocks
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=(total - self.kv.num_free) / total, prefix_queries=0, prefix_hits=0,
+            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
+            num_preemptions=self.scheduler.num_preemptions, free_kv_blocks=self.kv.num_free, total_kv_blocks=total,
+            free_state_slots=self.states.num_free, total_state_slots=self.states.num_slots)

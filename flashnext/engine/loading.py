@@ -1,0 +1,75 @@
+"""Turn a model name (folder, hub id or preset) into a loaded model and its tokenizer."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flashnext.models import build_model
+from flashnext.models.layers.rope import RotaryEmbedding
+from flashnext.tokenizer import Tokenizer
+from flashnext.weights.checkpoint import load_checkpoint
+from flashnext.weights.config import ModelConfig, load_config
+
+log = logging.getLogger("flashnext.engine")
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    config: ModelConfig
+    tokenizer: Tokenizer
+    path: Path
+    seconds: float
+    weight_bytes: int
+
+
+def preset_cache_dir() -> Path:
+    return Path(os.environ.get("FLASHNEXT_CACHE", Path.home() / ".cache" / "flashnext")) / "presets"
+
+
+def resolve_model(name: str) -> Path:
+    """A folder as is; a preset name is synthesised once into the cache; anything else is a hub id."""
+    from flashnext.weights.presets import PRESETS
+
+    if Path(name).is_dir():
+        return Path(name)
+    if name in PRESETS:
+        from flashnext.weights.synth import synthesize
+
+        out = preset_cache_dir() / f"{name}-bf16"
+        if not (out / "config.json").exists():
+            log.info("synthesising preset %s into %s", name, out)
+            tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+            synthesize(name, tmp, dtype="bf16", seed=0)
+            tmp.rename(out)
+        return out
+    from flashnext.weights.hub import resolve_model_path
+
+    return resolve_model_path(name)
+
+
+def load_model(name: str, device, dtype: torch.dtype) -> LoadedModel:
+    start = time.perf_counter()
+    path = resolve_model(name)
+    cfg = load_config(path)
+    expected = {k: (tuple(v.shape), v.dtype) for k, v in build_model(cfg, device="meta", dtype=dtype).state_dict().items()}
+    weights = load_checkpoint(path, expected, dtype=dtype, device=device, progress=True)
+    model = build_model(cfg, device="meta", dtype=dtype)
+    derived = {k: v for k, v in model.state_dict().items() if v.device.type != "meta"}
+    for key, value in derived.items():
+        if key in weights and not torch.equal(weights[key].cpu(), value):
+            raise ValueError(f"{path}: {key} differs from what config.json derives (ngram settings or seed?)")
+    model.load_state_dict({**weights, **derived}, strict=True, assign=True)
+    # Non-persistent buffers (RoPE frequencies) were built on "meta": rebuild them on the device.
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.inv_freq = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta).inv_freq
+    model = model.to(device)
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    tokenizer = Tokenizer.from_dir(path)
+    return LoadedModel(model.eval(), cfg, tokenizer, path, time.perf_counter() - start, nbytes)

@@ -1,0 +1,48 @@
+"""Runs one scheduled step through the model and samples the requests whose chunk reached their end.
+
+This is the one place that turns scheduler output into tensors; the eager torch path runs here now and
+the captured-graph decode path will sit beside it behind the same call.
+"""
+from __future__ import annotations
+
+import torch
+
+from flashnext.cache.kv_pool import KVPool
+from flashnext.cache.state_pool import StatePool
+from flashnext.engine.sampler import SamplerOutput, SamplingBatch, sample
+from flashnext.engine.scheduler import ScheduledChunk
+from flashnext.models.context import ForwardContext, Segment
+
+
+class ModelRunner:
+    def __init__(self, model, kv: KVPool, states: StatePool, eos_token_ids, device):
+        self.model = model
+        self.kv = kv
+        self.states = states
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.device = torch.device(device)
+        self.vocab_size = model.cfg.vocab_size
+
+    @torch.inference_mode()
+    def run(self, chunks: list[ScheduledChunk]) -> SamplerOutput | None:
+        segments, ids, start = [], [], 0
+        for chunk in chunks:
+            r = chunk.request
+            ids.extend(r.all_ids[r.num_computed: r.num_computed + chunk.num_tokens])
+            blocks = torch.tensor(r.blocks, dtype=torch.long, device=self.device)
+            segments.append(Segment(r.slot, blocks, start, chunk.num_tokens, r.num_computed))
+            start += chunk.num_tokens
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, ForwardContext(segments, self.kv, self.states))
+        sampling = [(c, s) for c, s in zip(chunks, segments) if c.samples]
+        if not sampling:
+            return None
+        last_rows = torch.tensor([s.end - 1 for _, s in sampling], device=self.device)
+        logits = self.model.compute_logits(hidden[last_rows]).float()
+        requests = [c.request for c, _ in sampling]
+        batch = SamplingBatch.build([r.params for r in requests], [r.output_ids for r in requests],
+                                    [r.prompt_ids for r in requests], self.vocab_size, self.device,
+                                    eos_token_ids=self.eos_token_ids, generators=[r.generator for r in requests])
+        for r, g in zip(requests, batch.generators):
+            r.generator = g
+        return sample(logits, batch)
