@@ -39,6 +39,9 @@ def test_disconnect_mid_stream_frees_the_request(shared_server):
     after = wait_idle(shared_server, timeout=5)
     assert after["num_running"] == 0 and after["num_waiting"] == 0, after
     assert after["kv_cache_usage"] <= before["kv_cache_usage"] + 1e-6, (before, after)
+    if "free_state_slots" in after:  # the engine's own detail beyond the contract's stats
+        assert after["free_state_slots"] == after["total_state_slots"], after
+        assert after["free_kv_blocks"] >= before["free_kv_blocks"], (before, after)
 
 
 def test_disconnect_while_waiting_for_non_streaming_answer(shared_server):
@@ -48,6 +51,8 @@ def test_disconnect_while_waiting_for_non_streaming_answer(shared_server):
             c.post("/v1/chat/completions", json=LONG_CHAT)
     after = wait_idle(shared_server, timeout=5)
     assert after["num_running"] == 0 and after["num_waiting"] == 0, after
+    if "free_state_slots" in after:
+        assert after["free_state_slots"] == after["total_state_slots"], after
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,8 @@ def check_model(request: Request, name: str | None) -> str:
     """The name to echo back: the served name, whichever alias the client used."""
     settings = settings_of(request)
     engine = get_engine(request)
-    known = {settings.served_model_name, settings.model_path, getattr(engine, "model_name", None)}
+    known = {settings.served_model_name, settings.model_path, getattr(engine, "model_name", None),
+             getattr(engine, "model_path", None)}
     if name is None or name == "" or name in known:
         return settings.served_model_name
     raise APIError(404, f"The model '{name}' does not exist; this server serves '{settings.served_model_name}'.",

@@ -41,7 +41,9 @@ class _EngineCollector:
                                  ("generation_tokens", "Tokens generated.", s.generation_tokens_total),
                                  ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                                   s.prefix_queries),
-                                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hits)):
+                                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hits),
+                                 ("num_preemptions", "Requests preempted to free memory.",
+                                  getattr(s, "num_preemptions", 0))):
             for prefix in ("vllm:", "flashnext_"):
                 c = CounterMetricFamily(prefix + name, doc, labels=["model_name"])
                 c.add_metric(labels, value)
@@ -49,7 +51,7 @@ class _EngineCollector:
 
 
 class ServerMetrics:
-    """The served name labels every series; it is read per use because it is known only after loading."""
+    """Histograms of finished requests, plus the engine's numbers read at scrape time."""
 
     def __init__(self, settings, engine_provider):
         self.registry = CollectorRegistry()
@@ -70,6 +72,8 @@ class ServerMetrics:
                                  buckets=_TOKEN_BUCKETS, **common)
         self.success = Counter("vllm:request_success", "Finished requests by reason.",
                                labelnames=["model_name", "finished_reason"], registry=self.registry)
+        for histogram in (self.ttft, self.itl, self.e2e, self.queue, self.prompt_len, self.gen_len):
+            histogram.labels(settings.served_model_name)  # series exist (at zero) before the first request
 
     def observe_finished(self, out) -> None:
         name = self.settings.served_model_name

@@ -16,7 +16,6 @@ import time
 log = logging.getLogger("flashnext.server")
 
 ENV_PREFIX = "FLASHNEXT_"
-DEFAULT_MODEL = ""  # empty: the engine's embedded tiny synthetic model
 
 
 def _env_name(flag: str) -> str:
@@ -36,8 +35,11 @@ def _add(parser, flag: str, *, type=str, default=None, help: str, choices=None):
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from flashnext.engine.args import DEFAULT_MODEL
+
     _add(parser, "--model", default=DEFAULT_MODEL,
-         help="model directory, Hugging Face hub id or preset name (default: the embedded tiny synthetic model)")
+         help=f"model directory, Hugging Face hub id or preset name ({DEFAULT_MODEL}: the embedded tiny synthetic "
+              "model, built into a cache folder on first use)")
     _add(parser, "--host", default="127.0.0.1", help="address to listen on")
     _add(parser, "--port", type=int, default=8000, help="port to listen on")
     _add(parser, "--api-key", help="require 'Authorization: Bearer <key>' on every route but /health and /metrics")
@@ -103,7 +105,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_args = engine_args_from(args)
-    settings = ServerSettings(served_model_name=args.served_model_name or args.model or "flashnext-tiny",
+    settings = ServerSettings(served_model_name=args.served_model_name or args.model,
                               model_path=args.model or "", api_key=_api_key(args),
                               max_request_bytes=args.max_request_bytes, tool_call_parser=args.tool_call_parser,
                               max_num_seqs=args.max_num_seqs)
@@ -125,8 +127,6 @@ def run_serve(args: argparse.Namespace) -> int:
             failed.append(exc)
             server.should_exit = True
             return
-        if not args.served_model_name and not args.model:
-            settings.served_model_name = getattr(engine, "model_name", settings.served_model_name)
         _log_loaded(engine, settings, time.perf_counter() - start)
         slot["engine"] = engine
 
@@ -149,7 +149,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _log_loaded(engine, settings, seconds: float) -> None:
-    source = getattr(engine, "model_path", None) or settings.model_path or "the embedded tiny synthetic model"
+    source = getattr(engine, "model_path", None) or settings.model_path
     log.info("loaded %s from %s in %.1f s; serving it as '%s', max_model_len %d", getattr(engine, "model_name", "?"),
              source, seconds, settings.served_model_name, engine.max_model_len)
     plan = getattr(engine, "memory_plan", None)
