@@ -129,7 +129,8 @@ def test_prompt_longer_than_context_is_context_length_exceeded(shared_server):
     with shared_server.client() as c:
         max_len = c.get("/v1/models").json()["data"][0]["max_model_len"]
         r = c.post("/v1/completions", json={"prompt": [1] * (max_len + 5), "max_tokens": 1})
-        assert assert_error_shape(r, 400)["code"] == "context_length_exceeded"
+        err = assert_error_shape(r, 400)
+        assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
         r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": max_len})
         assert assert_error_shape(r, 400)["code"] == "context_length_exceeded"
 

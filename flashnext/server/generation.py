@@ -66,12 +66,13 @@ def sampling_params(req, *, max_tokens: int | None, logprobs: int | None) -> Sam
                           skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, n=req.n, **extra)
 
 
-def fit_context(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str = "max_tokens") -> int:
+def fit_context(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str = "max_tokens",
+                prompt_param: str = "messages") -> int:
     """max_tokens that fits, or a 400: we never silently truncate a prompt or a requested length."""
     room = max_model_len - prompt_len
     if room < 1:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-                            f"{prompt_len} tokens, which leaves no room to generate.", "messages",
+                            f"{prompt_len} tokens, which leaves no room to generate.", prompt_param,
                        "context_length_exceeded")
     if max_tokens is None:
         return room

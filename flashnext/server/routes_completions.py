@@ -58,7 +58,7 @@ async def completions(body: CompletionRequest, request: Request):
     jobs = []
     cid = f"cmpl-{uuid.uuid4().hex}"
     for p, ids in enumerate(prompts):
-        params = sampling_params(body, max_tokens=fit_context(len(ids), limit, engine.max_model_len),
+        params = sampling_params(body, max_tokens=fit_context(len(ids), limit, engine.max_model_len, prompt_param="prompt"),
                                  logprobs=body.logprobs)
         jobs += jobs_for(cid, ids, params, first_index=p * body.n)
     head = {"id": cid, "created": int(time.time()), "model": model, "system_fingerprint": SYSTEM_FINGERPRINT}

@@ -149,12 +149,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _log_loaded(engine, settings, seconds: float) -> None:
+    # The engine logs its memory plan itself while loading.
     source = getattr(engine, "model_path", None) or settings.model_path
     log.info("loaded %s from %s in %.1f s; serving it as '%s', max_model_len %d", getattr(engine, "model_name", "?"),
              source, seconds, settings.served_model_name, engine.max_model_len)
-    plan = getattr(engine, "memory_plan", None)
-    if plan is not None:
-        log.info("memory plan: %s", plan)
 
 
 def main(argv: list[str] | None = None) -> int:

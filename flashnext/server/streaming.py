@@ -2,6 +2,7 @@
 model is silent (long prefills), an error frame if generation fails mid-stream, then `data: [DONE]`."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import AsyncIterator, Protocol
@@ -41,6 +42,9 @@ async def event_stream(fan: Fanout, writer: ChunkWriter, keepalive_s: float) -> 
                 yield sse(chunk)
         for chunk in writer.end():
             yield sse(chunk)
+    except asyncio.CancelledError:
+        log.info("client disconnected mid-stream; aborted %s", ", ".join(j.request_id for j in fan.jobs))
+        raise
     except Exception as exc:
         err = from_exception(exc)
         if err is None:
