@@ -135,6 +135,6 @@ def test_help_lists_every_flag_with_its_env_var():
     text = " ".join(out.stdout.split())
     for flag in ("model", "host", "port", "api-key", "api-key-file", "served-model-name", "max-model-len",
                  "max-num-seqs", "max-queued-requests", "gpu-memory-fraction", "dtype", "tool-call-parser",
-                 "log-level", "max-request-bytes"):
+                 "log-level", "max-request-bytes", "sse-keepalive"):
         assert f"--{flag}" in text
         assert "FLASHNEXT_" + flag.upper().replace("-", "_") in text.replace("- ", "-")

@@ -57,7 +57,7 @@ def test_disconnect_while_waiting_for_non_streaming_answer(shared_server):
 
 @pytest.fixture(scope="module")
 def tight_server():
-    server = ServerProcess("--max-queued-requests", "1", "--max-num-seqs", "1")
+    server = ServerProcess("--max-queued-requests", "1", "--max-num-seqs", "1", "--sse-keepalive", "0.01")
     yield server
     server.stop()
 
@@ -90,3 +90,13 @@ def test_overload_answers_429_with_retry_after_and_admitted_requests_finish(tigh
             assert r.json()["choices"][0]["finish_reason"] == "length"
             assert r.json()["usage"]["completion_tokens"] == 32
     assert httpx.get(tight_server.base + "/health").status_code == 200
+
+
+def test_keepalive_comments_while_the_prompt_is_prefilled(tight_server):
+    # A 3000-token prompt takes far longer than the 10 ms keep-alive interval to prefill.
+    body = {"prompt": [5] * 3000, "max_tokens": 2, "stream": True}
+    with tight_server.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
+        lines = [line for line in r.iter_lines() if line]
+    first_data = next(i for i, line in enumerate(lines) if line.startswith("data: "))
+    assert first_data > 0 and all(line == ": keep-alive" for line in lines[:first_data]), lines[:5]
+    assert lines[-1] == "data: [DONE]"

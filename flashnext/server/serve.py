@@ -53,6 +53,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--dtype", help="activation dtype (auto, bfloat16, float16, float32)")
     _add(parser, "--tool-call-parser", default="auto", choices=["auto", "hermes", "qwen3_coder"],
          help="tool-call format in the model's output (auto: from the chat template)")
+    _add(parser, "--sse-keepalive", type=float, default=2.0,
+         help="seconds of model silence (e.g. a long prefill) after which a stream gets a ': keep-alive' comment")
     _add(parser, "--max-request-bytes", type=int, default=32 << 20, help="largest request body accepted (413 above)")
     _add(parser, "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
 
@@ -108,6 +110,7 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(served_model_name=args.served_model_name or args.model,
                               model_path=args.model or "", api_key=_api_key(args),
                               max_request_bytes=args.max_request_bytes, tool_call_parser=args.tool_call_parser,
+                              keepalive_s=args.sse_keepalive,
                               max_num_seqs=args.max_num_seqs)
     slot = {"engine": None}
     app = build_app(lambda: slot["engine"], settings)
