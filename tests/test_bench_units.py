@@ -194,7 +194,7 @@ def test_stream_timing_usage_and_request_body():
                                           "prompt_tokens_details": {"cached_tokens": 8}}})
     r = asyncio.run(_client(body, seen=seen).chat([{"role": "user", "content": "hi"}], 2, ignore_eos=True))
     assert (r.content, r.prompt_tokens, r.completion_tokens, r.cached_tokens) == ("Hello", 12, 2, 8)
-    assert r.n_deltas == 2 and r.finish_reason == "length"
+    assert r.n_deltas == 2 and r.finish_reason == "length" and r.ttft_source == "delta"
     assert 0 <= r.ttft_s <= r.last_delta_s <= r.wall_s
     sent = seen[0]
     assert sent["stream"] and sent["stream_options"] == {"include_usage": True}
@@ -213,6 +213,14 @@ def test_stream_merges_tool_call_fragments_and_reasoning():
     assert r.reasoning == "hmm" and r.cached_tokens is None and r.n_deltas == 3
     assert r.tool_calls == [{"id": "call_1", "type": "function",
                              "function": {"name": "read", "arguments": '{"path": "a.py"}'}}]
+
+
+def test_a_reply_without_visible_text_times_its_finish_chunk():
+    body = _sse(_delta(role="assistant", content=""), {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+                {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1}})
+    r = asyncio.run(_client(body).chat([], 4))
+    assert r.ttft_source == "finish" and r.n_deltas == 0 and 0 <= r.ttft_s <= r.wall_s
+    assert r.sample()["ttft_source"] == "finish"
 
 
 def test_stream_errors_are_explained():

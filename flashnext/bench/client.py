@@ -26,7 +26,7 @@ class BenchError(RuntimeError):
 class StreamResult:
     """Everything measured about one streamed request. Times are seconds from sending the request."""
     t_start: float                      # wall clock (epoch seconds) when the request was sent
-    ttft_s: float | None                # first content, reasoning or tool-call delta
+    ttft_s: float | None                # first content, reasoning or tool-call delta (see ttft_source)
     wall_s: float                       # end of the stream
     last_delta_s: float | None
     prompt_tokens: int | None           # from usage
@@ -37,6 +37,9 @@ class StreamResult:
     content: str = ""
     reasoning: str = ""
     tool_calls: list[dict] = field(default_factory=list)
+    # "delta"; or "finish" when the reply had no visible delta at all (a random-weight model that
+    # says only EOS): then the chunk that ended the choice is the first sign of the first token.
+    ttft_source: str | None = None
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -50,7 +53,8 @@ class StreamResult:
             "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens,
             "n_deltas": self.n_deltas, "finish_reason": self.finish_reason,
             "content_chars": len(self.content), "reasoning_chars": len(self.reasoning),
-            "tool_calls": len(self.tool_calls), "decode_tok_s": self.decode_tok_s, **extra,
+            "tool_calls": len(self.tool_calls), "decode_tok_s": self.decode_tok_s, "ttft_source": self.ttft_source,
+            **extra,
         }
 
 
@@ -139,7 +143,7 @@ class OpenAIClient:
                 body["tool_choice"] = tool_choice
         t_start = time.time()
         t0 = time.perf_counter()
-        ttft = last = None
+        ttft = last = finished_at = None
         n_deltas = 0
         usage: dict | None = None
         finish_reason = None
@@ -180,16 +184,18 @@ class OpenAIClient:
                         _merge_tool_call(calls, tc)
                     if choice.get("finish_reason"):
                         finish_reason = choice["finish_reason"]
+                        finished_at = now if finished_at is None else finished_at
         wall = time.perf_counter() - t0
         if usage is None:
             raise BenchError(f"{self.root} sent no usage chunk although stream_options.include_usage was set.")
         details = usage.get("prompt_tokens_details") or {}
+        source = "delta" if ttft is not None else "finish" if finished_at is not None else None
         return StreamResult(
-            t_start=t_start, ttft_s=ttft, wall_s=wall, last_delta_s=last,
+            t_start=t_start, ttft_s=ttft if ttft is not None else finished_at, wall_s=wall, last_delta_s=last,
             prompt_tokens=usage.get("prompt_tokens"), completion_tokens=usage.get("completion_tokens"),
             cached_tokens=details.get("cached_tokens"), n_deltas=n_deltas, finish_reason=finish_reason,
             content="".join(content), reasoning="".join(reasoning),
-            tool_calls=[calls[i] for i in sorted(calls)])
+            tool_calls=[calls[i] for i in sorted(calls)], ttft_source=source)
 
 
 def _merge_tool_call(calls: dict[int, dict], delta: dict) -> None:
