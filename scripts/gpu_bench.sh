@@ -13,7 +13,8 @@
 #   BENCH_ARGS="..."                    extra `flashnext bench` flags (e.g. "--runs 3 --depths 0,10000,65536")
 #   HOST_TIER_ARGS="..."                when set, idle runs a second time with these server flags (host-RAM KV tier)
 #   EXPERT_BUDGET_ARGS="..."            when set, experts runs a second time with these server flags (VRAM budget)
-#   OUT_DIR=bench/results  OUT=...      results folder; $OUT (the device machine's return folder) gets a copy
+#   OUT_DIR=bench/results  OUT=...      results folder; $OUT (the device machine's return folder) gets
+#                                       bench-results.tgz of it and report.md
 #   PYTHON=python3
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -66,7 +67,13 @@ if [ -n "${QUICK:-}" ]; then
   BENCH_ARGS="--max-tokens 128 --warmups 1 --runs 2 --depths 0,10000 --lengths 10000 --scale 0.3 \
 --conversations 2 --conv-tokens 8000 --churn-tokens 16000 --streams 1,2,4 --prompt-tokens 8000 ${BENCH_ARGS:-}"
 fi
-copy_out() { if [ -n "${OUT:-}" ]; then mkdir -p "$OUT/results" && cp -r "$OUT_DIR"/. "$OUT/results/"; fi; }
+# One archive (the device machine returns only a few files), plus the report when there is one.
+copy_out() {
+  if [ -n "${OUT:-}" ]; then
+    tar czf "$OUT/bench-results.tgz" -C "$OUT_DIR" .
+    if [ -f "$OUT_DIR/report.md" ]; then cp "$OUT_DIR/report.md" "$OUT/"; fi
+  fi
+}
 bench() {  # bench NAME SERVER_ARGS
   echo "== flashnext bench $1 (server args: ${2:-none})"
   # shellcheck disable=SC2086

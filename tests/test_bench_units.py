@@ -229,6 +229,12 @@ def test_stream_errors_are_explained():
     with pytest.raises(BenchError, match="usage"):
         asyncio.run(_client(_sse(_delta(content="x"))).chat([], 4))
 
+    def refuse(request):
+        raise httpx.ConnectError("connection refused")
+    client = OpenAIClient("http://x", transport=httpx.MockTransport(refuse))
+    with pytest.raises(BenchError, match="ConnectError"):
+        asyncio.run(client.chat([], 4))
+
 
 def test_api_root_accepts_v1_or_not():
     assert api_root("http://h:8/v1/") == api_root("http://h:8") == "http://h:8"

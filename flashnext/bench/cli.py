@@ -110,18 +110,29 @@ async def _run(args) -> int:
             raise BenchError("startup needs --model: it times our own server from process start.")
         names = [n for n in names if n != "startup"]
     progress = Progress()
-    tables = []
+    tables, failed = [], []
     async with open_target(args) as target:
         if target.server is not None:
             progress.note(f"server up in {target.server.startup_s:.2f} s (log: {target.server.log_path})")
         for name in names:
-            result, path, plots = await run_one(name, target, args, progress)
+            try:
+                result, path, plots = await run_one(name, target, args, progress)
+            except BenchError as e:
+                if len(names) == 1:
+                    raise
+                # One benchmark the server cannot serve (a context too short, a missing feature) must not
+                # cost the others their results in a long unattended run.
+                progress.note(f"{name} failed: {e}")
+                failed.append(name)
+                continue
             progress.note(f"wrote {path}" + "".join(f"\nwrote {p}" for p in plots))
             tables.append(f"## {name}\n\n{bench_module(name).table(result)}\n")
     if target.server is not None and target.server.log_path:
         shutil.copy(target.server.log_path, Path(args.out_dir) / "last-server.log")
     print("\n".join(tables))
-    return 0
+    if failed:
+        print(f"flashnext bench: {', '.join(failed)} failed (see above)", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:

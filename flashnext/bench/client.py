@@ -126,10 +126,16 @@ class OpenAIClient:
                 return len(data["tokens"])
         return None
 
-    async def chat(self, messages: list[dict], max_tokens: int, *, ignore_eos: bool = False,
-                   tools: list[dict] | None = None, tool_choice: str | None = None,
-                   on_delta: Callable[[int], None] | None = None) -> StreamResult:
+    async def chat(self, messages: list[dict], max_tokens: int, **kw) -> StreamResult:
         """One streamed chat completion with the protocol's sampling; returns its timings and usage."""
+        try:
+            return await self._chat(messages, max_tokens, **kw)
+        except httpx.HTTPError as e:  # a dropped connection or a timeout: the server died or hung
+            raise BenchError(f"{self.root}/v1/chat/completions: {type(e).__name__}: {e}") from e
+
+    async def _chat(self, messages: list[dict], max_tokens: int, *, ignore_eos: bool = False,
+                    tools: list[dict] | None = None, tool_choice: str | None = None,
+                    on_delta: Callable[[int], None] | None = None) -> StreamResult:
         body: dict = {
             "model": self.model, "messages": messages, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, **SAMPLING,
