@@ -1,0 +1,131 @@
+"""The engine: batched, chunked scheduling gives exactly what each request gets alone; aborts and
+preemption leave the pools as they started; impossible requests are refused with the limit named."""
+import random
+
+import pytest
+import torch
+
+from flashnext.engine.args import EngineArgs
+from flashnext.engine.errors import RequestRejected
+from flashnext.engine.llm_engine import LLMEngine
+from flashnext.engine.sampling_params import SamplingParams
+from flashnext.models.session import Session
+
+PRESETS = ["tiny-flash-next", "tiny-qwen3-next", "tiny-qwen3.5-moe"]
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def engine(request):
+    return LLMEngine(EngineArgs(model=request.param, device="cpu", dtype="float32", max_num_seqs=6,
+                                max_num_batched_tokens=23, max_model_len=512))
+
+
+def greedy_alone(engine, prompt, n):
+    s = Session(engine.loaded.model, 512)
+    logits, out = s.extend(prompt), []
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = s.extend([out[-1]])
+    return out
+
+
+def run_all(engine, max_steps=10_000):
+    outputs = {}
+    for _ in range(max_steps):
+        if not engine.has_work():
+            break
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    assert not engine.has_work()
+    return outputs
+
+
+def pools_idle(engine):
+    assert engine.kv.num_free == engine.kv.num_blocks
+    assert all(c == 0 for c in engine.kv.refcount)
+    assert engine.states.num_free == engine.states.num_slots
+    assert not engine.scheduler.running and not engine.scheduler.waiting and not engine.requests
+
+
+def test_batched_chunked_equals_alone(engine):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 480) for _ in range(n)] for n in (5, 70, 1, 33, 120, 17, 64, 9)]
+    max_tokens = [12, 5, 20, 9, 3, 16, 7, 11]
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
+    outputs = run_all(engine)
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        got = [t for o in outputs[str(i)] for t in o.token_ids]
+        assert got == greedy_alone(engine, p, m), f"request {i}"
+        assert outputs[str(i)][-1].finish_reason == "length"
+        assert outputs[str(i)][-1].completion_tokens == m
+    pools_idle(engine)
+
+
+def test_same_seed_same_text(engine):
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7], params)
+    engine.add_request("noise", [9, 9, 9, 9], SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True))
+    first = run_all(engine)["a"]
+    engine.add_request("b", [5, 6, 7], params)
+    second = run_all(engine)["b"]
+    ids = lambda outs: [t for o in outs for t in o.token_ids]  # noqa: E731
+    assert ids(first) == ids(second)
+    assert "".join(o.text for o in first) == "".join(o.text for o in second)
+
+
+def test_stop_string_across_tokens(engine):
+    prompt = [11, 12, 13, 14]
+    engine.add_request("free", prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    text = "".join(o.text for o in run_all(engine)["free"])
+    assert len(text) >= 6
+    stop = text[3:6]                      # three characters, usually spanning a token boundary
+    engine.add_request("stopped", prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop]))
+    outs = run_all(engine)["stopped"]
+    assert "".join(o.text for o in outs) == text[: text.index(stop)]
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
+    pools_idle(engine)
+
+
+def test_random_aborts_leave_pools_as_they_started(engine):
+    rng = random.Random(1)
+    live = []
+    for i in range(1000):
+        prompt = [rng.randrange(3, 480) for _ in range(rng.randrange(1, 40))]
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randrange(1, 6), temperature=0.7))
+        live.append(f"r{i}")
+        if rng.random() < 0.3:
+            engine.abort(live.pop(rng.randrange(len(live))))
+        if rng.random() < 0.2:
+            engine.step()
+    while engine.has_work():
+        if rng.random() < 0.05 and engine.requests:
+            engine.abort(rng.choice(list(engine.requests)))
+        engine.step()
+    pools_idle(engine)
+
+
+def test_preemption_keeps_outputs_exact():
+    # Too few KV blocks for all requests at once: the scheduler must preempt and recompute.
+    engine = LLMEngine(EngineArgs(model="tiny-qwen3-next", device="cpu", dtype="float32", max_num_seqs=4,
+                                  max_num_batched_tokens=64, max_model_len=128, kv_cache_gb=12 * 16 * 4 * 2 * 32 * 4 / 2**30))
+    assert engine.kv.num_blocks < 4 * 6
+    prompts = [[7 + i] * 60 for i in range(4)]
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    outputs = run_all(engine)
+    assert engine.scheduler.num_preemptions > 0
+    for i, p in enumerate(prompts):
+        assert [t for o in outputs[str(i)] for t in o.token_ids] == greedy_alone(engine, p, 30)
+    pools_idle(engine)
+
+
+def test_refusals_name_the_limit(engine):
+    with pytest.raises(RequestRejected, match="maximum context length is 512") as e:
+        engine.add_request("long", [5] * 500, SamplingParams(max_tokens=20))
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(RequestRejected, match="outside the vocabulary"):
+        engine.add_request("vocab", [10**6], SamplingParams())
+    with pytest.raises(RequestRejected, match="empty"):
+        engine.add_request("empty", [], SamplingParams())
+    pools_idle(engine)
