@@ -15,6 +15,7 @@
 #   EXPERT_BUDGET_ARGS="..."            when set, experts runs a second time with these server flags (VRAM budget)
 #   OUT_DIR=bench/results  OUT=...      results folder; $OUT (the device machine's return folder) gets
 #                                       bench-results.tgz of it and report.md
+#   FLASHNEXT_COMMIT=<sha>              the commit the results name, where this tree has no .git
 #   PYTHON=python3
 set -euo pipefail
 cd "$(dirname "$0")/.."

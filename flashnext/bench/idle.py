@@ -61,11 +61,11 @@ def table(result: dict) -> str:
             for s in resumes]
     out = md.table(["conversation", "history tokens", "cached tokens", "came back", "TTFT s",
                     "cold prefill TTFT s"], rows)
-    warm = [s for s in resumes if s["warm"]]
+    warm = summarize(s["ttft_s"] for s in resumes if s["warm"])
     cold_ttft = summarize(s["ttft_s"] for s in cold.values())["mean"]
-    out += (f"\n\n{len(warm)}/{len(resumes)} came back warm after {result['info']['churn_tokens']:,} tokens of "
-            f"other traffic; warm TTFT {md.num(summarize(s['ttft_s'] for s in warm)['min'], 3)}–"
-            f"{md.num(summarize(s['ttft_s'] for s in warm)['max'], 3)} s, cold prefill {md.num(cold_ttft, 3)} s.")
+    warm_ttft = f"warm TTFT {md.num(warm['min'], 3)}–{md.num(warm['max'], 3)} s" if warm["n"] else "none warm"
+    out += (f"\n\n{warm['n']}/{len(resumes)} came back warm after {result['info']['churn_tokens']:,} tokens of "
+            f"other traffic; {warm_ttft}, cold prefill {md.num(cold_ttft, 3)} s.")
     return out
 
 

@@ -21,6 +21,9 @@ def utc_now() -> str:
 
 
 def git_commit() -> str:
+    """HEAD of the checkout; FLASHNEXT_COMMIT where the tree is a copy without .git (the GPU machine)."""
+    if os.environ.get("FLASHNEXT_COMMIT"):
+        return os.environ["FLASHNEXT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_REPO, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):

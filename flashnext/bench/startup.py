@@ -44,7 +44,7 @@ async def run(ctx):
 
 def table(result: dict) -> str:
     rows = [[s["run"] + 1, md.num(s["startup_s"], 2), md.num(s["load_s"], 2),
-             md.num(s["model_bytes"] / 1e9, 2) if s["model_bytes"] else "n/a", s["model_bytes_source"] or "",
+             md.num(s["model_bytes"] / 1e9, 3) if s["model_bytes"] else "n/a", s["model_bytes_source"] or "",
              md.num(s["load_gb_s"], 2)] for s in result["samples"]]
     return md.table(["run", "seconds to /health 200", "load s (server log)", "model GB", "bytes from",
                      "load GB/s"], rows)
