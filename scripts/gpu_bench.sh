@@ -9,6 +9,7 @@
 # Settings (environment):
 #   PRESET=flash-next  DTYPE=int4       what `flashnext synth` makes
 #   CKPT=/tmp/flashnext-$PRESET-$DTYPE  where the checkpoint goes (reused when it has a config.json)
+#   LAYERS=N                            synthesise only N layers (a smaller, faster checkpoint)
 #   SERVER_ARGS="..."                   extra `flashnext serve` flags for every run
 #   BENCH_ARGS="..."                    extra `flashnext bench` flags (e.g. "--runs 3 --depths 0,10000,65536")
 #   HOST_TIER_ARGS="..."                when set, idle runs a second time with these server flags (host-RAM KV tier)
@@ -54,11 +55,32 @@ if [ -n "$need" ]; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || echo "no nvidia-smi: results will say cpu"
 
-# 2. The checkpoint: random weights of the released config, in the released quantisation.
+# 2. The checkpoint: random weights of the released config, in the released quantisation. Check the disk
+# first: a synthesis that fills it fails only after minutes (flash-next's bf16 PLE table alone is ~102 GB).
 if [ ! -f "$CKPT/config.json" ]; then
-  echo "synthesising $PRESET ($DTYPE) into $CKPT; free disk: $(df -h --output=avail "$(dirname "$CKPT")" | tail -1)"
+  need_gb=$("$PY" - "$PRESET" "$DTYPE" "${LAYERS:-}" <<'PY'
+import math, sys
+from flashnext.weights.presets import get_preset, set_num_layers
+from flashnext.weights.synth import expected_tensors, is_quantised
+preset, dtype, layers = sys.argv[1:4]
+config = get_preset(preset)
+if layers:
+    set_num_layers(config, int(layers))
+quantised = {"int4": 0.53, "fp8": 1.0, "bf16": 2.0}[dtype]  # bytes per parameter, scales included
+total = sum(math.prod(shape) * (quantised if is_quantised(name) else 2.0)
+            for name, (shape, _) in expected_tensors(config).items())
+print(math.ceil(total / 1e9))
+PY
+)
+  mkdir -p "$(dirname "$CKPT")"
+  free_gb=$(df -B1000000000 --output=avail "$(dirname "$CKPT")" | tail -1 | tr -d ' ')
+  echo "synthesising $PRESET ($DTYPE${LAYERS:+, $LAYERS layers}) into $CKPT: ~$need_gb GB, $free_gb GB free"
+  if [ "$need_gb" -gt "$free_gb" ]; then
+    echo "not enough disk: point CKPT at a larger volume, use a smaller PRESET, or fewer LAYERS"
+    exit 3
+  fi
   t0=$SECONDS
-  "$PY" -m flashnext.cli synth --preset "$PRESET" --dtype "$DTYPE" --out "$CKPT"
+  "$PY" -m flashnext.cli synth --preset "$PRESET" --dtype "$DTYPE" --out "$CKPT" ${LAYERS:+--layers "$LAYERS"}
   echo "synthesised in $((SECONDS - t0)) s: $(du -sh "$CKPT" | cut -f1)"
 fi
 
