@@ -22,6 +22,7 @@ from flashnext.engine.request import Request, Status
 from flashnext.engine.sampler import validate_token_ids
 from flashnext.engine.sampling_params import InvalidParams, SamplingParams
 from flashnext.engine.scheduler import Scheduler
+from flashnext.engine.structured.backend import InvalidConstraint, shared_backend
 from flashnext.tokenizer.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("flashnext.engine")
@@ -135,8 +136,15 @@ class LLMEngine:
             raise RequestRejected(f"the request needs {n + wanted} tokens of KV cache; the pool holds "
                                   f"{self.kv.num_blocks * self.kv.block_size} (raise --kv-cache-gb)",
                                   "max_tokens", "context_length_exceeded")
+        constraint = None
+        if params.structured is not None:
+            try:
+                backend = shared_backend(self.loaded.path / "tokenizer.json", self.config.vocab_size, self.eos_token_ids)
+                constraint = backend.constraint(params.structured)
+            except InvalidConstraint as e:
+                raise RequestRejected(str(e), params.structured.param) from None
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens)
-        request = Request(request_id, list(prompt_ids), params, detok, self.max_model_len)
+        request = Request(request_id, list(prompt_ids), params, detok, self.max_model_len, constraint=constraint)
         self.requests[request_id] = request
         self.scheduler.add(request)
         self.prompt_tokens_total += n
@@ -196,6 +204,11 @@ class LLMEngine:
         m.last_token_time = now
         request.output_ids.append(token)
         request.pending_ids.append(token)
+        if request.constraint is not None and not request.constraint.accept(token):
+            # Only a conflicting setting gets here (min_tokens holding back the EOS a complete grammar needs).
+            log.warning("%s: token %d breaks its %s constraint; no longer constrained", request.request_id, token,
+                        request.constraint.kind)
+            request.constraint = None
         self.generation_tokens_total += 1
         if logprob is not None:
             request.pending_logprobs.append(logprob)

@@ -11,6 +11,7 @@ from flashnext.cache.kv_pool import KVPool
 from flashnext.cache.state_pool import StatePool
 from flashnext.engine.sampler import SamplerOutput, SamplingBatch, sample
 from flashnext.engine.scheduler import ScheduledChunk
+from flashnext.engine.structured.backend import apply_constraints
 from flashnext.models.context import ForwardContext, Segment
 
 
@@ -40,6 +41,7 @@ class ModelRunner:
         last_rows = torch.tensor([s.end - 1 for _, s in sampling], device=self.device)
         logits = self.model.compute_logits(hidden[last_rows]).float()
         requests = [c.request for c, _ in sampling]
+        apply_constraints(logits, [r.constraint for r in requests])
         batch = SamplingBatch.build([r.params for r in requests], [r.output_ids for r in requests],
                                     [r.prompt_ids for r in requests], self.vocab_size, self.device,
                                     eos_token_ids=self.eos_token_ids, generators=[r.generator for r in requests])

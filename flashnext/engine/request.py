@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,6 +12,9 @@ from flashnext.engine.outputs import RequestMetrics, TokenLogprob
 from flashnext.engine.sampling_params import SamplingParams
 from flashnext.engine.stop_strings import StopStringMatcher
 from flashnext.tokenizer.detokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from flashnext.engine.structured.backend import StructuredConstraint
 
 
 class Status(enum.Enum):
@@ -35,6 +39,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
+    constraint: StructuredConstraint | None = None   # params.structured, compiled; advanced per token
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
     # Not yet handed to the caller:
     pending_ids: list[int] = field(default_factory=list)

@@ -5,6 +5,10 @@ Validation lives here so the server and the Python API reject the same things wi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flashnext.engine.structured import StructuredOutput
 
 
 class InvalidParams(ValueError):
@@ -35,6 +39,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None          # None: no logprobs; k: the chosen token plus top-k
     n: int = 1
+    structured: StructuredOutput | None = None   # constrained decoding (JSON, forced tool calls)
 
     def __post_init__(self):
         if self.max_tokens is not None and self.max_tokens < 1:

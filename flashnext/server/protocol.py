@@ -90,6 +90,7 @@ class StreamOptions(_Open):
 
 class ResponseFormat(_Open):
     type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: dict[str, Any] | None = None   # {"name", "schema", "strict"}; checked when the grammar is built
 
 
 class _SamplingFields(_Open):
@@ -140,6 +141,7 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     logprobs: int | None = None
     best_of: int | None = None
+    response_format: ResponseFormat | None = None   # vLLM's extra: JSON output for raw prompts too
 
     @field_validator("prompt")
     @classmethod

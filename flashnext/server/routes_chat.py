@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 
 from flashnext.engine.sampling_params import InvalidParams
+from flashnext.engine.structured import openai as structured
 from flashnext.server import parsers
 from flashnext.server.app import check_model, get_engine, settings_of
 from flashnext.server.errors import APIError
@@ -77,11 +78,25 @@ async def render_chat(engine, req) -> RenderedChat:
     return RenderedChat(ids, tools, reasoning, reasoning and text.rstrip().endswith("<think>"))
 
 
-def _parser(engine, settings, rendered: RenderedChat):
+def _tool_format(engine, settings) -> str | None:
     fmt = settings.tool_call_parser
-    if fmt == "auto":
-        fmt = getattr(engine.tokenizer, "tool_format", None)
-    return parsers.ChatOutputParser(fmt, rendered.tools, rendered.reasoning, rendered.starts_in_reasoning)
+    return getattr(engine.tokenizer, "tool_format", None) if fmt == "auto" else fmt
+
+
+def _parser(engine, settings, rendered: RenderedChat):
+    return parsers.ChatOutputParser(_tool_format(engine, settings), rendered.tools, rendered.reasoning,
+                                    rendered.starts_in_reasoning)
+
+
+def _constraint(engine, settings, body, rendered: RenderedChat):
+    """A forced tool choice or a JSON response_format, as a checked constraint (None: free generation)."""
+    reasoning = structured.reasoning_mode(rendered.reasoning, rendered.starts_in_reasoning)
+    choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice
+    spec = structured.from_tool_choice(rendered.tools, choice, _tool_format(engine, settings), reasoning,
+                                       parallel=body.parallel_tool_calls is not False)
+    if spec is None and body.response_format is not None:
+        spec = structured.from_response_format(body.response_format.model_dump(), reasoning)
+    return spec
 
 
 def openai_deltas(deltas) -> list[dict]:
@@ -136,6 +151,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = fit_context(len(rendered.prompt_ids), limit, engine.max_model_len, param)
     params = sampling_params(body, max_tokens=max_tokens, logprobs=top_k)
+    params.structured = await asyncio.to_thread(_constraint, engine, settings, body, rendered)
     output_parsers = [_parser(engine, settings, rendered) for _ in range(body.n)]
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     head = {"id": cid, "created": int(time.time()), "model": model, "system_fingerprint": SYSTEM_FINGERPRINT}

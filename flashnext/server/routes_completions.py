@@ -1,11 +1,13 @@
 """POST /v1/completions (legacy): raw prompts — text, token ids, or a batch of either — with `echo`."""
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
 from fastapi import APIRouter, Request
 
+from flashnext.engine.structured import openai as structured
 from flashnext.server.app import check_model, get_engine, settings_of
 from flashnext.server.errors import APIError
 from flashnext.server.generation import Fanout, collect, fit_context, jobs_for, sampling_params
@@ -55,11 +57,14 @@ async def completions(body: CompletionRequest, request: Request):
     limit = DEFAULT_MAX_TOKENS if body.max_tokens is None and "max_tokens" not in body.model_fields_set else body.max_tokens
     sampling_params(body, max_tokens=limit, logprobs=body.logprobs)
     prompts = _prompts(engine, body.prompt)
+    response_format = body.response_format.model_dump() if body.response_format is not None else None
+    constraint = await asyncio.to_thread(structured.from_response_format, response_format)
     jobs = []
     cid = f"cmpl-{uuid.uuid4().hex}"
     for p, ids in enumerate(prompts):
         params = sampling_params(body, max_tokens=fit_context(len(ids), limit, engine.max_model_len, prompt_param="prompt"),
                                  logprobs=body.logprobs)
+        params.structured = constraint
         jobs += jobs_for(cid, ids, params, first_index=p * body.n)
     head = {"id": cid, "created": int(time.time()), "model": model, "system_fingerprint": SYSTEM_FINGERPRINT}
     texts = TokenTexts(engine.tokenizer)
