@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from flashnext.cache.kv_pool import KVPool
+from flashnext.cache.prefix_cache import PrefixCache
 from flashnext.cache.state_pool import StatePool
 from flashnext.engine.args import EngineArgs, resolve_dtype
 from flashnext.engine.errors import RequestRejected
@@ -80,7 +81,9 @@ class LLMEngine:
         self.memory_plan = MemoryPlan(str(self.device), str(self.dtype).replace("torch.", ""), self.loaded.weight_bytes,
                                       num_blocks, block_size, num_blocks * KVPool.bytes_per_block(cfg, block_size, self.dtype),
                                       args.max_num_seqs, args.max_num_seqs * slot_bytes)
-        self.scheduler = Scheduler(self.kv, self.states, args.max_num_seqs, args.max_num_batched_tokens)
+        self.prefix_cache = self._build_prefix_cache(block_size)
+        self.scheduler = Scheduler(self.kv, self.states, args.max_num_seqs, args.max_num_batched_tokens,
+                                   self.prefix_cache, args.prefix_snapshot_interval)
         eos = set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(e for e in eos if e < cfg.vocab_size)
         self.runner = ModelRunner(self.loaded.model, self.kv, self.states, self.eos_token_ids, self.device)
@@ -88,6 +91,26 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         log.info("memory plan: %s", self.memory_plan)
+
+    def _build_prefix_cache(self, block_size: int) -> PrefixCache | None:
+        args = self.args
+        if not args.enable_prefix_caching:
+            return None
+        if args.prefix_snapshot_interval < 0 or args.prefix_snapshot_interval % block_size:
+            raise ValueError(f"--prefix-snapshot-interval {args.prefix_snapshot_interval} must be a multiple of the "
+                             f"KV block size {block_size} (or 0 for no snapshots inside a prefill)")
+        gib = 1 << 30
+        lower = None
+        if args.kv_disk_dir:
+            from flashnext.cache.disk_tier import DiskTier, model_identity
+
+            identity = model_identity(self.loaded.path, self.dtype, block_size)
+            lower = DiskTier(args.kv_disk_dir, int(args.kv_disk_gb * gib), block_size, identity)
+        if args.kv_host_gb > 0:
+            from flashnext.cache.host_tier import HostTier
+
+            lower = HostTier(int(args.kv_host_gb * gib), block_size, lower)
+        return PrefixCache(self.kv, self.states, int(args.prefix_cache_gb * gib), lower, args.kv_host_write_through)
 
     def _plan_kv_blocks(self, block_size: int, slot_bytes: int) -> int:
         per_block = KVPool.bytes_per_block(self.config, block_size, self.dtype)
@@ -97,7 +120,8 @@ class LLMEngine:
             free, total = torch.cuda.mem_get_info(self.device)
             reserve = total * (1 - self.args.gpu_memory_fraction)
             activations = 2 << 30   # prefill chunk activations, logits and sampling scratch
-            budget = int(free - reserve - activations - self.args.max_num_seqs * slot_bytes)
+            snapshots = self.args.prefix_cache_gb * (1 << 30) if self.args.enable_prefix_caching else 0
+            budget = int(free - reserve - activations - self.args.max_num_seqs * slot_bytes - snapshots)
         else:
             # CPU: enough for every sequence at full length, capped at 4 GiB
             budget = min(4 << 30, self.args.max_num_seqs * self.max_model_len * per_block // block_size)
@@ -172,8 +196,7 @@ class LLMEngine:
                 c.request.metrics.first_scheduled_time = now
         sampling = [c.request for c in chunks if c.samples]
         sampled = self.runner.run(chunks)
-        for c in chunks:
-            c.request.num_computed += c.num_tokens
+        self.scheduler.computed(chunks)
         outputs = []
         if sampled is not None:
             tokens = sampled.token_ids.tolist()
@@ -251,7 +274,8 @@ class LLMEngine:
         total = self.kv.num_blocks
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=(total - self.kv.num_free) / total, prefix_queries=0, prefix_hits=0,
+            kv_cache_usage=(total - self.kv.num_free) / total, prefix_queries=self.scheduler.prefix_queries,
+            prefix_hits=self.scheduler.prefix_hits,
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
             num_preemptions=self.scheduler.num_preemptions, free_kv_blocks=self.kv.num_free, total_kv_blocks=total,
             free_state_slots=self.states.num_free, total_state_slots=self.states.num_slots)

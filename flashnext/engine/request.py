@@ -33,6 +33,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0            # tokens whose KV / state is written
     num_cached: int = 0              # prompt tokens served from the prefix cache
+    prefix_counted: bool = False     # admitted once: prefix cache stats and num_cached are set
     slot: int | None = None
     blocks: list[int] = field(default_factory=list)
     status: Status = Status.WAITING

@@ -3,8 +3,14 @@
 One rule covers prefill, decode and chunked prefill: every request has tokens known and tokens computed,
 and a step closes part of each gap within a token budget. Running requests go first (a decode costs one
 token), oldest first; then waiting requests are admitted while a state slot, KV blocks and budget last.
-When blocks run out, the newest running request is preempted: its slot and blocks are freed and it waits
-again, to be recomputed from its tokens (its output so far is kept).
+When blocks run out, the prefix cache gives back least recently used entries first; then the newest
+running request is preempted: it is snapshotted into the prefix cache (when there is one), its slot and
+blocks are freed, and it waits again, to resume from that snapshot or be recomputed from its tokens.
+
+With a prefix cache, an admitted request first resumes from the deepest cached snapshot of its tokens
+(never all of them: the last token must run to give logits), and prefill chunks are cut at snapshot
+positions (multiples of the snapshot interval inside the prompt) so the state after such a chunk is the
+snapshot.
 """
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from flashnext.cache.kv_pool import KVPool
+from flashnext.cache.prefix_cache import PrefixCache
 from flashnext.cache.state_pool import StatePool
 from flashnext.engine.request import Request, Status
 
@@ -28,14 +35,19 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, kv: KVPool, states: StatePool, max_num_seqs: int, token_budget: int):
+    def __init__(self, kv: KVPool, states: StatePool, max_num_seqs: int, token_budget: int,
+                 prefix_cache: PrefixCache | None = None, snapshot_interval: int = 0):
         self.kv = kv
         self.states = states
         self.max_num_seqs = max_num_seqs
         self.token_budget = token_budget
+        self.prefix_cache = prefix_cache
+        self.snapshot_interval = snapshot_interval if prefix_cache is not None else 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefix_queries = 0      # prompt tokens of admitted requests (first admission only)
+        self.prefix_hits = 0         # of which served from the prefix cache
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -48,28 +60,57 @@ class Scheduler:
                 break
             if request not in self.running:      # preempted while making room for an older request
                 continue
-            n = min(request.num_uncomputed, budget)
+            n = self._chunk_len(request, request.num_computed, budget)
             if not self._reserve_blocks(request, n, chunks):
                 continue
             chunks.append(ScheduledChunk(request, n))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.states.num_free:
             request = self.waiting[0]
-            n = min(request.num_uncomputed, budget)
-            if self.kv.blocks_for(request.num_computed + n) > self.kv.num_free:
+            hit = None
+            if self.prefix_cache is not None:
+                hit = self.prefix_cache.lookup(request.all_ids, request.num_tokens - 1)
+            shared = hit.blocks if hit is not None else []
+            start = hit.num_tokens if hit is not None else 0
+            n = self._chunk_len(request, start, budget)
+            need = self.kv.blocks_for(start + n) - len(shared)
+            self.kv.share(shared)            # held before evicting, so eviction cannot free them
+            if need > self.kv.num_free and self.prefix_cache is not None:
+                self.prefix_cache.free_blocks(need)
+            if need > self.kv.num_free:
+                self.kv.release(shared)
                 break
             self.waiting.popleft()
             request.slot = self.states.allocate()
             request.status = Status.RUNNING
+            request.blocks = shared + self.kv.allocate(need)
+            if hit is not None:
+                self.prefix_cache.resume(request.slot, request.blocks, hit)
+            request.num_computed = start
+            if not request.prefix_counted:
+                request.prefix_counted = True
+                request.num_cached = start
+                self.prefix_queries += len(request.prompt_ids)
+                self.prefix_hits += start
             self.running.append(request)
-            self._reserve_blocks(request, n, chunks)
             chunks.append(ScheduledChunk(request, n))
             budget -= n
         return chunks
 
+    def _chunk_len(self, request: Request, start: int, budget: int) -> int:
+        """Tokens of the next chunk: the budget's worth, never crossing a snapshot position in the prompt."""
+        n = min(request.num_tokens - start, budget)
+        if self.snapshot_interval:
+            boundary = (start // self.snapshot_interval + 1) * self.snapshot_interval
+            if boundary < len(request.prompt_ids):
+                n = min(n, boundary - start)
+        return n
+
     def _reserve_blocks(self, request: Request, n: int, chunks: list[ScheduledChunk]) -> bool:
         need = self.kv.blocks_for(request.num_computed + n) - len(request.blocks)
         while need > self.kv.num_free:
+            if self.prefix_cache is not None and self.prefix_cache.free_blocks(need):
+                break
             victim = self.running[-1]
             if victim is request:
                 self.preempt(request)
@@ -82,13 +123,30 @@ class Scheduler:
 
     def preempt(self, request: Request) -> None:
         self.num_preemptions += 1
+        self.snapshot(request)
         self._release(request)
         request.num_computed = 0
         request.status = Status.WAITING
         self.waiting.appendleft(request)
 
+    def computed(self, chunks: list[ScheduledChunk]) -> None:
+        """After a step: advance each request and snapshot those that reached a snapshot position."""
+        for c in chunks:
+            r = c.request
+            r.num_computed += c.num_tokens
+            n, prompt = r.num_computed, len(r.prompt_ids)
+            if n == prompt or (self.snapshot_interval and n < prompt and n % self.snapshot_interval == 0):
+                self.snapshot(r)
+
+    def snapshot(self, request: Request, turn_end: bool = False) -> None:
+        """Put the request's computed prefix (KV blocks + its slot's state) into the prefix cache."""
+        if self.prefix_cache is not None and request.slot is not None:
+            self.prefix_cache.insert(request.all_ids, request.blocks, request.slot, request.num_computed, turn_end)
+
     def finish(self, request: Request) -> None:
         if request in self.running:
+            if request.finish_reason != "abort":
+                self.snapshot(request, turn_end=True)
             self._release(request)
         elif request in self.waiting:
             self.waiting.remove(request)

@@ -1,0 +1,152 @@
+"""The disk tier of the prefix cache: conversations survive a restart.
+
+Layout under --kv-disk-dir: `blocks/<hash>.safetensors` (one KV block of every attention layer, shared
+by every snapshot whose prefix contains it) and `snapshots/<key>.safetensors` (state + partial block).
+Each file's safetensors header carries the format version, the model identity (a hash of config.json,
+the weights index or first shard header, dtype and block size) and a sha256 of its tensors. At start the
+snapshot headers are indexed; a foreign or unreadable file is skipped with a warning, and a payload whose
+checksum fails is never loaded (its entry is dropped, the request is computed from scratch).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from flashnext.cache.cache_entry import Snapshot
+from flashnext.cache.tier_index import BlockData, CorruptEntry, SnapshotMeta, TierIndex
+
+log = logging.getLogger("flashnext.cache")
+
+FORMAT = "flashnext-prefix-cache-v1"
+
+
+def model_identity(model_path, dtype: torch.dtype, block_size: int) -> str:
+    """Entries are only valid for the same weights, dtype and block layout."""
+    path = Path(model_path)
+    h = hashlib.sha256(FORMAT.encode())
+    h.update((path / "config.json").read_bytes())
+    index = path / "model.safetensors.index.json"
+    shards = sorted(path.glob("*.safetensors"))
+    if index.exists():
+        h.update(index.read_bytes())
+    if shards:
+        with open(shards[0], "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            h.update(f.read(min(size, 1 << 24)))
+    h.update(f"{dtype}|{block_size}".encode())
+    return h.hexdigest()
+
+
+def checksum(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class DiskTier(TierIndex):
+    name = "disk"
+
+    def __init__(self, directory, capacity_bytes: int, block_size: int, identity: str):
+        super().__init__(capacity_bytes, block_size, None)
+        self.dir = Path(directory)
+        self.identity = identity
+        self.block_dir = self.dir / "blocks"
+        self.snapshot_dir = self.dir / "snapshots"
+        self.block_dir.mkdir(parents=True, exist_ok=True)
+        self.snapshot_dir.mkdir(parents=True, exist_ok=True)
+        self._scan()
+
+    def _block_path(self, h: bytes) -> Path:
+        return self.block_dir / f"{h.hex()}.safetensors"
+
+    def _snapshot_path(self, key: bytes) -> Path:
+        return self.snapshot_dir / f"{key.hex()}.safetensors"
+
+    def _scan(self) -> None:
+        paths = sorted(self.snapshot_dir.glob("*.safetensors"), key=lambda p: p.stat().st_mtime)
+        for path in paths:
+            try:
+                with safe_open(str(path), "pt") as f:
+                    meta = f.metadata() or {}
+                key = bytes.fromhex(path.stem)
+                if meta.get("format") != FORMAT or meta.get("model") != self.identity:
+                    log.warning("disk cache: ignoring %s: written by another model or format version", path)
+                    continue
+                blocks = [bytes.fromhex(h) for h in json.loads(meta["blocks"])]
+                missing = [h for h in blocks if not self._block_path(h).exists()]
+                if missing:
+                    log.warning("disk cache: ignoring %s: %d of its KV block files are missing", path, len(missing))
+                    continue
+                tail, num_tokens = tuple(json.loads(meta["tail"])), int(meta["num_tokens"])
+            except Exception as e:   # noqa: BLE001 - any unreadable header means: not ours to load
+                log.warning("disk cache: ignoring unreadable %s: %s", path, e)
+                continue
+            for h in blocks:
+                if h not in self.block_refs:
+                    self.block_refs[h], self.block_bytes[h] = 0, self._block_path(h).stat().st_size
+                    self.bytes += self.block_bytes[h]
+                self.block_refs[h] += 1
+            self._index(key, SnapshotMeta(blocks, tail, num_tokens, path.stat().st_size))
+        if self.snaps:
+            log.info("disk cache: %d snapshots (%.2f GiB) in %s", len(self.snaps), self.bytes / (1 << 30), self.dir)
+        self._fit()
+
+    def _write(self, path: Path, tensors: dict[str, torch.Tensor], extra: dict[str, str]) -> int:
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+        meta = {"format": FORMAT, "model": self.identity, "checksum": checksum(tensors), **extra}
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+        return path.stat().st_size
+
+    def _read(self, path: Path) -> dict[str, torch.Tensor]:
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except OSError:
+            raise
+        except Exception as e:   # noqa: BLE001 - safetensors raises its own error types for damaged files
+            raise CorruptEntry(f"{path} is unreadable: {e}") from None
+        if meta.get("format") != FORMAT or meta.get("model") != self.identity:
+            raise CorruptEntry(f"{path} was written by another model or format version")
+        if meta.get("checksum") != checksum(tensors):
+            raise CorruptEntry(f"{path} fails its checksum")
+        return tensors
+
+    def _store_block(self, h: bytes, data: BlockData) -> int:
+        path = self._block_path(h)
+        return path.stat().st_size if path.exists() else self._write(path, data, {"kind": "block"})
+
+    def _store_snapshot(self, key: bytes, meta: SnapshotMeta, snap: Snapshot) -> int:
+        tensors = {f"state.{k}": v for k, v in snap.state.items()}
+        tensors.update({f"tail.{k}": v for k, v in (snap.tail_kv or {}).items()})
+        extra = {"kind": "snapshot", "blocks": json.dumps([h.hex() for h in meta.blocks]),
+                 "tail": json.dumps(list(snap.tail)), "num_tokens": str(snap.num_tokens)}
+        return self._write(self._snapshot_path(key), tensors, extra)
+
+    def _load_block(self, h: bytes) -> BlockData:
+        return self._read(self._block_path(h))
+
+    def _load_snapshot(self, key: bytes, meta: SnapshotMeta) -> Snapshot:
+        path = self._snapshot_path(key)
+        tensors = self._read(path)
+        state = {k[len("state."):]: v for k, v in tensors.items() if k.startswith("state.")}
+        tail_kv = {k[len("tail."):]: v for k, v in tensors.items() if k.startswith("tail.")} or None
+        os.utime(path)   # LRU order survives a restart
+        return Snapshot(meta.num_tokens, meta.tail, state, tail_kv)
+
+    def _drop_block(self, h: bytes) -> None:
+        self._block_path(h).unlink(missing_ok=True)
+
+    def _drop_snapshot(self, key: bytes) -> None:
+        self._snapshot_path(key).unlink(missing_ok=True)

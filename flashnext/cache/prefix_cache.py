@@ -1,0 +1,223 @@
+"""Prefix cache for hybrid models: a block-granular trie over token ids whose nodes own KV blocks, with
+snapshots of the recurrent state at chosen positions.
+
+In a hybrid model a cached prefix is useless without the recurrent state at its end, so a request resumes
+from the deepest *snapshot* on its prompt, not from the deepest matching block. Snapshots are taken at
+--prefix-snapshot-interval boundaries during prefill (the scheduler cuts chunks there, so the state after
+a chunk is the snapshot), at the end of every prompt, at the end of every finished reply, and when a
+request is preempted.
+
+Node at depth d ↔ the d-th full block of a prefix (its KV block is shared through KVPool refcounts with the
+requests using it). A snapshot at position p = d·block_size + r hangs off the depth-d node under its r tail
+tokens; when r > 0 the partial block's contents travel inside the snapshot and are copied into a fresh
+block on resume (a sequence writes into its last block, so a partial block is never shared). A node
+without any snapshot below it is useless and is pruned at once.
+
+Device memory is LRU by bytes: snapshots under --prefix-cache-gb, KV blocks when the pool runs short
+(the scheduler calls free_blocks before preempting). An evicted snapshot moves to the next tier down
+(host RAM, then disk) with its prefix blocks; a hit in a lower tier is copied back in before resuming.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from flashnext.cache.cache_entry import ROOT_HASH, Snapshot, block_hash, read_block, snapshot_key, write_block
+from flashnext.cache.kv_pool import KVPool
+from flashnext.cache.state_pool import StatePool
+from flashnext.cache.tier_index import TierIndex
+
+log = logging.getLogger("flashnext.cache")
+
+
+@dataclass(eq=False)
+class Node:
+    key: tuple[int, ...]                 # the block's tokens
+    hash: bytes                          # chained hash of every token up to the block's end
+    block: int                           # KV block id (one reference held by the cache)
+    parent: Node | None
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    snapshots: dict[tuple[int, ...], Snapshot] = field(default_factory=dict)
+    pins: int = 0                        # kept while a lower-tier entry is being copied in below it
+
+    def path(self) -> list[Node]:
+        """The nodes from depth 1 down to this one."""
+        out, node = [], self
+        while node.parent is not None:
+            out.append(node)
+            node = node.parent
+        return out[::-1]
+
+
+@dataclass
+class PrefixHit:
+    blocks: list[int]            # shared full blocks of the prefix
+    snapshot: Snapshot
+
+    @property
+    def num_tokens(self) -> int:
+        return self.snapshot.num_tokens
+
+
+class PrefixCache:
+    def __init__(self, kv: KVPool, states: StatePool, snapshot_budget_bytes: int, lower: TierIndex | None = None,
+                 write_through: bool = False):
+        self.kv = kv
+        self.states = states
+        self.block_size = kv.block_size
+        self.snapshot_budget = snapshot_budget_bytes
+        self.lower = lower
+        self.write_through = write_through
+        self.root = Node((), ROOT_HASH, -1, None)
+        self.lru: OrderedDict[bytes, tuple[Node, tuple[int, ...]]] = OrderedDict()
+        self.snapshot_bytes = 0
+
+    # ---- lookup and resume ----
+    def lookup(self, tokens: list[int], limit: int) -> PrefixHit | None:
+        """The deepest snapshot of a prefix of tokens[:limit], copied in from a lower tier if deeper there."""
+        found = self._match(tokens, limit)
+        depth = found[0].snapshots[found[1]].num_tokens if found else 0
+        tier = self.lower
+        while tier is not None:
+            entry = tier.match(tokens, limit, deeper_than=depth)
+            if entry is not None:
+                loaded = tier.load(entry[0])
+                if loaded is not None and self._install(tokens, *loaded):
+                    found = self._match(tokens, limit)
+                    break
+            tier = tier.lower
+        if found is None:
+            return None
+        node, tail = found
+        snap = node.snapshots[tail]
+        self.lru.move_to_end(snapshot_key(node.hash, tail))
+        return PrefixHit([n.block for n in node.path()], snap)
+
+    def _match(self, tokens: list[int], limit: int) -> tuple[Node, tuple[int, ...]] | None:
+        bs, node, depth, best = self.block_size, self.root, 0, None
+        while True:
+            for tail, snap in node.snapshots.items():
+                n = depth * bs + len(tail)
+                if n <= limit and tuple(tokens[depth * bs:n]) == tail and (best is None or n > best[2]):
+                    best = (node, tail, n)
+            if (depth + 1) * bs > limit:
+                break
+            node = node.children.get(tuple(tokens[depth * bs:(depth + 1) * bs]))
+            if node is None:
+                break
+            depth += 1
+        return None if best is None else best[:2]
+
+    def resume(self, slot: int, blocks: list[int], hit: PrefixHit) -> None:
+        """Fill a fresh slot and the sequence's first non-shared block (when the hit is not aligned)."""
+        self.states.restore(slot, hit.snapshot.state)
+        if hit.snapshot.tail_kv is not None:
+            write_block(self.kv, blocks[len(hit.blocks)], hit.snapshot.tail_kv)
+
+    # ---- insertion ----
+    def insert(self, tokens: list[int], blocks: list[int], slot: int, num_tokens: int, turn_end: bool = False) -> None:
+        """Snapshot a running sequence whose first num_tokens tokens are computed (state of `slot`)."""
+        if num_tokens <= 0:
+            return
+        bs = self.block_size
+        d = num_tokens // bs
+        node = self.root
+        for i in range(d):
+            key = tuple(tokens[i * bs:(i + 1) * bs])
+            child = node.children.get(key)
+            if child is None:
+                self.kv.share([blocks[i]])
+                child = node.children[key] = Node(key, block_hash(node.hash, key), blocks[i], node)
+            node = child
+        tail = tuple(tokens[d * bs:num_tokens])
+        key = snapshot_key(node.hash, tail)
+        snap = node.snapshots.get(tail)
+        if snap is None:
+            tail_kv = {k: v.clone() for k, v in read_block(self.kv, blocks[d]).items()} if tail else None
+            snap = Snapshot(num_tokens, tail, self.states.snapshot(slot), tail_kv)
+            node.snapshots[tail] = snap
+            self.snapshot_bytes += snap.nbytes
+        self.lru[key] = (node, tail)
+        self.lru.move_to_end(key)
+        if turn_end and self.write_through:
+            tier = self.lower
+            while tier is not None:
+                self._write_down(tier, node, key, snap)
+                tier = tier.lower
+        while self.snapshot_bytes > self.snapshot_budget and self.lru:
+            self._evict(next(iter(self.lru)))
+
+    def _install(self, tokens: list[int], blocks: list[dict], snap: Snapshot) -> bool:
+        """Copy a lower-tier entry into device blocks and the trie; False when the KV pool has no room."""
+        bs, node, pinned, ok = self.block_size, self.root, [], True
+        for i, data in enumerate(blocks):
+            key = tuple(tokens[i * bs:(i + 1) * bs])
+            child = node.children.get(key)
+            if child is None:
+                if self.kv.num_free == 0 and not self.free_blocks(1):
+                    ok = False
+                    break
+                block = self.kv.allocate(1)[0]
+                write_block(self.kv, block, data)
+                child = node.children[key] = Node(key, block_hash(node.hash, key), block, node)
+            child.pins += 1
+            pinned.append(child)
+            node = child
+        if ok:
+            device_snap = snap.to(self.kv.device)
+            node.snapshots[snap.tail] = device_snap
+            self.snapshot_bytes += device_snap.nbytes
+            self.lru[snapshot_key(node.hash, snap.tail)] = (node, snap.tail)
+        for n in pinned:
+            n.pins -= 1
+        if pinned:
+            self._prune(pinned[-1])
+        while ok and self.snapshot_bytes > self.snapshot_budget and len(self.lru) > 1:
+            self._evict(next(iter(self.lru)))
+        return ok
+
+    # ---- eviction ----
+    def free_blocks(self, n: int) -> bool:
+        """Evict least recently used snapshots until n KV blocks are free (or nothing is left)."""
+        while self.kv.num_free < n and self.lru:
+            self._evict(next(iter(self.lru)))
+        return self.kv.num_free >= n
+
+    def _evict(self, key: bytes) -> None:
+        node, tail = self.lru.pop(key)
+        snap = node.snapshots.pop(tail)
+        self.snapshot_bytes -= snap.nbytes
+        if self.lower is not None:
+            self._write_down(self.lower, node, key, snap)
+        self._prune(node)
+
+    def _write_down(self, tier: TierIndex, node: Node, key: bytes, snap: Snapshot) -> None:
+        path = node.path()
+        tier.put([n.hash for n in path], lambda i: read_block(self.kv, path[i].block), key, snap)
+
+    def _prune(self, node: Node) -> None:
+        while node.parent is not None and not node.snapshots and not node.children and not node.pins:
+            del node.parent.children[node.key]
+            self.kv.release([node.block])
+            node = node.parent
+
+    def evict_all(self) -> None:
+        """Move every device entry down a tier (or drop it when there is none)."""
+        while self.lru:
+            self._evict(next(iter(self.lru)))
+
+    def clear(self) -> None:
+        """Drop every device and host entry (the disk tier keeps its files)."""
+        lower, self.lower = self.lower, None
+        self.evict_all()
+        self.lower = lower
+        tier = lower
+        while tier is not None:
+            if tier.name != "disk":
+                tier.clear()
+            tier = tier.lower
+
+    @property
+    def num_snapshots(self) -> int:
+        return len(self.lru)

@@ -1,0 +1,153 @@
+"""Prefix cache for hybrid models: a hit (at a snapshot boundary, at the end of a prompt, at the end of a
+previous reply, after a trip through host RAM or disk) gives exactly the cold output; cached_tokens says
+what was reused; damaged or foreign disk files are ignored; tiny budgets stay exact and leak nothing."""
+import logging
+import random
+
+import pytest
+
+from flashnext.engine.args import EngineArgs
+from flashnext.engine.llm_engine import LLMEngine
+from flashnext.engine.sampling_params import SamplingParams
+from flashnext.models.session import Session
+
+BS = 16   # the tiny presets' KV block size
+
+
+def make(model="tiny-flash-next", loaded=None, **kw):
+    args = dict(model=model, device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
+                max_model_len=512, prefix_snapshot_interval=32)
+    return LLMEngine(EngineArgs(**{**args, **kw}), loaded=loaded)
+
+
+@pytest.fixture(scope="module", params=["tiny-flash-next", "tiny-qwen3-next"])
+def engine(request):
+    return make(request.param)
+
+
+@pytest.fixture(scope="module")
+def flash():
+    return make()
+
+
+def cold(engine, prompt, n):
+    s = Session(engine.loaded.model, 512)
+    logits, out = s.extend(prompt), []
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = s.extend([out[-1]])
+    return out
+
+
+def run(engine, prompt, n=6, rid="r"):
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    outs = []
+    while engine.has_work():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    assert outs[-1].finished
+    return [t for o in outs for t in o.token_ids], outs[-1].cached_tokens
+
+
+def tokens(seed, n):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 480) for _ in range(n)]
+
+
+def pools_idle(engine):
+    engine.prefix_cache.clear()
+    assert engine.kv.num_free == engine.kv.num_blocks and all(c == 0 for c in engine.kv.refcount)
+    assert engine.states.num_free == engine.states.num_slots
+
+
+def test_hits_equal_cold_run(engine):
+    engine.prefix_cache.clear()
+    before = engine.stats()
+    prompt = tokens(1, 100)
+    reply, cached = run(engine, prompt)
+    assert cached == 0 and reply == cold(engine, prompt, 6)
+    # The same prompt again: the deepest snapshot at most len-1 deep is the interval one at 96.
+    assert run(engine, prompt) == (reply, 96)
+    # A shared prefix that diverges at 70: the snapshot at 64.
+    other = prompt[:70] + tokens(2, 9)
+    assert run(engine, other) == (cold(engine, other, 6), 64)
+    # Multi-turn: turn 2 = turn 1 prompt + reply + new text; all but the last reply token are cached.
+    turn2 = prompt + reply + tokens(3, 7)
+    out2, cached = run(engine, turn2)
+    assert cached == len(prompt) + len(reply) - 1 and out2 == cold(engine, turn2, 6)
+    # An edited reply: the end-of-prompt snapshot (100 = 6 blocks + 4, a partial block copied on resume).
+    edited = prompt + tokens(4, 5)
+    assert run(engine, edited) == (cold(engine, edited, 6), 100)
+    stats = engine.stats()
+    assert stats.prefix_queries - before.prefix_queries == 100 + 100 + 79 + len(turn2) + 105
+    assert stats.prefix_hits - before.prefix_hits == 96 + 64 + len(turn2) - 8 + 100
+    pools_idle(engine)
+
+
+def test_chunks_stop_at_snapshot_positions(flash):
+    flash.prefix_cache.clear()
+    run(flash, tokens(5, 100), n=1)
+    depths = sorted(node_snap.num_tokens for node, tail in flash.prefix_cache.lru.values()
+                    for node_snap in [node.snapshots[tail]])
+    assert depths == [32, 64, 96, 100]
+    pools_idle(flash)
+
+
+def test_host_tier_restore(flash):
+    engine = make(loaded=flash.loaded, kv_host_gb=0.05)
+    prompt = tokens(6, 90)
+    reply, _ = run(engine, prompt)
+    engine.prefix_cache.evict_all()                        # everything moves to host RAM
+    assert engine.prefix_cache.num_snapshots == 0 and engine.kv.num_free == engine.kv.num_blocks
+    turn2 = prompt + reply + tokens(7, 4)
+    assert run(engine, turn2) == (cold(engine, turn2, 6), 95)
+    pools_idle(engine)
+    assert not engine.prefix_cache.lower.snaps
+
+
+def test_disk_restart_corrupt_and_foreign(flash, tmp_path, caplog):
+    first = make(loaded=flash.loaded, kv_disk_dir=str(tmp_path), kv_host_gb=0.05, kv_host_write_through=True)
+    prompt = tokens(8, 60)
+    reply, _ = run(first, prompt)
+    turn2 = prompt + reply + tokens(9, 4)
+    expected = cold(first, turn2, 6)
+    # A new engine on the same directory (a server restart) resumes turn 2 from disk.
+    second = make(loaded=flash.loaded, kv_disk_dir=str(tmp_path))
+    assert run(second, turn2) == (expected, 65)
+    pools_idle(second)
+    # A damaged snapshot file is never loaded: the request falls back to a shallower snapshot.
+    snaps = sorted((tmp_path / "snapshots").glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    for path in snaps:
+        data = bytearray(path.read_bytes())
+        data[-8:] = bytes(8 - i for i in range(8))
+        path.write_bytes(bytes(data))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="flashnext.cache"):
+        third = make(loaded=flash.loaded, kv_disk_dir=str(tmp_path))
+        out, cached = run(third, turn2)
+    assert out == expected and cached == 0
+    assert "fails its checksum" in caplog.text
+    # Files of another model are ignored at start.
+    run(first, turn2)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="flashnext.cache"):
+        foreign = make("tiny-qwen3-next", kv_disk_dir=str(tmp_path))
+    assert "another model" in caplog.text and not foreign.prefix_cache.lower.snaps
+    pools_idle(first)
+
+
+@pytest.mark.parametrize("host_gb", [0.0, 0.0005])
+def test_tiny_budgets_stay_exact_and_leak_nothing(flash, host_gb):
+    # 24 KV blocks and room for about two snapshots: constant eviction (and spills to a tiny host tier).
+    per_block = flash.kv.bytes_per_block(flash.config, BS, flash.dtype)
+    engine = make(loaded=flash.loaded, kv_cache_gb=24 * per_block / 2**30, max_model_len=300,
+                  prefix_cache_gb=2.2 * flash.states.bytes_per_slot(flash.config, flash.dtype) / 2**30,
+                  kv_host_gb=host_gb)
+    rng = random.Random(10)
+    convs = {i: tokens(100 + i, rng.randrange(20, 90)) for i in range(4)}
+    for turn in range(3):
+        for i, prompt in convs.items():
+            reply, cached = run(engine, prompt, n=4, rid=f"{i}.{turn}")
+            assert reply == cold(engine, prompt, 4), (i, turn)
+            convs[i] = prompt + reply + tokens(1000 * turn + i, rng.randrange(1, 12))
+    assert engine.stats().prefix_hits > 0
+    pools_idle(engine)
