@@ -99,6 +99,8 @@ HERMES_CASES = [
     (hermes_call("get_weather", {"days": 3, "city": "Paris"}), "rejected"),   # declared order, as xgrammar keeps it
     (hermes_call("get_weather", {"city": "Paris", "days": "3"}), "rejected"),
     (hermes_call("nope", {}), "rejected"),
+    # A raw control character is not JSON, however short the string (xgrammar lets it into bounded strings).
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "a\x0fb", "days": 3}}\n</tool_call>', "rejected"),
     (hermes_call("noop", {}).replace('{"name"', '{ "name"'), "rejected"),
 ]
 

@@ -63,8 +63,29 @@ def _or(elements: list[dict]) -> dict:
 
 
 def _json(schema: Any) -> dict:
-    return {"type": "json_schema", "json_schema": schema, "style": "json",
+    return {"type": "json_schema", "json_schema": _length_as_pattern(schema), "style": "json",
             "max_whitespace_cnt": MAX_JSON_WHITESPACE}
+
+
+def _length_as_pattern(schema: Any) -> Any:
+    """A copy where each string with minLength/maxLength (and no pattern of its own) has them as a pattern.
+
+    xgrammar 0.2.9 writes such a string as `"` + any character but quote, backslash, CR, LF + `"`, which
+    lets raw control characters through: invalid JSON the parser then refuses. The pattern names the
+    characters JSON allows unescaped.
+    """
+    if isinstance(schema, list):
+        return [_length_as_pattern(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _length_as_pattern(v) for k, v in schema.items()}
+    types = out.get("type")
+    is_string = types == "string" or (isinstance(types, list) and types == ["string"])
+    bounded = "minLength" in out or "maxLength" in out
+    if is_string and bounded and not any(k in out for k in ("pattern", "format", "enum", "const")):
+        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = '^[^\\x00-\\x1f"\\\\]{%s,%s}$' % (low, high)
+    return out
 
 
 def _reasoning(mode: Reasoning) -> dict | None:
