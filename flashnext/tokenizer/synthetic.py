@@ -73,6 +73,7 @@ def write_tokenizer_files(
 
     vocab, merges = _train_bpe(bpe_size)
     vocab.update(special_ids)
+    _fill_unused_ids(vocab, vocab_size)
     tok = Tokenizer(
         models.BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None, continuing_subword_prefix="",
                    end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
@@ -117,6 +118,28 @@ def _set_qwen_pipeline(tok: Tokenizer) -> None:
     ])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
+
+
+def _fill_unused_ids(vocab: dict[str, int], vocab_size: int) -> None:
+    """Give every id below vocab_size a visible string (two BPE pieces glued together).
+
+    A random-weight model samples ids uniformly over the model's vocabulary; a full-size vocab (248K) is
+    far larger than the BPE we train, and ids without a string would decode to nothing, so benchmarks of
+    streamed text would see no deltas. No merge produces these entries, so encoding is unchanged.
+    """
+    used = set(vocab.values())
+    pieces = [t for t, i in sorted(vocab.items(), key=lambda kv: kv[1]) if len(t) > 1 and not t.startswith("<|")]
+    taken = set(vocab)
+    n = len(pieces)
+    j = 0                          # the j-th glued pair: (j mod n, j div n) are all distinct
+    for i in range(vocab_size):
+        if i in used:
+            continue
+        while (candidate := pieces[j % n] + pieces[(j // n) % n]) in taken:
+            j += 1
+        j += 1
+        vocab[candidate] = i
+        taken.add(candidate)
 
 
 def _train_bpe(bpe_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
