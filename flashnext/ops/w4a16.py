@@ -1,0 +1,36 @@
+"""W4A16 linear: y = x @ W.T with W in the INT4 kernel layout (docs/int4.md), activations in 16/32 bit.
+
+`w4a16_linear_reference` is the specification: dequantise to fp32, matmul in fp32, round once to x's dtype.
+`w4a16_linear` dispatches: CUDA tensors → the Triton kernels (ops/w4a16_triton.py), anything else → the
+reference. FLASHNEXT_W4A16=reference forces the reference (to bisect a wrong answer on the GPU).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from flashnext.weights.int4_layout import Int4Weight, dequantize
+
+
+def w4a16_linear_reference(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    """x [..., K] → [..., N] in x's dtype."""
+    return (x.float() @ dequantize(w).t()).to(x.dtype)
+
+
+def _use_triton(x: torch.Tensor, w: Int4Weight) -> bool:
+    if x.device.type != "cuda" or os.environ.get("FLASHNEXT_W4A16", "triton") == "reference":
+        return False
+    from flashnext.ops import w4a16_triton
+
+    return w4a16_triton.supports(w)
+
+
+def w4a16_linear(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    """x [..., K] → [..., N] in x's dtype."""
+    if not _use_triton(x, w):
+        return w4a16_linear_reference(x, w)
+    from flashnext.ops.w4a16_triton import w4a16_matmul
+
+    lead = x.shape[:-1]
+    return w4a16_matmul(x.reshape(-1, x.shape[-1]), w).reshape(*lead, w.out_features)
