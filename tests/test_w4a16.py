@@ -1,0 +1,126 @@
+"""INT4 kernel layout and W4A16 matmul: layout helpers against the GPTQ helpers, the reference against plain
+dequantise + matmul, and the Triton kernels (CPU: TRITON_INTERPRET=1) against the reference at odd sizes."""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from flashnext.weights.int4 import dequantize_gptq, quantize_gptq_rtn
+from flashnext.weights.int4_layout import Int4Weight, dequantize, from_gptq, quantize_rtn
+from flashnext.ops.w4a16 import w4a16_linear, w4a16_linear_reference
+
+
+def rel_err(got, want):
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
+
+
+def make_weight(n, k, g, kind, seed=0):
+    """kind: rtn (ours, symmetric), sym / asym (a GPTQ checkpoint), act (asym with act-order g_idx).
+    Returns the Int4Weight and what dequantize_gptq makes of the checkpoint (None for rtn)."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=gen)
+    if kind == "rtn":
+        return quantize_rtn(weight, g), None
+    perm = torch.randperm(k, generator=gen) if kind == "act" else None
+    ckpt = quantize_gptq_rtn(weight, g, sym=kind == "sym", desc_act_perm=perm)
+    w = from_gptq(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], ckpt.get("g_idx"), sym=kind == "sym")
+    return w, dequantize_gptq(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], ckpt.get("g_idx"))
+
+
+@pytest.mark.parametrize("kind", ["sym", "asym", "act"])
+def test_from_gptq_dequantises_like_the_checkpoint(kind):
+    w, want = make_weight(96, 384, 128, kind)
+    assert torch.equal(dequantize(w), want)
+    assert (w.zeros is None) == (kind == "sym")
+    assert (w.perm is not None) == (kind == "act")
+
+
+def test_symmetric_gptq_needs_no_repacking():
+    ckpt = quantize_gptq_rtn(torch.randn(64, 256), 64, sym=True)
+    w = from_gptq(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], None, sym=True)
+    assert w.qweight is ckpt["qweight"] or torch.equal(w.qweight, ckpt["qweight"])
+    assert w.zeros is None and w.perm is None and w.scales.dtype == torch.float16
+
+
+def test_from_gptq_refuses_uneven_act_order_groups():
+    ckpt = quantize_gptq_rtn(torch.randn(64, 256), 64, sym=True)
+    g_idx = torch.zeros(256, dtype=torch.int32)
+    g_idx[200:] = 3
+    with pytest.raises(ValueError, match="act-order"):
+        from_gptq(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], g_idx, sym=True)
+
+
+def test_quantize_rtn_is_close_and_stable():
+    weight = torch.randn(160, 384)
+    w = quantize_rtn(weight, 128)
+    assert w.qweight.shape == (48, 160) and w.scales.shape == (3, 160) and w.scales.dtype == torch.bfloat16
+    deq = dequantize(w)
+    # Symmetric RTN: the error of each weight is at most half a step (amax / 14) of its group.
+    step = w.scales.float().repeat_interleave(128, 0).t()
+    assert bool(((deq - weight).abs() <= step / 2 + 1e-6).all())
+    again = quantize_rtn(deq, 128)
+    assert torch.equal(again.qweight, w.qweight) and torch.equal(dequantize(again), deq)
+
+
+@pytest.mark.parametrize("kind", ["rtn", "asym", "act"])
+def test_reference_equals_dequantise_then_matmul(kind):
+    w, _ = make_weight(160, 256, 64, kind)
+    x = torch.randn(5, 256, dtype=torch.float64).float()
+    want = x.double() @ dequantize(w).double().t()
+    assert rel_err(w4a16_linear_reference(x, w), want) < 1e-6
+    xb = x.bfloat16()
+    got = w4a16_linear(xb, w)
+    assert got.dtype == torch.bfloat16 and rel_err(got, xb.double() @ dequantize(w).double().t()) < 1e-2
+
+
+def test_stacked_experts_dequantise_per_expert():
+    ws = [make_weight(96, 256, 64, "act", seed=s)[0] for s in range(3)]
+    stacked = Int4Weight(torch.stack([w.qweight for w in ws]), torch.stack([w.scales for w in ws]),
+                         torch.stack([w.zeros for w in ws]), torch.stack([w.perm for w in ws]), 64)
+    assert torch.equal(dequantize(stacked), torch.stack([dequantize(w) for w in ws]))
+
+
+# --- Triton kernels (interpreted on CPU) ---------------------------------------------------------------
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="triton is not importable (pip install triton)")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    # The interpreter is chosen when triton.jit decorates: set it before the kernel module is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+    from flashnext.ops import w4a16_triton
+    return w4a16_triton
+
+
+CASES = [  # (M, N, K, g, kind)
+    (1, 96, 256, 64, "rtn"), (1, 160, 384, 128, "act"),
+    (3, 160, 256, 128, "asym"), (3, 96, 384, 64, "act"),
+    (17, 96, 384, 128, "rtn"), (17, 160, 256, 64, "act"),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("m,n,k,g,kind", CASES)
+def test_triton_matches_reference(kernels, m, n, k, g, kind):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    w, _ = make_weight(n, k, g, kind, seed=m)
+    w = w.to(device)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 1)).to(device)
+    got = kernels.w4a16_matmul(x, w)
+    assert got.shape == (m, n) and got.dtype == x.dtype
+    assert rel_err(got, w4a16_linear_reference(x, w)) < 1e-5
+
+
+@needs_triton
+@pytest.mark.parametrize("split_k,block_m", [(1, 1), (3, 16)])
+def test_triton_split_and_tile_choices_agree(kernels, split_k, block_m):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    w, _ = make_weight(96, 384, 64, "asym", seed=7)
+    w = w.to(device)
+    x = torch.randn(2, 384).to(device)
+    cfg = kernels.LaunchConfig(block_m=block_m, block_n=32, block_k=32, split_k=split_k)
+    assert rel_err(kernels.w4a16_matmul(x, w, cfg), w4a16_linear_reference(x, w)) < 1e-5
+    assert kernels.w4a16_matmul(x[:0], w).shape == (0, 96)
