@@ -1,0 +1,227 @@
+"""Routed experts with INT4 weights in two Triton kernels plus a sum over k (reference: ops/moe_int4.py).
+
+The (token, slot) pairs are sorted by expert and cut into blocks of at most BLOCK_M rows of one expert, so
+every program reads one expert's weights for one N tile, and an expert chosen by several tokens is read
+once per step (decode) or once per BLOCK_M rows (prefill).
+  1. gate_up: h[row] = silu(x[token] @ gate_e) * (x[token] @ up_e), both halves in one pass over K; h is
+     [M*k, I] in x's dtype, rows in sorted order.
+  2. down: y[pair] = topk_weight[pair] * (h[row] @ down_e), fp32, rows in pair order (token*k + slot).
+  3. out = y.view(M, k, H).sum(1): a second pass instead of atomics, so the result is deterministic
+     (same bits run to run and batch to batch) and summed in fp32; it costs M*k*H*8 bytes of traffic,
+     0.8 MB at decode M=8 against ~200 MB of expert weights.
+Act-order weights (perm) gather the activation columns inside the K loop. Dequantisation stays exact: a BLOCK_K never straddles a quantisation group, so the tile multiplies the
+small integers (q - zero), exact in bf16, and the group scale is applied to the fp32 partial product.
+
+Two ways to cut blocks, both without a host sync (CUDA-graph safe):
+  decode (M <= BLOCK_M): a block starts at every sorted position whose expert differs from the previous
+    one; the other positions are idle programs. One torch.sort and three tiny ops.
+  prefill: per-expert counts -> blocks of BLOCK_M rows (a grouped GEMM, tl.dot tensor cores, dequant in
+    the K loop), the block table built with cumsum/searchsorted on the device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from flashnext.weights.int4_layout import Int4Weight
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# Decode: many narrow N tiles so 10 experts still fill 132 SMs; prefill: tensor-core-sized tiles.
+# scripts/gpu_moe.py sweeps alternatives on the GPU.
+DECODE = MoeConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=3)
+PREFILL = MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+@triton.jit
+def _int4_tile(qweight_ptr, k0, offs_n, n_ok, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows k0 .. k0+BLOCK_K of one expert's [K, N] nibbles as int32 [BLOCK_K, BLOCK_N] (values 0..15).
+
+    Each packed word is loaded once and split in registers (row 8i+j is nibble j of word i)."""
+    words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    packed = tl.load(qweight_ptr + words[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
+    shifts = tl.arange(0, 8) * 4
+    nibbles = (packed[:, None, :] >> shifts[None, :, None]) & 0xF
+    return tl.reshape(nibbles, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def _dequant_dot(acc, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, N,
+                 HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """acc + a @ W[k0:k0+BLOCK_K, offs_n] for one expert, the tile inside one quantisation group."""
+    group = k0 // group_size
+    q = _int4_tile(qweight_ptr, k0, offs_n, n_ok, N, BLOCK_K, BLOCK_N)
+    if HAS_ZEROS:
+        zero = tl.load(zeros_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.int32)
+    else:
+        zero = tl.full((BLOCK_N,), 8, tl.int32)
+    scale = tl.load(scales_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.float32)
+    partial = tl.dot(a, (q - zero[None, :]).to(a.dtype), input_precision=PRECISION)
+    return acc + partial * scale[None, :]
+
+
+@triton.jit
+def _columns(perm_ptr, k0, offs_k, HAS_PERM: tl.constexpr):
+    """The activation columns packed rows k0.. multiply: act-order weights gather them through perm."""
+    if HAS_PERM:
+        return tl.load(perm_ptr + k0 + offs_k)
+    return k0 + offs_k
+
+
+@triton.jit
+def _block_rows(start, sorted_ids_ptr, order_ptr, n_pairs, BLOCK_M: tl.constexpr):
+    """The rows of the block of sorted pairs that starts at `start`: (expert, rows, row mask, pair ids)."""
+    expert = tl.load(sorted_ids_ptr + start)
+    rows = start + tl.arange(0, BLOCK_M)
+    ok = rows < n_pairs
+    # Rows past the end of this expert's run belong to the next block: the expert test masks them.
+    ok = ok & (tl.load(sorted_ids_ptr + rows, mask=ok, other=-1) == expert)
+    pair = tl.load(order_ptr + rows, mask=ok, other=0)
+    return expert.to(tl.int64), rows, ok, pair
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr,
+                    qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, n_pairs, H, I, group_size,
+                    TOP_K: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, PRECISION: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    start = tl.load(block_start_ptr + tl.program_id(0))
+    if start < 0:  # a spare entry of the block table
+        return
+    expert, rows, ok, pair = _block_rows(start, sorted_ids_ptr, order_ptr, n_pairs, BLOCK_M)
+    N = 2 * I
+    qweight_ptr += expert * (H // 8) * N
+    scales_ptr += expert * (H // group_size) * N
+    zeros_ptr += expert * (H // group_size) * N
+    perm_ptr += expert * H
+    token = pair // TOP_K
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        cols = _columns(perm_ptr, k0, offs_k, HAS_PERM)
+        a = tl.load(x_ptr + token[:, None] * H + cols[None, :], mask=ok[:, None], other=0)
+        gate = _dequant_dot(gate, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, N,
+                            HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION)
+        up = _dequant_dot(up, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, I + offs_n, n_ok, N,
+                          HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION)
+    h = gate * tl.sigmoid(gate) * up
+    tl.store(h_ptr + rows[:, None] * I + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, order_ptr, block_start_ptr,
+                 qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, n_pairs, H, I, group_size,
+                 HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, PRECISION: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    start = tl.load(block_start_ptr + tl.program_id(0))
+    if start < 0:  # a spare entry of the block table
+        return
+    expert, rows, ok, pair = _block_rows(start, sorted_ids_ptr, order_ptr, n_pairs, BLOCK_M)
+    qweight_ptr += expert * (I // 8) * H
+    scales_ptr += expert * (I // group_size) * H
+    zeros_ptr += expert * (I // group_size) * H
+    perm_ptr += expert * I
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        cols = _columns(perm_ptr, k0, offs_k, HAS_PERM)
+        a = tl.load(h_ptr + rows[:, None] * I + cols[None, :], mask=ok[:, None], other=0)
+        acc = _dequant_dot(acc, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, H,
+                           HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION)
+    weight = tl.load(topk_weights_ptr + pair, mask=ok, other=0).to(tl.float32)
+    tl.store(y_ptr + pair[:, None] * H + offs_n[None, :], acc * weight[:, None], mask=ok[:, None] & n_ok[None, :])
+
+
+def _decode_blocks(sorted_ids: torch.Tensor) -> torch.Tensor:
+    """A block at each sorted position that starts an expert's run (valid while no run exceeds BLOCK_M)."""
+    n = sorted_ids.numel()
+    positions = torch.arange(n, device=sorted_ids.device, dtype=torch.int32)
+    first = torch.ones(n, dtype=torch.bool, device=sorted_ids.device)
+    first[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    return torch.where(first, positions, -1)
+
+
+def _prefill_blocks(sorted_ids: torch.Tensor, num_experts: int, block_m: int) -> torch.Tensor:
+    """Each expert's run cut into blocks of block_m rows: the start row of every block, -1 for spare ones.
+
+    The table has an upper bound of entries (n/block_m + min(E, n)) so its size needs no host sync."""
+    n, device = sorted_ids.numel(), sorted_ids.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.index_add_(0, sorted_ids.long(), torch.ones_like(sorted_ids, dtype=torch.int64))
+    run_start = torch.cumsum(counts, 0) - counts
+    blocks = (counts + block_m - 1) // block_m
+    block_end = torch.cumsum(blocks, 0)
+    b = torch.arange(n // block_m + min(num_experts, n), device=device)
+    expert = torch.searchsorted(block_end, b, right=True).clamp(max=num_experts - 1)
+    start = run_start[expert] + (b - (block_end - blocks)[expert]) * block_m
+    return torch.where(b < block_end[-1], start, -1).to(torch.int32)
+
+
+def _block_k(config_k: int, group_size: int) -> int:
+    """The largest power of two <= config_k dividing the group size (which divides K): tiles stay in one group."""
+    bk = config_k
+    while bk > 16 and group_size % bk:
+        bk //= 2
+    if group_size % bk:
+        raise ValueError(f"the INT4 MoE kernels need a group size divisible by 16, got {group_size}")
+    return bk
+
+
+def moe_int4_triton(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weight,
+                    config: MoeConfig | None = None) -> torch.Tensor:
+    """Same contract as ops.moe_int4.moe_int4_reference; x [M, H] bf16/fp16/fp32 on CUDA (or interpreted)."""
+    m, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts, _, two_i = w_gate_up.qweight.shape
+    inter = two_i // 2
+    config = config or (DECODE if m <= DECODE.block_m else PREFILL)
+    x = x.contiguous()
+    flat = topk_ids.reshape(-1)
+    sorted_ids, order = torch.sort(flat, stable=True)
+    sorted_ids, order = sorted_ids.to(torch.int32), order.to(torch.int32)
+    if m <= config.block_m:
+        block_start = _decode_blocks(sorted_ids)
+    else:
+        block_start = _prefill_blocks(sorted_ids, num_experts, config.block_m)
+    n_pairs = flat.numel()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    h = torch.empty(n_pairs, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(n_pairs, hidden, dtype=torch.float32, device=x.device)
+    common = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, PRECISION=precision,
+                  num_warps=config.num_warps, num_stages=config.num_stages)
+
+    def optional(w):  # zeros and perm, or a dummy pointer never read (HAS_ZEROS/HAS_PERM are constexprs)
+        return (w.scales if w.zeros is None else w.zeros, w.qweight if w.perm is None else w.perm,
+                dict(HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None))
+
+    grid = (block_start.numel(), triton.cdiv(inter, config.block_n))
+    zeros, perm, flags = optional(w_gate_up)
+    _gate_up_kernel[grid](
+        x, h, sorted_ids, order, block_start, w_gate_up.qweight, w_gate_up.scales, zeros, perm,
+        n_pairs, hidden, inter, w_gate_up.group_size, TOP_K=top_k,
+        BLOCK_K=_block_k(config.block_k, w_gate_up.group_size), **flags, **common)
+    grid = (block_start.numel(), triton.cdiv(hidden, config.block_n))
+    zeros, perm, flags = optional(w_down)
+    _down_kernel[grid](
+        h, y, topk_weights.reshape(-1).contiguous(), sorted_ids, order, block_start,
+        w_down.qweight, w_down.scales, zeros, perm, n_pairs, hidden, inter, w_down.group_size,
+        BLOCK_K=_block_k(config.block_k, w_down.group_size), **flags, **common)
+    return y.view(m, top_k, hidden).sum(1).to(x.dtype)
