@@ -19,6 +19,7 @@ class EngineArgs:
     kv_cache_gb: float | None = None      # explicit KV pool size; default: from free memory
     block_size: int = 16
     seed: int = 0
+    quantize: str | None = None           # "int4": dense projections INT4 in memory (RTN g128; docs/int4.md)
     # Prefix cache (docs/prefix_cache.md)
     enable_prefix_caching: bool = True
     prefix_snapshot_interval: int = 1024  # tokens between state snapshots in a prefill (multiple of block_size; 0: none)

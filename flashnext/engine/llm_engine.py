@@ -69,7 +69,7 @@ class LLMEngine:
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(device)
         self.dtype = resolve_dtype(args.dtype, self.device)
-        self.loaded = loaded or load_model(args.model, self.device, self.dtype)
+        self.loaded = loaded or load_model(args.model, self.device, self.dtype, quantize=args.quantize)
         cfg = self.config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)

@@ -53,7 +53,13 @@ def resolve_model(name: str) -> Path:
     return resolve_model_path(name)
 
 
-def load_model(name: str, device, dtype: torch.dtype) -> LoadedModel:
+QUANTIZE_CHOICES = (None, "int4")
+
+
+def load_model(name: str, device, dtype: torch.dtype, quantize: str | None = None) -> LoadedModel:
+    """`quantize="int4"` replaces the dense projections by INT4 ones after loading (docs/int4.md)."""
+    if quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"--quantize {quantize!r} is not supported; choose int4 or leave it unset")
     start = time.perf_counter()
     path = resolve_model(name)
     cfg = load_config(path)
@@ -71,5 +77,12 @@ def load_model(name: str, device, dtype: torch.dtype) -> LoadedModel:
             module.inv_freq = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta).inv_freq
     model = model.to(device)
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    if quantize == "int4":
+        from flashnext.models.quantize import quantize_dense_int4
+
+        del weights  # it still holds the bf16 projections: drop it so they are freed once replaced
+        replaced = quantize_dense_int4(model)
+        log.info("quantised %d dense projections to int4 (RTN, group 128)", len(replaced))
+        nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     tokenizer = Tokenizer.from_dir(path)
     return LoadedModel(model.eval(), cfg, tokenizer, path, time.perf_counter() - start, nbytes)

@@ -51,6 +51,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
          help="most requests waiting for a slot; more get 429 with Retry-After")
     _add(parser, "--gpu-memory-fraction", type=float, help="share of GPU memory the engine may plan for")
     _add(parser, "--dtype", help="activation dtype (auto, bfloat16, float16, float32)")
+    _add(parser, "--quantize", choices=["int4"],
+         help="quantise the dense projections at load and keep them INT4 in memory (int4: RTN, group 128; "
+              "docs/int4.md)")
     _add(parser, "--tool-call-parser", default="auto", choices=["auto", "hermes", "qwen3_coder"],
          help="tool-call format in the model's output (auto: from the chat template)")
     _add(parser, "--sse-keepalive", type=float, default=2.0,
@@ -62,7 +65,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 # Flags that belong to the engine, under the engine's field names.
 _ENGINE_FLAGS = {"model": "model", "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
                  "max_queued_requests": "max_queued_requests", "gpu_memory_fraction": "gpu_memory_fraction",
-                 "dtype": "dtype"}
+                 "dtype": "dtype", "quantize": "quantize"}
 
 
 def engine_args_from(args: argparse.Namespace):

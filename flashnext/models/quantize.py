@@ -1,0 +1,55 @@
+"""`quantize_dense_int4`: keep a model's dense projections INT4 in memory (`--quantize int4`; docs/int4.md).
+
+Which projections, and why: the GatedDeltaNet and attention projections and the shared expert (or dense MLP)
+are the bulk of the non-expert bytes a decode step reads, and what released INT4 checkpoints quantise.
+lm_head, the router, shared_expert_gate, in_proj_b/a/ba, hyper-connection mixers, PLE and the QSA indexer stay
+in the model dtype: they are small, or steer routing/gating where rounding errors are amplified.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+from torch import nn
+
+from flashnext.models.layers.attention import GatedAttention
+from flashnext.models.layers.gated_delta_net import GatedDeltaNet
+from flashnext.models.layers.int4_linear import Int4Linear
+from flashnext.models.layers.moe import DenseMLP
+
+log = logging.getLogger(__name__)
+
+# Owner module type → the names of its children that become INT4.
+INT4_PROJECTIONS: dict[type, tuple[str, ...]] = {
+    GatedDeltaNet: ("in_proj_qkv", "in_proj_z", "in_proj_qkvz", "out_proj"),
+    GatedAttention: ("q_proj", "k_proj", "v_proj", "o_proj"),
+    DenseMLP: ("gate_proj", "up_proj", "down_proj"),
+}
+MIN_GROUP_SIZE = 16
+
+
+def group_size_for(in_features: int, group_size: int) -> int | None:
+    """`group_size`, or the largest power of two dividing both it and K (tiny test models have K = 32, 64);
+    None when that is below 16 rows (the kernels' smallest K tile)."""
+    g = math.gcd(in_features, group_size)
+    return g if g >= MIN_GROUP_SIZE else None
+
+
+def quantize_dense_int4(model: nn.Module, group_size: int = 128) -> list[str]:
+    """Replace the dense projections of `model` by Int4Linear (symmetric RTN); returns their names."""
+    replaced = []
+    for owner_name, owner in list(model.named_modules()):
+        names = next((n for cls, n in INT4_PROJECTIONS.items() if isinstance(owner, cls)), ())
+        for name in names:
+            linear = getattr(owner, name, None)
+            if not isinstance(linear, nn.Linear):
+                continue
+            full = f"{owner_name}.{name}"
+            g = group_size_for(linear.in_features, group_size)
+            if g is None or linear.out_features % 8:
+                log.info("keeping %s [%d, %d] unquantised: no int4 group size fits", full, linear.out_features,
+                         linear.in_features)
+                continue
+            setattr(owner, name, Int4Linear.from_linear(linear, g))
+            replaced.append(full)
+    return replaced
