@@ -1,0 +1,82 @@
+"""Routed experts whose weights stay INT4 in memory (docs/int4.md): forward = ops.moe_int4.
+
+`Int4Experts` is a drop-in for `layers.moe.Experts` (same forward(x, weights, ids)); `quantize_experts_int4`
+swaps every `Experts` of a model for one (symmetric RTN), which is what `--quantize int4` does for the
+routed experts.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from flashnext.models.layers.moe import Experts
+from flashnext.ops.moe_int4 import moe_int4
+from flashnext.weights.int4_layout import Int4Weight, quantize_rtn
+
+MIN_GROUP_SIZE = 16  # the kernels' smallest K tile (a tile never straddles a group)
+_EXPERTS_PER_CHUNK = 64  # quantise this many experts at once: bounds the fp32 temporaries on the real model
+
+
+def expert_group_size(in_features: int, group_size: int) -> int:
+    """`group_size`, or the largest divisor of it that divides K (the tiny test models have K = 32, 64)."""
+    g = math.gcd(in_features, group_size)
+    if g < MIN_GROUP_SIZE or g % 8:
+        raise ValueError(f"cannot quantise experts with K = {in_features} to int4 groups of {group_size}")
+    return g
+
+
+def quantize_stacked(weight: torch.Tensor, group_size: int) -> Int4Weight:
+    """RTN of stacked expert weights [E, N, K] → a stacked Int4Weight ([E, K/8, N] codes).
+
+    quantize_rtn treats output rows independently, so E experts are quantised as one [E*N, K] matrix and the
+    expert dimension is split off the packed columns afterwards."""
+    num_experts, num_out, num_in = weight.shape
+    g = expert_group_size(num_in, group_size)
+    qweight, scales = [], []
+    for chunk in weight.split(_EXPERTS_PER_CHUNK):
+        w = quantize_rtn(chunk.reshape(-1, num_in), g)
+        qweight.append(w.qweight.view(num_in // 8, len(chunk), num_out).transpose(0, 1))
+        scales.append(w.scales.view(num_in // g, len(chunk), num_out).transpose(0, 1))
+    return Int4Weight(torch.cat(qweight).contiguous(), torch.cat(scales).contiguous(), None, None, g)
+
+
+class Int4Experts(nn.Module):
+    def __init__(self, gate_up: Int4Weight, down: Int4Weight):
+        super().__init__()
+        self.num_experts, self.hidden_size, self.intermediate_size = down.qweight.shape[0], down.out_features, down.in_features
+        self.group_sizes = (gate_up.group_size, down.group_size)
+        for prefix, w in (("gate_up", gate_up), ("down", down)):
+            for name in ("qweight", "scales", "zeros", "perm"):
+                self.register_buffer(f"{prefix}_{name}", getattr(w, name))
+
+    @classmethod
+    def from_experts(cls, experts: Experts, group_size: int = 128) -> Int4Experts:
+        return cls(quantize_stacked(experts.gate_up_proj.detach(), group_size),
+                   quantize_stacked(experts.down_proj.detach(), group_size))
+
+    def weight_int4(self, prefix: str) -> Int4Weight:
+        """The stacked Int4Weight of "gate_up" ([E, 2I, H]) or "down" ([E, H, I])."""
+        g = self.group_sizes[prefix == "down"]
+        get = lambda name: getattr(self, f"{prefix}_{name}")  # noqa: E731
+        return Int4Weight(get("qweight"), get("scales"), get("zeros"), get("perm"), g)
+
+    def forward(self, x, weights, ids):
+        return moe_int4(x, ids, weights, self.weight_int4("gate_up"), self.weight_int4("down"))
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
+                f"int4 g{self.group_sizes[0]}/g{self.group_sizes[1]}")
+
+
+def quantize_experts_int4(model: nn.Module, group_size: int = 128) -> list[str]:
+    """Replace every `Experts` of `model` by Int4Experts (symmetric RTN); returns their names."""
+    replaced = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Experts):
+            owner_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(owner_name) if owner_name else model, child,
+                    Int4Experts.from_experts(module, group_size))
+            replaced.append(name)
+    return replaced
