@@ -124,3 +124,17 @@ def test_triton_split_and_tile_choices_agree(kernels, split_k, block_m):
     cfg = kernels.LaunchConfig(block_m=block_m, block_n=32, block_k=32, split_k=split_k)
     assert rel_err(kernels.w4a16_matmul(x, w, cfg), w4a16_linear_reference(x, w)) < 1e-5
     assert kernels.w4a16_matmul(x[:0], w).shape == (0, 96)
+
+
+@needs_triton
+@pytest.mark.parametrize("m", [3, 17])
+def test_triton_half_precision_activations(kernels, m):
+    # fp16 takes the low-precision dot path ((q - z) cast to x's dtype, exact for integers). bf16 is only
+    # checked on the GPU (scripts/gpu_w4a16.py): Triton 3.9's interpreter reinterprets the bits of an
+    # int → bf16 cast and gets bf16 tl.dot wrong.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    w, _ = make_weight(96, 256, 64, "act", seed=3)
+    w = w.to(device)
+    x = torch.randn(m, 256).to(device=device, dtype=torch.float16)
+    got = kernels.w4a16_matmul(x, w)
+    assert got.dtype == torch.float16 and rel_err(got, w4a16_linear_reference(x, w)) < 2e-3
