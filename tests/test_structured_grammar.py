@@ -29,9 +29,14 @@ TOOLS = [WEATHER, NOOP]
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tok")
     write_tokenizer_files(folder, vocab_size=512)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def setup(folder):
     tok = Tokenizer.from_dir(folder)
     return tok, GrammarBackend(folder / "tokenizer.json", MODEL_VOCAB, tok.eos_token_ids)
 
@@ -175,3 +180,18 @@ def test_mask_forbids_special_and_padded_ids(setup):
     for name in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"):
         assert not allowed[tok.token_to_id(name)], name
     assert allowed[tok.token_to_id("</think>")] and allowed[tok.encode("a")[0]]
+
+
+def test_vocabulary_matches_xgrammars_huggingface_reading(setup, folder):
+    """Our tokenizer.json reading decodes every token as xgrammar's transformers path does, except the
+    special tokens, which we blank on purpose (never generated under a constraint, save the stop tokens)."""
+    transformers = pytest.importorskip("transformers")
+    import xgrammar as xgr
+
+    tok, backend = setup
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    theirs = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=MODEL_VOCAB, stop_token_ids=sorted(tok.eos_token_ids))
+    ours = backend.info.decoded_vocab
+    differ = {i for i, (a, b) in enumerate(zip(theirs.decoded_vocab, ours)) if a != b}
+    assert differ == {i for i in range(512) if tok.is_special(i) and i not in tok.eos_token_ids}
+    assert all(ours[i] == b"" for i in differ)

@@ -11,7 +11,6 @@ schema or tool list compiles once.
 from __future__ import annotations
 
 import json
-import logging
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -20,7 +19,6 @@ import torch
 
 from flashnext.engine.structured.grammars import StructuredOutput
 
-log = logging.getLogger("flashnext.engine")
 _LOCATION = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 
 
