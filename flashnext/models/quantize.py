@@ -53,3 +53,11 @@ def quantize_dense_int4(model: nn.Module, group_size: int = 128) -> list[str]:
             setattr(owner, name, Int4Linear.from_linear(linear, g))
             replaced.append(full)
     return replaced
+
+
+def quantize_experts_int4(model: nn.Module, group_size: int = 128) -> list[str]:
+    """Replace every routed `Experts` of `model` by Int4Experts (symmetric RTN per expert); returns their names.
+    The MoE side of `--quantize int4` (flashnext/models/layers/int4_experts.py)."""
+    from flashnext.models.layers.int4_experts import quantize_experts_int4 as replace_experts
+
+    return replace_experts(model, group_size)
