@@ -1,6 +1,7 @@
 """INT4 routed experts: the Triton kernels (interpreted on CPU) equal the torch reference, and the reference
 equals the float Experts module run on the dequantised weights. Odd sizes on purpose; symmetric,
-asymmetric and act-order weights; decode blocks and prefill blocks."""
+asymmetric and act-order weights; decode blocks and prefill blocks. fp32 only: the Triton 3.9 interpreter
+computes tl.dot on bf16 and int->bf16 casts wrongly, so bf16 is checked on the GPU (scripts/gpu_moe.py)."""
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
