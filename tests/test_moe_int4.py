@@ -78,3 +78,16 @@ def test_triton_equals_reference(m, k, h, i, g_up, g_down, asym, act_order, bloc
     config = MoeConfig(block_m=block_m, block_n=32, block_k=32)  # I = 48: a half-masked N tile
     got = moe_int4_triton(x, ids, weights, w_gate_up, w_down, config)
     assert rel_err(got, moe_int4_reference(x, ids, weights, w_gate_up, w_down)) < 1e-5
+
+
+@pytest.mark.parametrize("m", [2, 33])
+def test_triton_fp16_activations(m):
+    """The 16-bit path (tensor-core operands, h stored in x's dtype): fp16 runs in the interpreter."""
+    from flashnext.ops.moe_int4_triton import MoeConfig, moe_int4_triton
+
+    x, ids, weights, w_gate_up, w_down = case(m, 8, 3, 64, 48, 32, 16, asym=True)
+    x, weights = x.half(), weights.half()
+    got = moe_int4_triton(x, ids, weights, w_gate_up, w_down, MoeConfig(block_m=16, block_n=32, block_k=32))
+    assert got.dtype == torch.float16
+    # h and the output are rounded to fp16 (as the 16-bit model rounds them): ~3e-4 here.
+    assert rel_err(got, moe_int4_reference(x.float(), ids, weights.float(), w_gate_up, w_down)) < 2e-3
