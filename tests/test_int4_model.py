@@ -1,6 +1,7 @@
 """Dense projections held in INT4 (quantize_dense_int4, `--quantize int4`): a quantised tiny model equals the same
 model with those weights replaced by their dequantised values, whole sequence, token by token and through
 the engine's greedy generation; the choice of quantised projections is the documented one (docs/int4.md)."""
+import copy
 import random
 
 import pytest
@@ -11,9 +12,11 @@ from flashnext.engine.llm import LLM
 from flashnext.engine.loading import load_model
 from flashnext.engine.sampling_params import SamplingParams
 from flashnext.models.layers.int4_linear import Int4Linear
-from flashnext.models.quantize import quantize_dense_int4
+from flashnext.models.quantize import dense_int4_targets, quantize_dense_int4
 from flashnext.models.session import Session
+from flashnext.weights.checkpoint import load_checkpoint
 from flashnext.weights.int4_layout import dequantize
+from flashnext.weights.synth import synthesize
 
 PRESETS = ["tiny-flash-next", "tiny-qwen3-next"]
 TOL = 1e-5
@@ -25,13 +28,18 @@ def rel_err(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
-def dequantised_twin(model_name, quantised):
-    """The same checkpoint with every projection `quantised` made INT4 replaced, in nn.Linear, by its dequantised
-    weight: the reference path."""
-    twin = load_model(model_name, "cpu", torch.float32).model
+def dequantised_twin(quantised):
+    """A copy of `quantised` whose Int4Linear modules are nn.Linear holding the dequantised weights: the
+    reference path."""
+    twin = copy.deepcopy(quantised)
     for name, module in quantised.named_modules():
         if isinstance(module, Int4Linear):
-            twin.get_submodule(name).weight.copy_(dequantize(module.weight_int4))
+            linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            linear.weight.data = dequantize(module.weight_int4)
+            if module.bias is not None:
+                linear.bias.data = module.bias.clone()
+            parent, _, child = name.rpartition(".")
+            setattr(twin.get_submodule(parent), child, linear.requires_grad_(False))
     return twin
 
 
@@ -40,7 +48,7 @@ def pair(request):
     model = load_model(request.param, "cpu", torch.float32).model
     original = {n: m.weight.clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     replaced = quantize_dense_int4(model)
-    return request.param, model, dequantised_twin(request.param, model), replaced, original
+    return request.param, model, dequantised_twin(model), replaced, original
 
 
 def _prompt(n, seed=0):
@@ -94,7 +102,7 @@ def test_engine_quantize_int4_greedy_equals_reference(preset):
     llm = LLM(preset, device="cpu", dtype="float32", quantize="int4", max_num_seqs=4, max_num_batched_tokens=32,
               max_model_len=256)
     assert sum(isinstance(m, Int4Linear) for m in llm.engine.loaded.model.modules()) > 0
-    twin = dequantised_twin(preset, llm.engine.loaded.model)
+    twin = dequantised_twin(llm.engine.loaded.model)
     prompts = [_prompt(n, seed=n) for n in (5, 70, 19)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
@@ -109,3 +117,22 @@ def test_engine_quantize_int4_greedy_equals_reference(preset):
 def test_engine_refuses_unknown_quantization():
     with pytest.raises(ValueError, match="int4"):
         load_model("tiny-qwen3-next", "cpu", torch.float32, quantize="int8")
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_int4_checkpoint_keeps_dense_projections_packed(preset, tmp_path):
+    folder = synthesize(preset, tmp_path / "ckpt", dtype="int4", seed=3)
+    loaded = load_model(str(folder), "cpu", torch.float32)
+    model = loaded.model
+    packed = {n: m for n, m in model.named_modules() if isinstance(m, Int4Linear)}
+    assert set(packed) == set(dense_int4_targets(load_model(preset, "cpu", torch.float32).model))
+    assert all(m.scales.dtype == torch.float16 for m in packed.values())  # the checkpoint's scales, unrounded
+    # The packed weights dequantise exactly to what loading used to produce (dequantise at load).
+    meta = {k: (tuple(v.shape), v.dtype) for k, v in load_model(preset, "cpu", torch.float32).model.state_dict().items()}
+    dense = load_checkpoint(folder, meta, dtype=torch.float32, progress=False)
+    for name, module in packed.items():
+        assert torch.equal(dequantize(module.weight_int4), dense[f"{name}.weight"]), name
+    twin = dequantised_twin(model)
+    ids = _prompt(70, seed=4)
+    assert rel_err(Session(model, 96).extend(ids, all_logits=True), Session(twin, 96).extend(ids, all_logits=True)) < TOL
+    assert loaded.weight_bytes < sum(t.numel() * t.element_size() for t in dense.values())

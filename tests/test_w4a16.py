@@ -6,6 +6,11 @@ import os
 import pytest
 import torch
 
+# Triton reads TRITON_INTERPRET when its modules are imported and its kernels decorated, and other tests may
+# import triton (through transformers) before ours run: choose the interpreter at collection, on CPU only.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from flashnext.weights.int4 import dequantize_gptq, quantize_gptq_rtn
 from flashnext.weights.int4_layout import Int4Weight, dequantize, from_gptq, quantize_rtn
 from flashnext.ops.w4a16 import w4a16_linear, w4a16_linear_reference
@@ -89,8 +94,6 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 @pytest.fixture(scope="module")
 def kernels():
-    # The interpreter is chosen when triton.jit decorates: set it before the kernel module is imported.
-    os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
     from flashnext.ops import w4a16_triton
     return w4a16_triton
 

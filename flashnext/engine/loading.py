@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from flashnext.models import build_model
+from flashnext.models.quantize import dense_int4_targets, quantize_dense_int4, use_int4_weights
 from flashnext.models.layers.rope import RotaryEmbedding
 from flashnext.tokenizer import Tokenizer
 from flashnext.weights.checkpoint import load_checkpoint
@@ -63,13 +64,18 @@ def load_model(name: str, device, dtype: torch.dtype, quantize: str | None = Non
     start = time.perf_counter()
     path = resolve_model(name)
     cfg = load_config(path)
-    expected = {k: (tuple(v.shape), v.dtype) for k, v in build_model(cfg, device="meta", dtype=dtype).state_dict().items()}
-    weights = load_checkpoint(path, expected, dtype=dtype, device=device, progress=True)
     model = build_model(cfg, device="meta", dtype=dtype)
+    expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+    # 4-bit dense projections of a GPTQ/AutoRound checkpoint stay packed (docs/int4.md).
+    packed = frozenset(f"{module}.weight" for module in dense_int4_targets(model))
+    weights = load_checkpoint(path, expected, dtype=dtype, device=device, progress=True, packed_int4=packed)
     derived = {k: v for k, v in model.state_dict().items() if v.device.type != "meta"}
     for key, value in derived.items():
         if key in weights and not torch.equal(weights[key].cpu(), value):
             raise ValueError(f"{path}: {key} differs from what config.json derives (ngram settings or seed?)")
+    kept_packed = use_int4_weights(model, weights)
+    if kept_packed:
+        log.info("keeping %d int4 dense projections of the checkpoint packed", len(kept_packed))
     model.load_state_dict({**weights, **derived}, strict=True, assign=True)
     # Non-persistent buffers (RoPE frequencies) were built on "meta": rebuild them on the device.
     for module in model.modules():
@@ -78,8 +84,6 @@ def load_model(name: str, device, dtype: torch.dtype, quantize: str | None = Non
     model = model.to(device)
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     if quantize == "int4":
-        from flashnext.models.quantize import quantize_dense_int4
-
         del weights  # it still holds the bf16 projections: drop it so they are freed once replaced
         replaced = quantize_dense_int4(model)
         log.info("quantised %d dense projections to int4 (RTN, group 128)", len(replaced))

@@ -16,6 +16,7 @@ from flashnext.models.layers.attention import GatedAttention
 from flashnext.models.layers.gated_delta_net import GatedDeltaNet
 from flashnext.models.layers.int4_linear import Int4Linear
 from flashnext.models.layers.moe import DenseMLP
+from flashnext.weights.int4_layout import Int4Weight
 
 log = logging.getLogger(__name__)
 
@@ -35,23 +36,44 @@ def group_size_for(in_features: int, group_size: int) -> int | None:
     return g if g >= MIN_GROUP_SIZE else None
 
 
+def dense_int4_targets(model: nn.Module) -> list[str]:
+    """Names of the nn.Linear modules that the INT4 choice above covers (whatever their sizes)."""
+    found = []
+    for owner_name, owner in model.named_modules():
+        names = next((n for cls, n in INT4_PROJECTIONS.items() if isinstance(owner, cls)), ())
+        found += [f"{owner_name}.{n}" for n in names if isinstance(getattr(owner, n, None), nn.Linear)]
+    return found
+
+
+def use_int4_weights(model: nn.Module, weights: dict) -> list[str]:
+    """Swap in an Int4Linear for every `X.weight` of `weights` that is an Int4Weight (a checkpoint's packed
+    projection), and put its packed tensors into `weights` under the new module's keys; returns the names."""
+    swapped = []
+    for key in [k for k, v in weights.items() if isinstance(v, Int4Weight)]:
+        name = key.removesuffix(".weight")
+        packed = weights.pop(key)
+        parent, _, child = name.rpartition(".")
+        bias = weights.get(f"{name}.bias")
+        setattr(model.get_submodule(parent), child, Int4Linear(packed, None if bias is None else bias.clone()))
+        weights.update({f"{name}.{k}": v for k, v in packed.tensors().items()})
+        swapped.append(name)
+    return swapped
+
+
 def quantize_dense_int4(model: nn.Module, group_size: int = 128) -> list[str]:
     """Replace the dense projections of `model` by Int4Linear (symmetric RTN); returns their names."""
     replaced = []
-    for owner_name, owner in list(model.named_modules()):
-        names = next((n for cls, n in INT4_PROJECTIONS.items() if isinstance(owner, cls)), ())
-        for name in names:
-            linear = getattr(owner, name, None)
-            if not isinstance(linear, nn.Linear):
-                continue
-            full = f"{owner_name}.{name}"
-            g = group_size_for(linear.in_features, group_size)
-            if g is None or linear.out_features % 8:
-                log.info("keeping %s [%d, %d] unquantised: no int4 group size fits", full, linear.out_features,
-                         linear.in_features)
-                continue
-            setattr(owner, name, Int4Linear.from_linear(linear, g))
-            replaced.append(full)
+    for full in dense_int4_targets(model):
+        parent, _, name = full.rpartition(".")
+        owner = model.get_submodule(parent)
+        linear = getattr(owner, name)
+        g = group_size_for(linear.in_features, group_size)
+        if g is None or linear.out_features % 8:
+            log.info("keeping %s [%d, %d] unquantised: no int4 group size fits", full, linear.out_features,
+                     linear.in_features)
+            continue
+        setattr(owner, name, Int4Linear.from_linear(linear, g))
+        replaced.append(full)
     return replaced
 
 

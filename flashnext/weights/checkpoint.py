@@ -2,7 +2,8 @@
 
 Handles single-file and sharded safetensors, the multimodal `model.language_model.` prefix, vision-tower and
 MTP tensors (skipped), per-expert or fused (possibly transposed) MoE experts, the PLE n-gram table split into
-shards, and GPTQ/AutoRound int4 and block-FP8 weights, which are dequantised on the target device.
+shards, and GPTQ/AutoRound int4 and block-FP8 weights, which are dequantised on the target device — except the
+4-bit weights the caller names in `packed_int4`, which come back packed in the kernel layout (docs/int4.md).
 Everything is planned from the safetensors headers first, so a missing, misshapen or unexpected tensor is
 reported before a single byte of weight data is read.
 """
@@ -23,6 +24,7 @@ from tqdm.auto import tqdm
 
 from .fp8 import dequantize_block_fp8
 from .int4 import dequantize_gptq
+from .int4_layout import Int4Weight, from_gptq
 from .quant_config import QuantizationConfig, read_quantization_config
 
 log = logging.getLogger(__name__)
@@ -125,8 +127,10 @@ class _Recipe:
 
 
 class _Planner:
-    def __init__(self, tensors: _Tensors, quant: QuantizationConfig, config: dict, device, dtype):
+    def __init__(self, tensors: _Tensors, quant: QuantizationConfig, config: dict, device, dtype,
+                 packed_int4: frozenset[str] = frozenset()):
         self.t, self.quant, self.config, self.device, self.dtype = tensors, quant, config, device, dtype
+        self.packed_int4 = packed_int4
 
     # A 2-D weight `X.weight` stored plain, as int4 (`X.qweight` ...) or as fp8 (+ `X.weight_scale_inv`).
     def weight(self, name: str, shape: tuple[int, ...]) -> _Recipe | None:
@@ -144,8 +148,13 @@ class _Planner:
                 got = (cols, rows * 32 // (self.quant.bits if self.quant.bits < 16 else 4))
                 raise CheckpointError(f"tensor {base} (int4) has the wrong shape: expected {shape}, got {got}")
 
-            def build() -> torch.Tensor:
+            keep_packed = name in self.packed_int4 and bits == 4
+
+            def build() -> torch.Tensor | Int4Weight:
                 packed = {s.rsplit(".", 1)[1]: t.read(s, self.device) for s in parts}
+                if keep_packed:
+                    return from_gptq(packed["qweight"], packed["qzeros"], packed["scales"], packed.get("g_idx"),
+                                     sym=self.quant.sym, zeros_minus_one=self.quant.zeros_minus_one)
                 return dequantize_gptq(packed["qweight"], packed["qzeros"], packed["scales"], packed.get("g_idx"),
                                        bits=bits, zeros_minus_one=self.quant.zeros_minus_one)
 
@@ -256,11 +265,13 @@ def load_checkpoint(
     dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
     progress: bool = True,
-) -> dict[str, torch.Tensor]:
+    packed_int4: frozenset[str] = frozenset(),
+) -> dict[str, torch.Tensor | Int4Weight]:
     """Read the checkpoint folder `path` into tensors keyed and shaped like `expected` ({name: (shape, dtype)}).
 
     Floating tensors come back in `dtype` (quantised ones dequantised), integer buffers in their expected dtype,
-    all on `device`. Raises CheckpointError naming the problem for missing, unexpected or misshapen tensors,
+    all on `device`. Names in `packed_int4` that the checkpoint stores as 4-bit GPTQ come back as Int4Weight
+    (the kernel layout; scales keep the checkpoint's dtype) instead. Raises CheckpointError naming the problem for missing, unexpected or misshapen tensors,
     unreadable files and missing shards.
     """
     folder = Path(path)
@@ -268,7 +279,7 @@ def load_checkpoint(
     config = json.loads(config_file.read_text()) if config_file.exists() else {}
     device = torch.device(device)
     tensors = _Tensors(folder)
-    planner = _Planner(tensors, read_quantization_config(config), config, device, dtype)
+    planner = _Planner(tensors, read_quantization_config(config), config, device, dtype, packed_int4)
     recipes, missing = {}, []
     for name, (shape, _) in expected.items():
         recipe = planner.plan(name, tuple(shape))
@@ -288,8 +299,13 @@ def load_checkpoint(
         for name, recipe in recipes.items():
             shape, expected_dtype = expected[name]
             out_dtype = dtype if expected_dtype.is_floating_point else expected_dtype
-            tensor = recipe.build().to(out_dtype)
-            assert tuple(tensor.shape) == tuple(shape), (name, tensor.shape, shape)
-            result[name] = tensor
+            built = recipe.build()
+            if isinstance(built, Int4Weight):
+                assert (built.out_features, built.in_features) == tuple(shape), (name, built.qweight.shape, shape)
+                result[name] = built
+            else:
+                tensor = built.to(out_dtype)
+                assert tuple(tensor.shape) == tuple(shape), (name, tensor.shape, shape)
+                result[name] = tensor
             bar.update(sum(tensors.nbytes(s) for s in recipe.sources))
     return result
