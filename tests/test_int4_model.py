@@ -101,7 +101,12 @@ def test_quantisation_stays_close_to_the_original(pair):
 def test_engine_quantize_int4_greedy_equals_reference(preset):
     llm = LLM(preset, device="cpu", dtype="float32", quantize="int4", max_num_seqs=4, max_num_batched_tokens=32,
               max_model_len=256)
-    assert sum(isinstance(m, Int4Linear) for m in llm.engine.loaded.model.modules()) > 0
+    modules = list(llm.engine.loaded.model.modules())
+    assert any(isinstance(m, Int4Linear) for m in modules)
+    assert any(type(m).__name__ == "Int4Experts" for m in modules)  # the routed experts too (int4_experts.py)
+    assert not any(type(m).__name__ == "Experts" for m in modules)
+    # The twin keeps the engine's Int4Experts (their exactness is tests/test_moe_int4*.py's); only the dense
+    # projections are swapped for their dequantised nn.Linear.
     twin = dequantised_twin(llm.engine.loaded.model)
     prompts = [_prompt(n, seed=n) for n in (5, 70, 19)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))

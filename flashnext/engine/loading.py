@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from flashnext.models import build_model
-from flashnext.models.quantize import dense_int4_targets, quantize_dense_int4, use_int4_weights
+from flashnext.models.quantize import (dense_int4_targets, quantize_dense_int4, quantize_experts_int4,
+                                       use_int4_weights)
 from flashnext.models.layers.rope import RotaryEmbedding
 from flashnext.tokenizer import Tokenizer
 from flashnext.weights.checkpoint import load_checkpoint
@@ -58,7 +59,8 @@ QUANTIZE_CHOICES = (None, "int4")
 
 
 def load_model(name: str, device, dtype: torch.dtype, quantize: str | None = None) -> LoadedModel:
-    """`quantize="int4"` replaces the dense projections by INT4 ones after loading (docs/int4.md)."""
+    """`quantize="int4"` replaces the dense projections and routed experts by INT4 ones after loading (RTN;
+    docs/int4.md)."""
     if quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"--quantize {quantize!r} is not supported; choose int4 or leave it unset")
     start = time.perf_counter()
@@ -85,8 +87,9 @@ def load_model(name: str, device, dtype: torch.dtype, quantize: str | None = Non
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     if quantize == "int4":
         del weights  # it still holds the bf16 projections: drop it so they are freed once replaced
-        replaced = quantize_dense_int4(model)
-        log.info("quantised %d dense projections to int4 (RTN, group 128)", len(replaced))
+        dense, experts = quantize_dense_int4(model), quantize_experts_int4(model)
+        log.info("quantised %d dense projections and %d routed-expert sets to int4 (RTN, group 128)", len(dense),
+                 len(experts))
         nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     tokenizer = Tokenizer.from_dir(path)
     return LoadedModel(model.eval(), cfg, tokenizer, path, time.perf_counter() - start, nbytes)
