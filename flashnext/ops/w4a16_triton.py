@@ -14,6 +14,7 @@ atomics into a zeroed buffer (decode shapes are too narrow to fill the GPU other
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +90,7 @@ class LaunchConfig:
 GEMV_MAX_M = 4
 
 
+@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -139,7 +141,7 @@ def w4a16_matmul(x: torch.Tensor, w: Int4Weight, config: LaunchConfig | None = N
         x, w.qweight, w.scales, w.zeros if w.zeros is not None else dummy, w.perm if w.perm is not None else dummy, out,
         m, n, k, x.stride(0), out.stride(0), k_per_split,
         GROUP=w.group_size, HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None,
-        USE_DOT=cfg.use_dot, ATOMIC=atomic, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        USE_DOT=cfg.use_dot, ATOMIC=atomic, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.to(x.dtype) if atomic else out
