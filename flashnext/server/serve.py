@@ -52,8 +52,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--gpu-memory-fraction", type=float, help="share of GPU memory the engine may plan for")
     _add(parser, "--dtype", help="activation dtype (auto, bfloat16, float16, float32)")
     _add(parser, "--quantize", choices=["int4"],
-         help="quantise the dense projections at load and keep them INT4 in memory (int4: RTN, group 128; "
-              "docs/int4.md)")
+         help="quantise the dense projections and routed experts at load and keep them INT4 in memory (int4: RTN, "
+              "group 128; docs/int4.md)")
     _add(parser, "--tool-call-parser", default="auto", choices=["auto", "hermes", "qwen3_coder"],
          help="tool-call format in the model's output (auto: from the chat template)")
     _add(parser, "--sse-keepalive", type=float, default=2.0,
