@@ -56,6 +56,19 @@ def test_from_gptq_refuses_uneven_act_order_groups():
         from_gptq(ckpt["qweight"], ckpt["qzeros"], ckpt["scales"], g_idx, sym=True)
 
 
+def test_from_gptq_zero_conventions():
+    # gptq v1 stores zero - 1 with a 4-bit wrap (a stored 15 is a zero of 16); gptq v2 stores the zero itself.
+    from flashnext.weights.int4 import pack_int32
+    qweight = pack_int32(torch.full((64, 8), 3), 4, dim=0)
+    scales = torch.ones(1, 8, dtype=torch.float16)
+    v1 = from_gptq(qweight, pack_int32(torch.full((1, 8), 15), 4, dim=1), scales, None, sym=False)
+    assert int(v1.zeros.max()) == 16 and bool((dequantize(v1) == -13).all())
+    v2 = from_gptq(qweight, pack_int32(torch.full((1, 8), 8), 4, dim=1), scales, None, sym=True, zeros_minus_one=False)
+    assert v2.zeros is None and bool((dequantize(v2) == -5).all())
+    with pytest.raises(ValueError, match="symmetric"):
+        from_gptq(qweight, pack_int32(torch.full((1, 8), 3), 4, dim=1), scales, None, sym=True)
+
+
 def test_quantize_rtn_is_close_and_stable():
     weight = torch.randn(160, 384)
     w = quantize_rtn(weight, 128)
