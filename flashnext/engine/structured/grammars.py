@@ -1,7 +1,8 @@
 """What a constrained request may generate, written as an xgrammar structural tag (plain JSON data).
 
 Built here without xgrammar, so the server can describe a constraint cheaply; `backend.check` turns it into
-a grammar (the step that rejects a bad schema) and `backend.compile` compiles it against the vocabulary.
+a grammar (the step that rejects a bad schema) and `GrammarBackend.constraint` compiles it against the
+vocabulary.
 
 Decisions:
 - Tool calls follow the chat template's own format byte for byte (what the parsers read, and what the
@@ -129,7 +130,7 @@ def _raw_string(schema: dict) -> dict:
     choices = [c for c in schema.get("enum") or ([schema["const"]] if "const" in schema else ()) if isinstance(c, str)]
     if choices:
         return _or([_const(c) for c in choices])
-    if isinstance(schema.get("pattern"), str):
+    if isinstance(schema.get("pattern"), str):  # matched whole, as if anchored (JSON schema searches)
         return {"type": "regex", "pattern": schema["pattern"]}
     low, high = schema.get("minLength", 0), schema.get("maxLength")
     if low or high is not None:
