@@ -137,15 +137,16 @@ def test_disk_restart_corrupt_and_foreign(flash, tmp_path, caplog):
 
 @pytest.mark.parametrize("host_gb", [0.0, 0.0005])
 def test_tiny_budgets_stay_exact_and_leak_nothing(flash, host_gb):
-    # 24 KV blocks and room for about two snapshots: constant eviction (and spills to a tiny host tier).
+    # 24 KV blocks and room for about three snapshots: constant eviction (and spills to a tiny host tier).
     per_block = flash.kv.bytes_per_block(flash.config, BS, flash.dtype)
+    snapshot = flash.states.bytes_per_slot(flash.config, flash.dtype) + per_block
     engine = make(loaded=flash.loaded, kv_cache_gb=24 * per_block / 2**30, max_model_len=300,
-                  prefix_cache_gb=2.2 * flash.states.bytes_per_slot(flash.config, flash.dtype) / 2**30,
-                  kv_host_gb=host_gb)
+                  prefix_cache_gb=3.5 * snapshot / 2**30, kv_host_gb=host_gb)
     rng = random.Random(10)
-    convs = {i: tokens(100 + i, rng.randrange(20, 90)) for i in range(4)}
-    for turn in range(3):
-        for i, prompt in convs.items():
+    convs = {i: tokens(100 + i, rng.randrange(20, 70)) for i in range(4)}
+    for turn in range(4):
+        for i in (turn % 4, (turn + 1) % 4, turn % 4):      # some turns follow their previous one directly
+            prompt = convs[i]
             reply, cached = run(engine, prompt, n=4, rid=f"{i}.{turn}")
             assert reply == cold(engine, prompt, 4), (i, turn)
             convs[i] = prompt + reply + tokens(1000 * turn + i, rng.randrange(1, 12))

@@ -34,6 +34,14 @@ def _add(parser, flag: str, *, type=str, default=None, help: str, choices=None):
     parser.add_argument(flag, type=type, default=default, choices=choices, help=f"{help} [env {env}{shown}]")
 
 
+def _bool(raw: str) -> bool:
+    if str(raw).lower() in ("1", "true", "yes", "on"):
+        return True
+    if str(raw).lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     from flashnext.engine.args import DEFAULT_MODEL
 
@@ -59,13 +67,26 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--sse-keepalive", type=float, default=2.0,
          help="seconds of model silence (e.g. a long prefill) after which a stream gets a ': keep-alive' comment")
     _add(parser, "--max-request-bytes", type=int, default=32 << 20, help="largest request body accepted (413 above)")
+    _add(parser, "--enable-prefix-caching", type=_bool,
+         help="reuse cached prefixes (KV blocks + recurrent-state snapshots) across requests (default true)")
+    _add(parser, "--prefix-snapshot-interval", type=int,
+         help="tokens between state snapshots inside a prompt, a multiple of the KV block size; 0: none (default 1024)")
+    _add(parser, "--prefix-cache-gb", type=float, help="device memory for prefix-cache state snapshots (default 1)")
+    _add(parser, "--kv-host-gb", type=float, help="host-RAM tier for evicted prefix-cache entries (default 0: off)")
+    _add(parser, "--kv-host-write-through", type=_bool,
+         help="write every finished turn to the host and disk tiers at once (default false)")
+    _add(parser, "--kv-disk-dir", help="disk tier directory: cached conversations survive a restart")
+    _add(parser, "--kv-disk-gb", type=float, help="size of the disk tier (default 16)")
     _add(parser, "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
 
 
 # Flags that belong to the engine, under the engine's field names.
 _ENGINE_FLAGS = {"model": "model", "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
                  "max_queued_requests": "max_queued_requests", "gpu_memory_fraction": "gpu_memory_fraction",
-                 "dtype": "dtype", "quantize": "quantize"}
+                 "dtype": "dtype", "quantize": "quantize", "enable_prefix_caching": "enable_prefix_caching",
+                 "prefix_snapshot_interval": "prefix_snapshot_interval", "prefix_cache_gb": "prefix_cache_gb",
+                 "kv_host_gb": "kv_host_gb", "kv_host_write_through": "kv_host_write_through",
+                 "kv_disk_dir": "kv_disk_dir", "kv_disk_gb": "kv_disk_gb"}
 
 
 def engine_args_from(args: argparse.Namespace):
