@@ -89,16 +89,19 @@ def test_stop_string_across_tokens(engine):
     pools_idle(engine)
 
 
-def test_random_aborts_leave_pools_as_they_started(engine):
+def test_random_aborts_leave_pools_as_they_started():
+    # Pool bookkeeping does not depend on the architecture: one preset, short requests, many of them.
+    engine = LLMEngine(EngineArgs(model="tiny-qwen3.5-moe", device="cpu", dtype="float32", max_num_seqs=16,
+                                  max_num_batched_tokens=128, max_model_len=512))
     rng = random.Random(1)
     live = []
     for i in range(1000):
-        prompt = [rng.randrange(3, 480) for _ in range(rng.randrange(1, 40))]
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randrange(1, 6), temperature=0.7))
+        prompt = [rng.randrange(3, 480) for _ in range(rng.randrange(1, 12))]
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randrange(1, 4), temperature=0.7))
         live.append(f"r{i}")
         if rng.random() < 0.3:
             engine.abort(live.pop(rng.randrange(len(live))))
-        if rng.random() < 0.2:
+        if rng.random() < 0.1:
             engine.step()
     while engine.has_work():
         if rng.random() < 0.05 and engine.requests:

@@ -43,7 +43,7 @@ def pair(request):
 def reference(pair):
     hf, _ = pair
     # EOS inside the PLE window and at a block boundary; long enough for chunked GDN and QSA selection.
-    ids = _prompt(150, eos_at=(40, 41, 97))
+    ids = _prompt(100, eos_at=(40, 41, 71))
     with torch.no_grad():
         return ids, hf(ids[None]).logits[0]
 
@@ -59,7 +59,7 @@ def test_uneven_chunks(pair, reference):
     _, ours = pair
     ids, ref = reference
     s, out, pos = Session(ours, 256), [], 0
-    for size in (1, 7, 64, 13, 3, 62):
+    for size in (1, 7, 64, 13, 3, 12):
         out.append(s.extend(ids[pos: pos + size], all_logits=True))
         pos += size
     assert pos == len(ids)
@@ -82,23 +82,25 @@ def test_prefill_then_decode_steps(pair, reference):
     hf, ours = pair
     ids, ref = reference
     s = Session(ours, 256)
-    first = s.extend(ids[:80], all_logits=True)
-    steps = torch.stack([s.extend(ids[i: i + 1]) for i in range(80, 150)])
-    assert rel_err(first, ref[:80]) < TOL
+    first = s.extend(ids[:36], all_logits=True)
+    steps = torch.stack([s.extend(ids[i: i + 1]) for i in range(36, 100)])   # 64 single-token steps
+    assert rel_err(first, ref[:36]) < TOL
     # Token-by-token against the oracle's chunked whole-sequence pass differs only by fp32 summation order
     # (recurrent vs chunked delta rule); against the oracle's own cached decode it must be tight.
-    assert rel_err(steps, ref[80:]) < 1e-4
-    ref_steps = _oracle_decode(hf, ids, 80)
+    assert rel_err(steps, ref[36:]) < 1e-4
+    ref_steps = _oracle_decode(hf, ids, 36)
     # each step individually, not only on average
     for i in range(steps.shape[0]):
         assert rel_err(steps[i], ref_steps[i]) < TOL, f"step {i}"
 
 
 def test_qsa_selection_is_active():
-    """The indexer must actually restrict attention at this length, or the QSA tests above prove nothing."""
+    """The indexer must actually hide tokens at this length, or the QSA parity above proves nothing."""
     hf, raw = hf_model("qwen4_exp")
     ours = ours_from_hf(hf, raw)
-    s = Session(ours, 256)
-    s.extend(_prompt(150))
-    attn = [m for m in ours.modules() if m.__class__.__name__ == "QSAIndexer"][0]
-    assert 150 // attn.ratio > attn.block_topk
+    indexer = [m for m in ours.modules() if m.__class__.__name__ == "QSAIndexer"][0]
+    masks = []
+    indexer.register_forward_hook(lambda mod, args, out: masks.append(out))
+    Session(ours, 256).extend(_prompt(100))
+    visible = masks[0][-1]                                 # the last query's visible tokens
+    assert visible.sum() < 100 and visible.sum() <= indexer.block_topk * indexer.ratio + indexer.ratio - 1
