@@ -59,6 +59,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
          help="most requests waiting for a slot; more get 429 with Retry-After")
     _add(parser, "--gpu-memory-fraction", type=float, help="share of GPU memory the engine may plan for")
     _add(parser, "--dtype", help="activation dtype (auto, bfloat16, float16, float32)")
+    _add(parser, "--device", help="cpu, cuda or auto (default: cuda when available)")
+    _add(parser, "--max-num-batched-tokens", type=int,
+         help="token budget of one engine step: prefill chunks plus decodes (default 2048)")
+    _add(parser, "--kv-cache-gb", type=float, help="KV cache size in GiB (default: from free memory)")
+    _add(parser, "--block-size", type=int, help="tokens per KV block (default 16)")
+    _add(parser, "--seed", type=int, help="seed of the engine's shared sampling generator (default 0)")
     _add(parser, "--quantize", choices=["int4"],
          help="quantise the dense projections and routed experts at load and keep them INT4 in memory (int4: RTN, "
               "group 128; docs/int4.md)")
@@ -81,7 +87,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # Flags that belong to the engine, under the engine's field names.
-_ENGINE_FLAGS = {"model": "model", "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
+_ENGINE_FLAGS = {"model": "model", "device": "device", "max_num_batched_tokens": "max_num_batched_tokens",
+                 "kv_cache_gb": "kv_cache_gb", "block_size": "block_size", "seed": "seed", "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
                  "max_queued_requests": "max_queued_requests", "gpu_memory_fraction": "gpu_memory_fraction",
                  "dtype": "dtype", "quantize": "quantize", "enable_prefix_caching": "enable_prefix_caching",
                  "prefix_snapshot_interval": "prefix_snapshot_interval", "prefix_cache_gb": "prefix_cache_gb",
