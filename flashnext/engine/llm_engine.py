@@ -86,7 +86,7 @@ class LLMEngine:
                                    self.prefix_cache, args.prefix_snapshot_interval)
         eos = set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(e for e in eos if e < cfg.vocab_size)
-        self.runner = ModelRunner(self.loaded.model, self.kv, self.states, self.eos_token_ids, self.device)
+        self.runner = ModelRunner(self.loaded.model, self.kv, self.states, self.eos_token_ids, self.device, args.seed)
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0

@@ -16,13 +16,15 @@ from flashnext.models.context import ForwardContext, Segment
 
 
 class ModelRunner:
-    def __init__(self, model, kv: KVPool, states: StatePool, eos_token_ids, device):
+    def __init__(self, model, kv: KVPool, states: StatePool, eos_token_ids, device, seed: int = 0):
         self.model = model
         self.kv = kv
         self.states = states
         self.eos_token_ids = sorted(eos_token_ids)
         self.device = torch.device(device)
         self.vocab_size = model.cfg.vocab_size
+        # Requests without a seed share this generator: a server started with the same --seed replays.
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> SamplerOutput | None:
@@ -47,4 +49,4 @@ class ModelRunner:
                                     eos_token_ids=self.eos_token_ids, generators=[r.generator for r in requests])
         for r, g in zip(requests, batch.generators):
             r.generator = g
-        return sample(logits, batch)
+        return sample(logits, batch, generator=self.generator)
