@@ -20,6 +20,9 @@ class EngineArgs:
     block_size: int = 16
     seed: int = 0
     quantize: str | None = None           # "int4": dense projections INT4 in memory (RTN g128; docs/int4.md)
+    # Several GPUs of one host (docs/parallel.md): each 1 or the number of GPUs; flashnext.parallel.launch_engine
+    tensor_parallel: int = 1              # attention / GatedDeltaNet heads split across GPUs
+    expert_parallel: int = 1              # routed experts split across GPUs (whole experts)
     # Prefix cache (docs/prefix_cache.md)
     enable_prefix_caching: bool = True
     prefix_snapshot_interval: int = 1024  # tokens between state snapshots in a prefill (multiple of block_size; 0: none)

@@ -58,9 +58,10 @@ def resolve_model(name: str) -> Path:
 QUANTIZE_CHOICES = (None, "int4")
 
 
-def load_model(name: str, device, dtype: torch.dtype, quantize: str | None = None) -> LoadedModel:
+def load_model(name: str, device, dtype: torch.dtype, quantize: str | None = None, parallel=None) -> LoadedModel:
     """`quantize="int4"` replaces the dense projections and routed experts by INT4 ones after loading (RTN;
-    docs/int4.md)."""
+    docs/int4.md). `parallel` (a flashnext.parallel.ParallelPlan) shards the model for one rank right after
+    loading, before quantising; the returned config then has the rank's local head counts (docs/parallel.md)."""
     if quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"--quantize {quantize!r} is not supported; choose int4 or leave it unset")
     start = time.perf_counter()
@@ -85,8 +86,15 @@ def load_model(name: str, device, dtype: torch.dtype, quantize: str | None = Non
             module.inv_freq = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta).inv_freq
     model = model.to(device)
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    if parallel is not None and parallel.world > 1:
+        from flashnext.parallel.shard import shard_model
+
+        del weights  # it holds the whole tensors: drop it so they are freed once sharded
+        shard_model(model, parallel.rank, parallel.world, tp=parallel.tp, ep=parallel.ep)
+        cfg = model.cfg
+        nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     if quantize == "int4":
-        del weights  # it still holds the bf16 projections: drop it so they are freed once replaced
+        weights = None  # it still holds the bf16 projections: drop it so they are freed once replaced
         dense, experts = quantize_dense_int4(model), quantize_experts_int4(model)
         log.info("quantised %d dense projections and %d routed-expert sets to int4 (RTN, group 128)", len(dense),
                  len(experts))

@@ -1,0 +1,104 @@
+"""`launch_engine(args)`: the engine over several GPUs of one host, started from one process.
+
+The calling process becomes rank 0 (scheduler, sampling, server); it spawns one worker process per other
+rank (torch.multiprocessing, spawn), every rank loads and shards the model itself, and the workers then sit
+in `worker_loop` until rank 0 exits. `spawn_ranks` is the same start-up for code that drives every rank
+itself (tests, scripts/gpu_parallel.py).
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from flashnext.engine.args import EngineArgs, resolve_dtype
+from flashnext.engine.loading import load_model
+from flashnext.parallel.runtime import (ParallelPlan, attach_broadcaster, free_port, init_process, rank_device,
+                                        send_stop, worker_loop, world_size)
+
+log = logging.getLogger("flashnext.parallel")
+_started: list = []   # (worker processes, rank 0's device) of the engine this process launched
+
+
+def _plan(args: EngineArgs, rank: int) -> ParallelPlan:
+    return ParallelPlan(rank, world_size(args.tensor_parallel, args.expert_parallel), args.tensor_parallel,
+                        args.expert_parallel)
+
+
+def _load(args: EngineArgs, rank: int, port: int):
+    plan = _plan(args, rank)
+    device = rank_device(args.device, rank)
+    init_process(rank, plan.world, port, device)
+    dtype = resolve_dtype(args.dtype, device)
+    return load_model(args.model, device, dtype, quantize=args.quantize, parallel=plan), device, dtype
+
+
+def _worker(rank: int, args: EngineArgs, port: int) -> None:
+    loaded, device, dtype = _load(args, rank, port)
+    steps = worker_loop(loaded.model, dtype, device)
+    log.debug("rank %d: %d forwards, stopping", rank, steps)
+    dist.destroy_process_group()
+
+
+def launch_engine(args: EngineArgs):
+    """An LLMEngine whose model spans `max(tensor_parallel, expert_parallel)` devices; world size 1 is the plain
+    engine. The prefix cache is off across ranks (its snapshots would have to be taken on every rank)."""
+    from flashnext.engine.llm_engine import LLMEngine
+
+    world = world_size(args.tensor_parallel, args.expert_parallel)
+    if world == 1:
+        return LLMEngine(args)
+    if args.enable_prefix_caching:
+        log.info("prefix caching is not supported across %d ranks yet; running without it", world)
+    device = rank_device(args.device, 0)
+    if device.type == "cuda" and torch.cuda.device_count() < world:
+        raise ValueError(f"--tensor-parallel/--expert-parallel {world} needs {world} GPUs; "
+                         f"{torch.cuda.device_count()} visible")
+    args = dataclasses.replace(args, enable_prefix_caching=False, device=str(device))
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    workers = [ctx.Process(target=_worker, args=(rank, args, port), daemon=True, name=f"flashnext-rank{rank}")
+               for rank in range(1, world)]
+    for w in workers:
+        w.start()
+    loaded, device, _ = _load(args, 0, port)
+    attach_broadcaster(loaded.model)
+    engine = LLMEngine(args, loaded=loaded)
+    _started.append((workers, device))
+    atexit.register(shutdown)
+    log.info("rank 0 of %d (tensor parallel %d, expert parallel %d); workers %s", world, args.tensor_parallel,
+             args.expert_parallel, [w.pid for w in workers])
+    return engine
+
+
+def shutdown(timeout: float = 30.0) -> None:
+    """Rank 0: tell the workers to leave their loop, wait for them, leave the group (also run at exit)."""
+    while _started:
+        workers, device = _started.pop()
+        if dist.is_initialized():
+            send_stop(device)
+        for w in workers:
+            w.join(timeout)
+            if w.is_alive():
+                w.terminate()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _run_rank(rank: int, world: int, port: int, device: str, fn, fn_args) -> None:
+    init_process(rank, world, port, rank_device(device, rank))
+    try:
+        fn(rank, world, *fn_args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_ranks(fn, world: int, *fn_args, device: str = "cpu") -> None:
+    """Run `fn(rank, world, *fn_args)` in `world` fresh processes that have joined one group (gloo on CPU,
+    NCCL with NVLS off on GPUs); raises if any rank fails."""
+    mp.start_processes(_run_rank, args=(world, free_port(), device, fn, fn_args), nprocs=world, join=True,
+                       start_method="spawn")

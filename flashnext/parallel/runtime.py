@@ -1,0 +1,134 @@
+"""Process groups and the one message of the parallel engine: "run this step".
+
+Rank 0 owns the scheduler and the pools' bookkeeping. A forward pre-hook on its model broadcasts every
+forward's tokens and segments (slot, rows, computed length, KV block ids) before running it; the other ranks
+sit in `worker_loop`, rebuild the same ForwardContext over their own pools (same block and slot numbers, local
+heads only) and run the same forward, so every collective inside the model meets its partner. Sampling
+happens on rank 0 alone: logits are whole there (lm_head is replicated).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from flashnext.cache.kv_pool import KVPool
+from flashnext.cache.state_pool import StatePool
+from flashnext.models.context import ForwardContext, Segment
+
+log = logging.getLogger("flashnext.parallel")
+
+STOP, STEP = 0, 1
+_HEADER = 8        # cmd, tokens, segments, block ids, pool id, pool blocks, block size, pool slots
+_SEGMENT = 5       # slot, start, length, context_len, number of block ids
+_POOLS_KEPT = 4    # pool pairs a worker keeps (an engine has one; tests open a few Sessions)
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    rank: int
+    world: int
+    tp: int = 1
+    ep: int = 1
+
+
+def world_size(tp: int, ep: int) -> int:
+    """Both kinds run over the same ranks: tp and ep are each 1 or the world size."""
+    world = max(tp, ep)
+    if tp < 1 or ep < 1 or tp not in (1, world) or ep not in (1, world):
+        raise ValueError(f"--tensor-parallel {tp} and --expert-parallel {ep}: each must be 1 or the same number "
+                         "(the GPUs used)")
+    return world
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """`cuda` (or auto with a GPU) → this rank's GPU; anything else as given."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    d = torch.device(device)
+    return torch.device("cuda", rank) if d.type == "cuda" else d
+
+
+def init_process(rank: int, world: int, port: int, device: torch.device) -> None:
+    """Join the group: NCCL between GPUs, gloo on CPU. NVLink multicast (NVLS) stays off: it is set before
+    NCCL reads its environment, in every rank."""
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                device_id=device)
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def _broadcast(t: torch.Tensor) -> torch.Tensor:
+    dist.broadcast(t, src=0)
+    return t
+
+
+def send_stop(device: torch.device) -> None:
+    header = torch.zeros(_HEADER, dtype=torch.long, device=device)
+    header[0] = STOP
+    _broadcast(header)
+
+
+def broadcast_step(input_ids: torch.Tensor, ctx: ForwardContext) -> None:
+    """Rank 0: tell the workers which forward comes next."""
+    device = input_ids.device
+    segs = ctx.segments
+    table = [[s.slot, s.start, s.length, s.context_len, s.blocks.numel()] for s in segs]
+    blocks = [s.blocks.to(device=device, dtype=torch.long) for s in segs]
+    n_blocks = sum(b.numel() for b in blocks)
+    header = torch.tensor([STEP, input_ids.numel(), len(segs), n_blocks, id(ctx.kv), ctx.kv.num_blocks,
+                           ctx.kv.block_size, ctx.states.num_slots], dtype=torch.long, device=device)
+    _broadcast(header)
+    payload = torch.cat([input_ids.long(), torch.tensor(table, dtype=torch.long, device=device).flatten(), *blocks])
+    _broadcast(payload)
+
+
+def attach_broadcaster(model: torch.nn.Module):
+    """Rank 0: every forward of `model` is announced to the workers first. Returns the hook handle."""
+    return model.register_forward_pre_hook(lambda module, args: broadcast_step(*args))
+
+
+@torch.inference_mode()
+def worker_loop(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> int:
+    """Ranks > 0: run what rank 0 announces until it says stop; returns the number of forwards run."""
+    pools: dict[tuple, tuple[KVPool, StatePool]] = {}
+    steps = 0
+    while True:
+        cmd, n_tok, n_seg, n_blk, pool_id, num_blocks, block_size, num_slots = _broadcast(
+            torch.empty(_HEADER, dtype=torch.long, device=device)).tolist()
+        if cmd == STOP:
+            return steps
+        payload = _broadcast(torch.empty(n_tok + _SEGMENT * n_seg + n_blk, dtype=torch.long, device=device))
+        key = (pool_id, num_blocks, block_size, num_slots)
+        if key not in pools:
+            # Each pool of rank 0 (the engine's, or a Session's) has its twin here, sized as rank 0 planned it.
+            if len(pools) >= _POOLS_KEPT:
+                pools.pop(next(iter(pools)))
+            pools[key] = (KVPool(model.cfg, num_blocks, block_size, dtype, device),
+                          StatePool(model.cfg, num_slots, dtype, device))
+        kv, states = pools[key]
+        ids = payload[:n_tok]
+        table = payload[n_tok: n_tok + _SEGMENT * n_seg].view(n_seg, _SEGMENT).tolist()
+        blocks = payload[n_tok + _SEGMENT * n_seg:]
+        segments, offset = [], 0
+        for slot, start, length, context_len, count in table:
+            if context_len == 0:
+                # Rank 0 resets a slot when it hands it out; here a sequence starting from token 0 is that moment.
+                states.reset(slot)
+            segments.append(Segment(slot, blocks[offset: offset + count], start, length, context_len))
+            offset += count
+        model(ids, ForwardContext(segments, kv, states))
+        steps += 1

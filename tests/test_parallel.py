@@ -1,0 +1,116 @@
+"""Tensor and expert parallel on 2 CPU processes (gloo) equal one process: logits of a 100-token prompt and of
+16 greedy decode steps (fp32, rel 1e-5, same tokens), and the engine at tensor_parallel=2 generates the
+same greedy tokens as at world size 1."""
+import os
+
+import pytest
+import torch
+
+from flashnext.engine.loading import load_model
+from flashnext.models.session import Session
+from oracle import rel_err
+
+PRESETS = ["tiny-flash-next", "tiny-qwen3-next"]
+LAYOUTS = [(2, 1), (1, 2), (2, 2)]   # (tensor parallel, expert parallel)
+DECODE = 16
+TOL = 1e-5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Spawned ranks inherit the environment: one thread each, so two ranks fit two cores.
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    yield
+    if old is None:
+        os.environ.pop("OMP_NUM_THREADS")
+    else:
+        os.environ["OMP_NUM_THREADS"] = old
+
+
+def _prompt():
+    return torch.randint(3, 480, (100,), generator=torch.Generator().manual_seed(0))
+
+
+def _greedy(model):
+    """Prompt logits [100, V], then DECODE greedy steps: their logits [DECODE, V] and tokens."""
+    s = Session(model, 128)
+    prompt_logits = s.extend(_prompt(), all_logits=True)
+    logits, steps, tokens = prompt_logits[-1], [], []
+    for _ in range(DECODE):
+        tokens.append(int(logits.argmax()))
+        logits = s.extend([tokens[-1]])
+        steps.append(logits)
+    return prompt_logits, torch.stack(steps), tokens
+
+
+def _rank(rank, world, preset, out_path):
+    """Every layout in one process group: rank 0 drives Sessions, rank 1 follows in the worker loop."""
+    from flashnext.parallel.runtime import ParallelPlan, attach_broadcaster, send_stop, worker_loop
+
+    torch.set_num_threads(1)
+    results = {}
+    for tp, ep in LAYOUTS:
+        loaded = load_model(preset, "cpu", torch.float32, parallel=ParallelPlan(rank, world, tp, ep))
+        if rank == 0:
+            hook = attach_broadcaster(loaded.model)
+            results[(tp, ep)] = _greedy(loaded.model)
+            hook.remove()
+            send_stop(torch.device("cpu"))
+        else:
+            worker_loop(loaded.model, torch.float32, torch.device("cpu"))
+    if rank == 0:
+        torch.save(results, out_path)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_parallel_equals_single_process(preset, tmp_path):
+    from flashnext.parallel import spawn_ranks
+
+    torch.set_num_threads(1)
+    want_prompt, want_steps, want_tokens = _greedy(load_model(preset, "cpu", torch.float32).model)
+    spawn_ranks(_rank, 2, preset, str(tmp_path / "out.pt"))
+    got = torch.load(tmp_path / "out.pt")
+    for layout, (prompt_logits, step_logits, tokens) in got.items():
+        assert rel_err(prompt_logits, want_prompt) < TOL, layout
+        assert tokens == want_tokens, layout
+        assert rel_err(step_logits, want_steps) < TOL, layout
+
+
+def test_shard_refuses_uneven_heads():
+    from flashnext.engine.loading import resolve_model
+    from flashnext.parallel.shard import check_divisible
+    from flashnext.weights.config import load_config
+
+    cfg = load_config(resolve_model("tiny-qwen3-next"))
+    with pytest.raises(ValueError, match="num_key_value_heads = 2"):
+        check_divisible(cfg, 4, 1)
+    with pytest.raises(ValueError, match="num_experts = 8"):
+        check_divisible(cfg, 1, 3)
+
+
+def test_engine_tensor_parallel_same_tokens():
+    from flashnext.engine.args import EngineArgs
+    from flashnext.engine.llm_engine import LLMEngine
+    from flashnext.engine.sampling_params import SamplingParams
+    from flashnext.parallel import launch_engine, shutdown
+
+    prompts = [[(7 * i + 3 * j) % 470 + 3 for j in range(n)] for i, n in enumerate((5, 40, 23))]
+
+    def run(engine):
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        out = {str(i): [] for i in range(len(prompts))}
+        while engine.has_work():
+            for o in engine.step():
+                out[o.request_id] += o.token_ids
+        return out
+
+    args = dict(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=24,
+                max_model_len=256)
+    want = run(LLMEngine(EngineArgs(**args)))
+    try:
+        got = run(launch_engine(EngineArgs(**args, tensor_parallel=2)))
+    finally:
+        shutdown()
+    assert got == want
