@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import signal
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,8 @@ def _load(args: EngineArgs, rank: int, port: int):
 
 
 def _worker(rank: int, args: EngineArgs, port: int) -> None:
+    # Ctrl-C reaches the whole process group: rank 0 alone handles it and then tells the workers to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     loaded, device, dtype = _load(args, rank, port)
     steps = worker_loop(loaded.model, dtype, device)
     log.debug("rank %d: %d forwards, stopping", rank, steps)

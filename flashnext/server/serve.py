@@ -68,6 +68,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--quantize", choices=["int4"],
          help="quantise the dense projections and routed experts at load and keep them INT4 in memory (int4: RTN, "
               "group 128; docs/int4.md)")
+    _add(parser, "--tensor-parallel", type=int,
+         help="GPUs of this host to split attention and GatedDeltaNet heads over; starts one worker process per "
+              "extra GPU (docs/parallel.md; default 1)")
+    _add(parser, "--expert-parallel", type=int,
+         help="GPUs to split the routed experts over, whole experts per GPU: 1 or the --tensor-parallel size "
+              "(docs/parallel.md; default 1)")
     _add(parser, "--tool-call-parser", default="auto", choices=["auto", "hermes", "qwen3_coder"],
          help="tool-call format in the model's output (auto: from the chat template)")
     _add(parser, "--sse-keepalive", type=float, default=2.0,
@@ -93,7 +99,8 @@ _ENGINE_FLAGS = {"model": "model", "device": "device", "max_num_batched_tokens":
                  "dtype": "dtype", "quantize": "quantize", "enable_prefix_caching": "enable_prefix_caching",
                  "prefix_snapshot_interval": "prefix_snapshot_interval", "prefix_cache_gb": "prefix_cache_gb",
                  "kv_host_gb": "kv_host_gb", "kv_host_write_through": "kv_host_write_through",
-                 "kv_disk_dir": "kv_disk_dir", "kv_disk_gb": "kv_disk_gb"}
+                 "kv_disk_dir": "kv_disk_dir", "kv_disk_gb": "kv_disk_gb", "tensor_parallel": "tensor_parallel",
+                 "expert_parallel": "expert_parallel"}
 
 
 def engine_args_from(args: argparse.Namespace):
@@ -115,6 +122,11 @@ def engine_args_from(args: argparse.Namespace):
 def load_engine(engine_args):
     from flashnext.engine.async_llm import AsyncLLM
 
+    if max(engine_args.tensor_parallel, engine_args.expert_parallel) > 1:
+        from flashnext.parallel import launch_engine
+
+        # This process becomes rank 0 (scheduler, sampling, HTTP); the other ranks are its child processes.
+        return AsyncLLM(launch_engine(engine_args))
     return AsyncLLM.from_args(engine_args)
 
 
