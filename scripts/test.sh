@@ -9,4 +9,4 @@ python3 -m pip uninstall -y -q fla-core flash-linear-attention causal-conv1d 2>/
 # Tiny test models run fastest on one thread per process (the server and bench tests start several).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export FLASHNEXT_CACHE="${FLASHNEXT_CACHE:-$(mktemp -d)}"
-exec python3 -m pytest -q -p no:cacheprovider tests "$@"
+exec python3 -m pytest -p no:cacheprovider tests "$@"

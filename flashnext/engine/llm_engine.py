@@ -43,6 +43,7 @@ class EngineStats:
     total_kv_blocks: int
     free_state_slots: int
     total_state_slots: int
+    prefix_cached_kv_blocks: int    # held only by the prefix cache: evictable, so not counted as usage
 
 
 @dataclass
@@ -272,9 +273,10 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         total = self.kv.num_blocks
+        in_use = len({b for r in self.scheduler.running for b in r.blocks})
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=(total - self.kv.num_free) / total, prefix_queries=self.scheduler.prefix_queries,
+            kv_cache_usage=in_use / total, prefix_cached_kv_blocks=total - self.kv.num_free - in_use, prefix_queries=self.scheduler.prefix_queries,
             prefix_hits=self.scheduler.prefix_hits,
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
             num_preemptions=self.scheduler.num_preemptions, free_kv_blocks=self.kv.num_free, total_kv_blocks=total,
