@@ -114,3 +114,28 @@ def test_engine_tensor_parallel_same_tokens():
     finally:
         shutdown()
     assert got == want
+
+
+def _rank_int4(rank, world, out_path):
+    from flashnext.parallel.runtime import ParallelPlan, attach_broadcaster, send_stop, worker_loop
+
+    torch.set_num_threads(1)
+    model = load_model("tiny-qwen3-next", "cpu", torch.float32, quantize="int4",
+                       parallel=ParallelPlan(rank, world, 1, 2)).model
+    if rank == 0:
+        attach_broadcaster(model)
+        torch.save(Session(model, 128).extend(_prompt(), all_logits=True), out_path)
+        send_stop(torch.device("cpu"))
+    else:
+        worker_loop(model, torch.float32, torch.device("cpu"))
+
+
+def test_expert_parallel_int4_experts(tmp_path):
+    """Whole INT4 experts move to their rank: EP=2 over Int4Experts equals one process exactly."""
+    from flashnext.parallel import spawn_ranks
+
+    torch.set_num_threads(1)
+    want = Session(load_model("tiny-qwen3-next", "cpu", torch.float32, quantize="int4").model, 128).extend(
+        _prompt(), all_logits=True)
+    spawn_ranks(_rank_int4, 2, str(tmp_path / "out.pt"))
+    assert rel_err(torch.load(tmp_path / "out.pt"), want) < TOL
