@@ -51,54 +51,22 @@ def arch_of(config: dict) -> str:
 
 def expected_tensors(config: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """{name: (shape, dtype)} of our model for `config`, listed on the meta device."""
-    try:
-        from flashnext.models import build_model
-        from flashnext.weights.config import parse_config
+    from flashnext.models import build_model
+    from flashnext.weights.config import parse_config
 
-        model = build_model(parse_config(config), device="meta")
-    except ImportError:  # TODO: drop once flashnext.models.build_model is committed
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        hf_config = AutoConfig.for_model(**config)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config)
+    model = build_model(parse_config(config), device="meta")
     return {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
 
 
-# ---- PLE hash constants, derived exactly as transformers' Qwen4ExpTextNGramEmbedding does -----------------
-_MASK64 = (1 << 64) - 1
-_GAMMA = 0x9E3779B97F4A7C15
-
-
-def _splitmix64(value: int) -> int:
-    value = (value + _GAMMA) & _MASK64
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (value ^ (value >> 31)) & _MASK64
-
-
-def _is_prime(n: int) -> bool:
-    return n == 2 or (n > 2 and n % 2 == 1 and all(n % d for d in range(3, math.isqrt(n) + 1, 2)))
-
-
+# ---- PLE hash constants: the model derives them; the checkpoint ships a copy -------------------------------
 def ple_buffers(text_config: dict, ple_layer_index: int) -> dict[str, torch.Tensor]:
     """layer_multipliers, ngram_heads_vocab_sizes, ngram_heads_offsets of the `ple_layer_index`-th PLE layer."""
+    from flashnext.models.layers.ple import ngram_head_sizes, ngram_multipliers
+
     ngram_size = text_config.get("ngram_size", 3)
     heads = (ngram_size - 1) * text_config.get("heads_per_ngram", 8)
-    half_bound = max(1, ((1 << 63) - 1) // max(text_config["vocab_size"], 1) // 2)
-    base_seed = text_config.get("seed", 1234) + 10007 * ple_layer_index
-    multipliers = [2 * (_splitmix64((base_seed + _GAMMA * (i + 1)) & _MASK64) % half_bound) + 1
-                   for i in range(ngram_size)]
-    sizes, prime = [], text_config.get("ngram_vocab_size_base", 20_000_000) - 1
-    for _ in range(ple_layer_index * heads):  # earlier PLE layers took the first primes
-        prime += 1
-        while not _is_prime(prime):
-            prime += 1
-    for _ in range(heads):
-        prime += 1
-        while not _is_prime(prime):
-            prime += 1
-        sizes.append(prime)
+    multipliers = ngram_multipliers(text_config["vocab_size"], ngram_size, ple_layer_index, text_config.get("seed", 1234))
+    sizes = ngram_head_sizes(text_config.get("ngram_vocab_size_base", 20_000_000), heads, ple_layer_index)
     offsets = [sum(sizes[:i]) for i in range(heads)]
     return {"layer_multipliers": torch.tensor(multipliers), "ngram_heads_vocab_sizes": torch.tensor(sizes),
             "ngram_heads_offsets": torch.tensor(offsets)}
