@@ -32,7 +32,7 @@ BENCHES=("$@")
 # 1. Imports. The machine has no network: wheels travel in .whl/ and install from there.
 declare -A WHEEL=([torch]=torch [safetensors]=safetensors [tokenizers]=tokenizers [jinja2]=jinja2
                   [fastapi]=fastapi [uvicorn]=uvicorn [pydantic]=pydantic [prometheus_client]=prometheus-client
-                  [httpx]=httpx [matplotlib]=matplotlib)
+                  [httpx]=httpx [xgrammar]=xgrammar [tvm_ffi]=apache-tvm-ffi [matplotlib]=matplotlib)
 missing() { for m in "${!WHEEL[@]}"; do "$PY" -c "import $m" 2>/dev/null || echo "${WHEEL[$m]}"; done; }
 need=$(missing)
 if [ -n "$need" ] && [ -d .whl ]; then
