@@ -47,6 +47,7 @@ class Int4Experts(nn.Module):
         super().__init__()
         self.num_experts, self.hidden_size, self.intermediate_size = down.qweight.shape[0], down.out_features, down.in_features
         self.group_sizes = (gate_up.group_size, down.group_size)
+        self.expert_cache = None  # a LayerExpertCache (flashnext/cache/expert_cache.py): buffers are then its slots
         for prefix, w in (("gate_up", gate_up), ("down", down)):
             for name in ("qweight", "scales", "zeros", "perm"):
                 self.register_buffer(f"{prefix}_{name}", getattr(w, name))
@@ -63,6 +64,8 @@ class Int4Experts(nn.Module):
         return Int4Weight(get("qweight"), get("scales"), get("zeros"), get("perm"), g)
 
     def forward(self, x, weights, ids):
+        if self.expert_cache is not None:  # routed ids → slots of the device pool, misses copied in first
+            return self.expert_cache.forward(x, weights, ids)
         return moe_int4(x, ids, weights, self.weight_int4("gate_up"), self.weight_int4("down"))
 
     def extra_repr(self) -> str:
