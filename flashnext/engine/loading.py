@@ -28,6 +28,7 @@ class LoadedModel:
     path: Path
     seconds: float
     weight_bytes: int
+    expert_cache: "ExpertCache | None" = None  # noqa: F821  (flashnext.cache.expert_cache; --expert-vram-gb)
 
 
 def preset_cache_dir() -> Path:
@@ -58,7 +59,8 @@ def resolve_model(name: str) -> Path:
 QUANTIZE_CHOICES = (None, "int4")
 
 
-def load_model(name: str, device, dtype: torch.dtype, quantize: str | None = None, parallel=None) -> LoadedModel:
+def load_model(name: str, device, dtype: torch.dtype, quantize: str | None = None, parallel=None,
+               expert_vram_gb: float | None = None, expert_cache_policy: str = "lfu-decay") -> LoadedModel:
     """`quantize="int4"` replaces the dense projections and routed experts by INT4 ones after loading (RTN;
     docs/int4.md). `parallel` (a flashnext.parallel.ParallelPlan) shards the model for one rank right after
     loading, before quantising; the returned config then has the rank's local head counts (docs/parallel.md)."""
@@ -99,5 +101,12 @@ def load_model(name: str, device, dtype: torch.dtype, quantize: str | None = Non
         log.info("quantised %d dense projections and %d routed-expert sets to int4 (RTN, group 128)", len(dense),
                  len(experts))
         nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    expert_cache = None
+    if expert_vram_gb is not None:
+        # TODO(real sizes): the experts are still quantised on the device first, so the whole model must fit once.
+        from flashnext.cache.expert_cache import install_expert_cache
+
+        expert_cache = install_expert_cache(model, int(expert_vram_gb * (1 << 30)), expert_cache_policy)
+        nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     tokenizer = Tokenizer.from_dir(path)
-    return LoadedModel(model.eval(), cfg, tokenizer, path, time.perf_counter() - start, nbytes)
+    return LoadedModel(model.eval(), cfg, tokenizer, path, time.perf_counter() - start, nbytes, expert_cache)

@@ -48,6 +48,23 @@ class _EngineCollector:
                 c = CounterMetricFamily(prefix + name, doc, labels=["model_name"])
                 c.add_metric(labels, value)
                 yield c
+        cache = expert_cache_of(engine)
+        if cache is not None:  # --expert-vram-gb (docs/expert_cache.md); the bench reads these exact names
+            st = cache.stats
+            for name, doc, value in (
+                    ("hits", "Routed expert reads found in the device slot pool.", st.hits),
+                    ("misses", "Routed expert reads copied in from host memory.", st.misses),
+                    ("bytes_copied", "Bytes of expert weights copied host to device.", st.bytes_copied),
+                    ("stall_seconds", "Wall time spent copying experts in.", st.stall_seconds)):
+                c = CounterMetricFamily(f"flashnext_expert_cache_{name}", doc, labels=["model_name"])
+                c.add_metric(labels, value)
+                yield c
+
+
+def expert_cache_of(engine):
+    """The ExpertCache behind an AsyncLLM or LLMEngine, or None (no --expert-vram-gb, or a parallel engine)."""
+    inner = getattr(engine, "engine", engine)
+    return getattr(getattr(inner, "loaded", None), "expert_cache", None)
 
 
 class ServerMetrics:

@@ -68,6 +68,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--quantize", choices=["int4"],
          help="quantise the dense projections and routed experts at load and keep them INT4 in memory (int4: RTN, "
               "group 128; docs/int4.md)")
+    _add(parser, "--expert-vram-gb", type=float,
+         help="keep the routed experts in host memory and this many GiB of expert slots on the device, all layers "
+              "together (needs --quantize int4; at least top-k slots per layer; docs/expert_cache.md; default: off, "
+              "every expert resident)")
+    _add(parser, "--expert-cache-policy", choices=["lfu-decay", "lru"],
+         help="which cached expert to evict: decayed hit count or least recently used (default lfu-decay)")
     _add(parser, "--tensor-parallel", type=int,
          help="GPUs of this host to split attention and GatedDeltaNet heads over; starts one worker process per "
               "extra GPU (docs/parallel.md; default 1)")
@@ -100,7 +106,8 @@ _ENGINE_FLAGS = {"model": "model", "device": "device", "max_num_batched_tokens":
                  "prefix_snapshot_interval": "prefix_snapshot_interval", "prefix_cache_gb": "prefix_cache_gb",
                  "kv_host_gb": "kv_host_gb", "kv_host_write_through": "kv_host_write_through",
                  "kv_disk_dir": "kv_disk_dir", "kv_disk_gb": "kv_disk_gb", "tensor_parallel": "tensor_parallel",
-                 "expert_parallel": "expert_parallel"}
+                 "expert_parallel": "expert_parallel", "expert_vram_gb": "expert_vram_gb",
+                 "expert_cache_policy": "expert_cache_policy"}
 
 
 def engine_args_from(args: argparse.Namespace):
@@ -123,11 +130,31 @@ def load_engine(engine_args):
     from flashnext.engine.async_llm import AsyncLLM
 
     if max(engine_args.tensor_parallel, engine_args.expert_parallel) > 1:
+        if engine_args.expert_vram_gb is not None:
+            raise SystemExit("--expert-vram-gb does not work with --tensor-parallel / --expert-parallel yet.")
         from flashnext.parallel import launch_engine
 
         # This process becomes rank 0 (scheduler, sampling, HTTP); the other ranks are its child processes.
         return AsyncLLM(launch_engine(engine_args))
+    if engine_args.expert_vram_gb is not None:
+        return AsyncLLM(_engine_with_expert_cache(engine_args))
     return AsyncLLM.from_args(engine_args)
+
+
+def _engine_with_expert_cache(engine_args):
+    """LLMEngine over a model loaded with its expert cache (LLMEngine's own load_model call does not take the
+    cache settings yet, so the model is loaded here with the engine's device and dtype rules)."""
+    import torch
+
+    from flashnext.engine.args import resolve_dtype
+    from flashnext.engine.llm_engine import LLMEngine
+    from flashnext.engine.loading import load_model
+
+    device = torch.device(engine_args.device if engine_args.device != "auto"
+                          else ("cuda" if torch.cuda.is_available() else "cpu"))
+    loaded = load_model(engine_args.model, device, resolve_dtype(engine_args.dtype, device), quantize=engine_args.quantize,
+                        expert_vram_gb=engine_args.expert_vram_gb, expert_cache_policy=engine_args.expert_cache_policy)
+    return LLMEngine(engine_args, loaded)
 
 
 def _api_key(args) -> str | None:

@@ -1,0 +1,128 @@
+"""Expert cache (--expert-vram-gb): at any slot budget, down to top-k slots per layer, the model's outputs are
+bit-identical to all experts resident (fp32, CPU); the counters add up; lfu-decay beats LRU on a hot set + scans."""
+import random
+
+import pytest
+import torch
+
+from flashnext.cache.expert_cache import install_expert_cache
+from flashnext.cache.expert_trace import replay
+from flashnext.engine.args import EngineArgs
+from flashnext.engine.llm_engine import LLMEngine
+from flashnext.engine.loading import load_model
+from flashnext.engine.sampling_params import SamplingParams
+from flashnext.models.layers.moe import Router
+from flashnext.models.session import Session
+from flashnext.server.metrics import ServerMetrics, expert_cache_of
+
+PRESETS = ["tiny-flash-next", "tiny-qwen3-next"]   # 8 experts, top-2, 4 layers
+
+
+def _prompt(n, seed=0):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 480) for _ in range(n)]
+
+
+def _greedy(model, prompt, n=6):
+    """Logits of the prompt (every position) and of n greedy decode steps."""
+    s = Session(model, 128)
+    logits = [s.extend(prompt, all_logits=True)]
+    for _ in range(n):
+        logits.append(s.extend([int(logits[-1][-1].argmax())])[None])
+    return torch.cat(logits)
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def resident(request):
+    return request.param, _greedy(load_model(request.param, "cpu", torch.float32, quantize="int4").model, _prompt(41))
+
+
+@pytest.mark.parametrize("slots", [2, 3, 5, 8])           # 2 = top-k (the minimum), 8 = every expert
+@pytest.mark.parametrize("policy", ["lfu-decay", "lru"])
+def test_outputs_equal_all_resident(resident, slots, policy):
+    name, want = resident
+    model = load_model(name, "cpu", torch.float32, quantize="int4").model
+    cache = install_expert_cache(model, policy=policy, slots_per_layer=slots)
+    reads = []
+    for router in (m for m in model.modules() if isinstance(m, Router)):
+        router.register_forward_hook(lambda mod, args, out: reads.append(out[1].unique().numel()))
+    assert torch.equal(_greedy(model, _prompt(41)), want)
+    st = cache.stats
+    assert st.hits + st.misses == sum(reads) and st.misses >= 1
+    assert st.bytes_copied == st.misses * cache.layers[0].bytes_per_expert
+    assert slots < 8 or st.misses == 8 * len(cache.layers)   # everything fits: each expert copied once
+
+
+def test_budget_in_gib_and_minimum():
+    model = load_model("tiny-flash-next", "cpu", torch.float32, quantize="int4").model
+    per_layer_expert = sum(b[0].numel() * b.element_size()
+                           for b in next(m for m in model.modules() if hasattr(m, "expert_cache")).buffers(recurse=False))
+    with pytest.raises(ValueError, match="at least 2 slots per layer"):
+        install_expert_cache(model, budget_bytes=2 * 4 * per_layer_expert - 1)
+    cache = install_expert_cache(model, budget_bytes=3 * 4 * per_layer_expert + 7)
+    assert cache.slots_per_layer == 3 and cache.device_bytes == 3 * 4 * per_layer_expert
+
+
+def test_needs_int4_experts():
+    model = load_model("tiny-flash-next", "cpu", torch.float32).model
+    with pytest.raises(ValueError, match="--quantize int4"):
+        install_expert_cache(model, budget_bytes=1 << 30)
+    with pytest.raises(ValueError, match="--expert-cache-policy"):
+        install_expert_cache(load_model("tiny-flash-next", "cpu", torch.float32, quantize="int4").model,
+                             1 << 30, policy="fifo")
+
+
+def test_engine_outputs_and_metrics():
+    prompts = [_prompt(30, seed=s) for s in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def run(engine):
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        out = {}
+        while engine.has_work():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.token_ids)
+        return out
+
+    args = EngineArgs(model="tiny-qwen3-next", device="cpu", dtype="float32", quantize="int4", max_num_seqs=4,
+                      max_num_batched_tokens=23, max_model_len=256, expert_vram_gb=1e-9)
+    with pytest.raises(ValueError, match="expert slots per layer"):
+        load_model(args.model, "cpu", torch.float32, quantize="int4", expert_vram_gb=1e-9)
+    want = run(LLMEngine(EngineArgs(**{**vars(args), "expert_vram_gb": None})))
+    loaded = load_model(args.model, "cpu", torch.float32, quantize="int4", expert_vram_gb=4e-5)  # 3 slots of 3,328 bytes × 4 layers
+    engine = LLMEngine(args, loaded)
+    assert 2 <= loaded.expert_cache.slots_per_layer < 8
+    assert run(engine) == want
+    settings = type("S", (), {"served_model_name": "m"})()
+    text = ServerMetrics(settings, lambda: engine).render()[0].decode()
+    st = expert_cache_of(engine).stats
+    for name, value in (("hits", st.hits), ("misses", st.misses), ("bytes_copied", st.bytes_copied)):
+        assert f'flashnext_expert_cache_{name}_total{{model_name="m"}} {float(value)}' in text
+
+
+def _hot_and_scans(steps=3000, num_experts=64, hot=12, top_k=4, seed=0):
+    """Each step needs top_k experts of a stable hot set; every 50 steps a scan reads 32 cold experts once."""
+    rng = random.Random(seed)
+    trace = []
+    for t in range(steps):
+        if t % 50 == 0:
+            cold = rng.sample(range(hot, num_experts), 32)
+            trace += [cold[i:i + top_k] for i in range(0, 32, top_k)]
+        trace.append(rng.sample(range(hot), top_k))
+    return trace
+
+
+def test_lfu_decay_beats_lru_on_hot_set_with_scans():
+    trace = _hot_and_scans()
+    lfu, lru = (replay(trace, 64, 16, policy) for policy in ("lfu-decay", "lru"))
+    assert sum(lfu) == sum(lru) == sum(len(s) for s in trace)
+    cold = 60 * 32                         # scan reads: misses under any policy
+    assert lfu[1] < cold + 100, lfu        # the hot set survives the scans (misses ≈ warm-up + scans only)
+    assert lru[1] > cold + 500, lru        # LRU lets every scan flush part of the hot set
+
+
+def test_replay_pins_the_step():
+    with pytest.raises(ValueError, match="needs 3 experts"):
+        replay([[0, 1, 2]], 8, 2)
+    assert replay([[0, 1], [2, 3], [0, 1]], 8, 4) == (2, 4)
