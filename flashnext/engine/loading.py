@@ -6,6 +6,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from flashnext.models.layers.rope import RotaryEmbedding
 from flashnext.tokenizer import Tokenizer
 from flashnext.weights.checkpoint import load_checkpoint
 from flashnext.weights.config import ModelConfig, load_config
+
+if TYPE_CHECKING:
+    from flashnext.cache.expert_cache import ExpertCache
 
 log = logging.getLogger("flashnext.engine")
 
@@ -28,7 +32,7 @@ class LoadedModel:
     path: Path
     seconds: float
     weight_bytes: int
-    expert_cache: "ExpertCache | None" = None  # noqa: F821  (flashnext.cache.expert_cache; --expert-vram-gb)
+    expert_cache: ExpertCache | None = None   # --expert-vram-gb (docs/expert_cache.md)
 
 
 def preset_cache_dir() -> Path:
