@@ -70,7 +70,9 @@ class LLMEngine:
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(device)
         self.dtype = resolve_dtype(args.dtype, self.device)
-        self.loaded = loaded or load_model(args.model, self.device, self.dtype, quantize=args.quantize)
+        self.loaded = loaded or load_model(args.model, self.device, self.dtype, quantize=args.quantize,
+                                           expert_vram_gb=args.expert_vram_gb,
+                                           expert_cache_policy=args.expert_cache_policy)
         cfg = self.config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)

@@ -136,25 +136,7 @@ def load_engine(engine_args):
 
         # This process becomes rank 0 (scheduler, sampling, HTTP); the other ranks are its child processes.
         return AsyncLLM(launch_engine(engine_args))
-    if engine_args.expert_vram_gb is not None:
-        return AsyncLLM(_engine_with_expert_cache(engine_args))
     return AsyncLLM.from_args(engine_args)
-
-
-def _engine_with_expert_cache(engine_args):
-    """LLMEngine over a model loaded with its expert cache (LLMEngine's own load_model call does not take the
-    cache settings yet, so the model is loaded here with the engine's device and dtype rules)."""
-    import torch
-
-    from flashnext.engine.args import resolve_dtype
-    from flashnext.engine.llm_engine import LLMEngine
-    from flashnext.engine.loading import load_model
-
-    device = torch.device(engine_args.device if engine_args.device != "auto"
-                          else ("cuda" if torch.cuda.is_available() else "cpu"))
-    loaded = load_model(engine_args.model, device, resolve_dtype(engine_args.dtype, device), quantize=engine_args.quantize,
-                        expert_vram_gb=engine_args.expert_vram_gb, expert_cache_policy=engine_args.expert_cache_policy)
-    return LLMEngine(engine_args, loaded)
 
 
 def _api_key(args) -> str | None:
