@@ -21,12 +21,7 @@ def engine(request):
 
 
 def greedy_alone(engine, prompt, n):
-    s = Session(engine.loaded.model, 512)
-    logits, out = s.extend(prompt), []
-    for _ in range(n):
-        out.append(int(logits.argmax()))
-        logits = s.extend([out[-1]])
-    return out
+    return Session(engine.loaded.model, 512).greedy(prompt, n)
 
 
 def run_all(engine, max_steps=10_000):

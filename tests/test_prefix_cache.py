@@ -31,12 +31,7 @@ def flash():
 
 
 def cold(engine, prompt, n):
-    s = Session(engine.loaded.model, 512)
-    logits, out = s.extend(prompt), []
-    for _ in range(n):
-        out.append(int(logits.argmax()))
-        logits = s.extend([out[-1]])
-    return out
+    return Session(engine.loaded.model, 512).greedy(prompt, n)
 
 
 def run(engine, prompt, n=6, rid="r"):

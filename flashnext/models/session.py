@@ -37,3 +37,11 @@ class Session:
         hidden = self.model(ids, ForwardContext([seg], self.kv, self.states))
         self.length += ids.numel()
         return self.model.compute_logits(hidden if all_logits else hidden[-1])
+
+    def greedy(self, prompt, n: int) -> list[int]:
+        """Feed `prompt`, then take the argmax token n times: the reference every batched path must equal."""
+        logits, out = self.extend(prompt), []
+        for _ in range(n):
+            out.append(int(logits.argmax()))
+            logits = self.extend([out[-1]])
+        return out
