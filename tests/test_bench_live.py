@@ -190,3 +190,14 @@ def test_report_renders_every_result(run, tmp_path):
     for name in results:
         assert f"### {name} — " in text
     assert "| turn | prompt tokens |" in text and "Headline: turn-12 TTFT" in text
+
+
+def test_agentic_stops_where_the_context_ends(tmp_path):
+    """A server whose context is shorter than the session: the bench keeps what ran and says where it stopped."""
+    code = main(["bench", "agentic", "--model", "tiny-flash-next", "--server-args", "--max-model-len 4096",
+                 "--scale", "0.05", "--max-tokens", "4", "--no-plots", "--out-dir", str(tmp_path)])
+    assert code == 0
+    result = json.loads(next(tmp_path.glob("agentic-*.json")).read_text())
+    stopped = result["info"]["stopped"]
+    assert stopped is not None and "context_length_exceeded" in stopped["reason"]
+    assert len(result["samples"]) == stopped["turn"] - 1

@@ -1,7 +1,10 @@
 """agentic: per-turn TTFT and cached tokens over a 12-turn tool-use session; headline = turn-12 TTFT."""
 from __future__ import annotations
 
+import sys
+
 from flashnext.bench import agentic_session as session
+from flashnext.bench.client import BenchError
 from flashnext.bench import markdown as md
 from flashnext.bench.plots import pyplot, save
 from flashnext.bench.text import fresh_salt
@@ -14,17 +17,27 @@ async def run(ctx):
     # A salt in the user's task (not the system prompt): a new session shares the agent's system
     # prompt and tools with earlier ones, as real sessions do, and nothing after that.
     messages[1]["content"] = f"{fresh_salt()} {messages[1]['content']}"
-    samples = []
+    samples, stopped = [], None
     for turn in range(session.TURNS):
-        r = await ctx.chat(f"agentic turn {turn + 1}/{session.TURNS}:", messages, args.turn_tokens,
-                           tools=TOOLS, tool_choice=args.tool_choice)
+        try:
+            r = await ctx.chat(f"agentic turn {turn + 1}/{session.TURNS}:", messages, args.turn_tokens,
+                               tools=TOOLS, tool_choice=args.tool_choice)
+        except BenchError as e:
+            # A server whose context is shorter than the session ends it here; the turns so far still count.
+            if "context_length_exceeded" not in str(e):
+                raise
+            stopped = {"turn": turn + 1, "reason": str(e)}
+            print(f"agentic: turn {turn + 1} does not fit the server's context; stopping the session there",
+                  file=sys.stderr)
+            break
         model_call = session.usable_call(r.tool_calls)
         call = model_call or session.scripted_call(turn)
         samples.append(r.sample(phase="run", turn=turn + 1, estimated_prompt_tokens=session.estimated_tokens(messages),
                                 call_source="model" if model_call else "scripted", tool=call["function"]["name"],
                                 result_bytes=session.result_size(session.STEPS[turn], args.scale)))
         session.append_turn(messages, turn, call, args.seed, args.scale)
-    return samples, {"turns": session.TURNS, "scale": args.scale, "tool_choice": args.tool_choice}
+    return samples, {"turns": session.TURNS, "scale": args.scale, "tool_choice": args.tool_choice,
+                     "stopped": stopped}
 
 
 def headline(result: dict) -> dict | None:
