@@ -32,7 +32,8 @@ def _add_generate(sub):
     _flag(p, "--top-k", 0, int, help="sample among the k most likely tokens (0: off)")
     _flag(p, "--seed", None, int, help="sampling seed")
     _flag(p, "--chat", False, action="store_true", help="apply the model's chat template to the prompt")
-    _flag(p, "--dtype", "auto", help="activation dtype: auto (the checkpoint's on GPU, float32 on CPU), bfloat16, float32")
+    _flag(p, "--dtype", "checkpoint", help="activation dtype: checkpoint (what config.json declares), auto (bf16 on GPU, "
+          "float32 on CPU), bfloat16, float16, float32")
     _flag(p, "--device", "auto", help="cpu, cuda or auto")
 
 

@@ -9,7 +9,7 @@ DEFAULT_MODEL = "tiny-flash-next"
 @dataclass
 class EngineArgs:
     model: str = DEFAULT_MODEL            # folder, hub id or preset name
-    dtype: str = "auto"                   # auto: the checkpoint's dtype on GPU, float32 on CPU
+    dtype: str = "auto"                   # auto: bf16 on GPU, fp32 on CPU; "checkpoint": config.json's dtype
     device: str = "auto"                  # auto: cuda if available
     max_model_len: int | None = None      # default: the model's max_position_embeddings
     max_num_seqs: int = 16
@@ -36,13 +36,19 @@ class EngineArgs:
     kv_disk_gb: float = 16.0
 
 
-def resolve_dtype(name: str, device) -> "torch.dtype":  # noqa: F821
+def resolve_dtype(name: str, device, model: str | None = None) -> "torch.dtype":  # noqa: F821
+    """auto: bf16 on GPU, fp32 on CPU (fast on both); checkpoint: what the model's config.json declares."""
     import torch
 
     if name in ("auto", None, ""):
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name == "checkpoint":
+        from flashnext.engine.loading import resolve_model
+        from flashnext.weights.config import load_config
+
+        name = load_config(resolve_model(model)).torch_dtype
     table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
              "float32": torch.float32, "fp32": torch.float32}
     if name not in table:
-        raise ValueError(f"--dtype {name!r} is not one of {', '.join(table)}")
+        raise ValueError(f"--dtype {name!r} is not one of auto, checkpoint, {', '.join(table)}")
     return table[name]

@@ -69,7 +69,7 @@ class LLMEngine:
         self.args = args
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(device)
-        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.dtype = resolve_dtype(args.dtype, self.device, args.model)
         self.loaded = loaded or load_model(args.model, self.device, self.dtype, quantize=args.quantize,
                                            expert_vram_gb=args.expert_vram_gb,
                                            expert_cache_policy=args.expert_cache_policy)

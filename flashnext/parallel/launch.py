@@ -34,7 +34,7 @@ def _load(args: EngineArgs, rank: int, port: int):
     plan = _plan(args, rank)
     device = rank_device(args.device, rank)
     init_process(rank, plan.world, port, device)
-    dtype = resolve_dtype(args.dtype, device)
+    dtype = resolve_dtype(args.dtype, device, args.model)
     return load_model(args.model, device, dtype, quantize=args.quantize, parallel=plan), device, dtype
 
 

@@ -58,7 +58,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--max-queued-requests", type=int,
          help="most requests waiting for a slot; more get 429 with Retry-After")
     _add(parser, "--gpu-memory-fraction", type=float, help="share of GPU memory the engine may plan for")
-    _add(parser, "--dtype", help="activation dtype (auto, bfloat16, float16, float32)")
+    _add(parser, "--dtype", help="activation dtype: auto (bf16 on GPU, float32 on CPU), checkpoint (config.json's), bfloat16, float16, float32")
     _add(parser, "--device", help="cpu, cuda or auto (default: cuda when available)")
     _add(parser, "--max-num-batched-tokens", type=int,
          help="token budget of one engine step: prefill chunks plus decodes (default 2048)")
