@@ -3,12 +3,15 @@ RoPE; GQA; output × sigmoid(gate) → o_proj. `token_mask` lets indexed attenti
 the tokens its indexer selected (None: plain causal attention).
 """
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from flashnext.models.context import ForwardContext, Segment
 from flashnext.models.layers.norms import ZeroCenteredRMSNorm
 from flashnext.models.layers.rope import apply_rotary
 from flashnext.weights.config import ModelConfig
+
+QUERY_BLOCK = 1024
 
 
 class GatedAttention(nn.Module):
@@ -51,15 +54,21 @@ class GatedAttention(nn.Module):
         return self.o_proj(out)
 
     def _attend(self, q, k, v, seg: Segment, mask: torch.Tensor | None) -> torch.Tensor:
-        """q [T, H, D]; k, v [L, KVH, D] with L = context + T. Eager softmax, as the oracle computes it."""
-        groups = self.num_heads // self.num_kv_heads
-        k = k.repeat_interleave(groups, dim=1).transpose(0, 1)   # [H, L, D]
-        v = v.repeat_interleave(groups, dim=1).transpose(0, 1)
-        scores = (q.transpose(0, 1) @ k.transpose(1, 2)) * self.scaling   # [H, T, L]
-        query_pos = torch.arange(seg.context_len, seg.total_len, device=q.device)
-        visible = torch.arange(seg.total_len, device=q.device)[None, :] <= query_pos[:, None]
-        if mask is not None:
-            visible = visible & mask
-        scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return (probs @ v).transpose(0, 1)
+        """q [T, H, D]; k, v [L, KVH, D] with L = context + T → [T, H, D].
+
+        Queries go in blocks so a long prefill holds at most QUERY_BLOCK × L of mask (and, where SDPA falls back
+        to its math kernel, of scores) at a time instead of T × L.
+        """
+        k, v = k.transpose(0, 1), v.transpose(0, 1)            # [KVH, L, D]
+        token = torch.arange(seg.total_len, device=q.device)
+        out = torch.empty_like(q)
+        for start in range(0, seg.length, QUERY_BLOCK):
+            end = min(start + QUERY_BLOCK, seg.length)
+            query_pos = seg.context_len + torch.arange(start, end, device=q.device)
+            visible = token[None, :] <= query_pos[:, None]
+            if mask is not None:
+                visible = visible & mask[start:end]
+            o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k, v, attn_mask=visible,
+                                               scale=self.scaling, enable_gqa=True)
+            out[start:end] = o.transpose(0, 1)
+        return out
