@@ -104,3 +104,15 @@ def test_qsa_selection_is_active():
     Session(ours, 256).extend(_prompt(100))
     visible = masks[0][-1]                                 # the last query's visible tokens
     assert visible.sum() < 100 and visible.sum() <= indexer.block_topk * indexer.ratio + indexer.ratio - 1
+
+
+def test_query_blocks_do_not_change_logits(pair, reference, monkeypatch):
+    """Long prefills run attention and the indexer in query blocks; an odd small block must give the same."""
+    import flashnext.models.layers.attention as attention
+    import flashnext.models.layers.qsa_indexer as qsa_indexer
+
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 7)
+    monkeypatch.setattr(qsa_indexer, "QUERY_BLOCK", 7)
+    _, ours = pair
+    ids, ref = reference
+    assert rel_err(Session(ours, 256).extend(ids, all_logits=True), ref) < TOL

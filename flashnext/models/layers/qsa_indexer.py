@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from flashnext.models.context import ForwardContext, Segment
+from flashnext.models.layers.attention import QUERY_BLOCK
 from flashnext.models.layers.norms import ZeroCenteredRMSNorm
 from flashnext.models.layers.rope import apply_rotary
 from flashnext.weights.config import ModelConfig
@@ -67,15 +68,18 @@ class QSAIndexer(nn.Module):
             per_page = ctx.kv.block_size // self.ratio
             block_ids = torch.arange(num_blocks, device=x.device)
             rows = seg.blocks[block_ids // per_page] * per_page + block_ids % per_page
-            keys = ctx.kv.index_keys[self.layer_idx].view(-1, self.head_dim)[rows]
-            scores = torch.einsum("thd,bd->tbh", q.float(), keys.float()).relu().sum(-1) / math.sqrt(self.head_dim)
-            visible_block = block_ids[None, :] < complete_before[:, None]
-            scores = scores.masked_fill(~visible_block, float("-inf"))
-            top = scores.topk(min(self.block_topk, num_blocks), dim=-1).indices
-            chosen = torch.zeros(seg.length, num_blocks, dtype=torch.bool, device=x.device)
-            chosen.scatter_(1, top, True)
-            chosen &= visible_block
-            mask[:, : num_blocks * self.ratio] = chosen.repeat_interleave(self.ratio, dim=1)
+            keys = ctx.kv.index_keys[self.layer_idx].view(-1, self.head_dim)[rows].float()
+            k = min(self.block_topk, num_blocks)
+            # Queries in blocks: the [queries, blocks, heads] scores stay QUERY_BLOCK × blocks × heads.
+            for start in range(0, seg.length, QUERY_BLOCK):
+                end = min(start + QUERY_BLOCK, seg.length)
+                scores = torch.einsum("thd,bd->tbh", q[start:end].float(), keys).relu().sum(-1) / math.sqrt(self.head_dim)
+                visible_block = block_ids[None, :] < complete_before[start:end, None]
+                top = scores.masked_fill(~visible_block, float("-inf")).topk(k, dim=-1).indices
+                chosen = torch.zeros(end - start, num_blocks, dtype=torch.bool, device=x.device)
+                chosen.scatter_(1, top, True)
+                chosen &= visible_block
+                mask[start:end, : num_blocks * self.ratio] = chosen.repeat_interleave(self.ratio, dim=1)
         token = torch.arange(total, device=x.device)
         tail = (token[None, :] >= complete_before[:, None] * self.ratio) & (token[None, :] <= query_pos[:, None])
         return mask | tail
