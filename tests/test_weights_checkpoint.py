@@ -24,15 +24,6 @@ transformers = pytest.importorskip("transformers")
 TINY = ["tiny-flash-next", "tiny-qwen3-next", "tiny-qwen3.5-moe"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls run faster on one thread, and far faster when other tests share the CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def hf_config(config: dict):
     return transformers.AutoConfig.for_model(**json.loads(json.dumps(config)))
 
