@@ -15,6 +15,7 @@ from flashnext.cache.kv_pool import KVPool
 from flashnext.cache.prefix_cache import PrefixCache
 from flashnext.cache.state_pool import StatePool
 from flashnext.engine.args import EngineArgs, resolve_dtype
+from flashnext.engine.cuda_graph import DecodeGraphs
 from flashnext.engine.errors import RequestRejected
 from flashnext.engine.loading import LoadedModel, load_model
 from flashnext.engine.model_runner import ModelRunner
@@ -80,7 +81,9 @@ class LLMEngine:
         slot_bytes = StatePool.bytes_per_slot(cfg, self.dtype)
         num_blocks = self._plan_kv_blocks(block_size, slot_bytes)
         self.kv = KVPool(cfg, num_blocks, block_size, self.dtype, self.device)
-        self.states = StatePool(cfg, args.max_num_seqs, self.dtype, self.device)
+        use_graphs = self._use_cuda_graphs()
+        # A captured decode step pads its batch with rows on a scratch slot and block (engine/cuda_graph.py).
+        self.states = StatePool(cfg, args.max_num_seqs + use_graphs, self.dtype, self.device)
         self.memory_plan = MemoryPlan(str(self.device), str(self.dtype).replace("torch.", ""), self.loaded.weight_bytes,
                                       num_blocks, block_size, num_blocks * KVPool.bytes_per_block(cfg, block_size, self.dtype),
                                       args.max_num_seqs, args.max_num_seqs * slot_bytes)
@@ -89,11 +92,23 @@ class LLMEngine:
                                    self.prefix_cache, args.prefix_snapshot_interval)
         eos = set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(e for e in eos if e < cfg.vocab_size)
-        self.runner = ModelRunner(self.loaded.model, self.kv, self.states, self.eos_token_ids, self.device, args.seed)
+        graphs = None
+        if use_graphs:
+            graphs = DecodeGraphs(self.loaded.model, self.kv, self.states, args.max_num_seqs,
+                                  self.kv.blocks_for(self.max_model_len))
+        self.runner = ModelRunner(self.loaded.model, self.kv, self.states, self.eos_token_ids, self.device, args.seed,
+                                  graphs)
         self.requests: dict[str, Request] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         log.info("memory plan: %s", self.memory_plan)
+
+    def _use_cuda_graphs(self) -> bool:
+        """Decode replays CUDA graphs on a GPU unless --enforce-eager; the expert cache copies misses from the host
+        inside a layer and several GPUs all-reduce through torch.distributed, so those stay eager for now."""
+        args = self.args
+        return (self.device.type == "cuda" and not args.enforce_eager and self.loaded.expert_cache is None
+                and args.tensor_parallel == 1 and args.expert_parallel == 1)
 
     def _build_prefix_cache(self, block_size: int) -> PrefixCache | None:
         args = self.args

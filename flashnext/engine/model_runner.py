@@ -1,7 +1,7 @@
 """Runs one scheduled step through the model and samples the requests whose chunk reached their end.
 
-This is the one place that turns scheduler output into tensors; the eager torch path runs here now and
-the captured-graph decode path will sit beside it behind the same call.
+This is the one place that turns scheduler output into tensors. A step of one token per request replays a
+captured CUDA graph when `graphs` is given (engine/cuda_graph.py); any other step runs the eager torch path.
 """
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 from flashnext.cache.kv_pool import KVPool
 from flashnext.cache.state_pool import StatePool
+from flashnext.engine.cuda_graph import DecodeGraphs
 from flashnext.engine.sampler import SamplerOutput, SamplingBatch, sample
 from flashnext.engine.scheduler import ScheduledChunk
 from flashnext.engine.structured.backend import apply_constraints
@@ -16,8 +17,10 @@ from flashnext.models.context import ForwardContext, Segment
 
 
 class ModelRunner:
-    def __init__(self, model, kv: KVPool, states: StatePool, eos_token_ids, device, seed: int = 0):
+    def __init__(self, model, kv: KVPool, states: StatePool, eos_token_ids, device, seed: int = 0,
+                 graphs: DecodeGraphs | None = None):
         self.model = model
+        self.graphs = graphs
         self.kv = kv
         self.states = states
         self.eos_token_ids = sorted(eos_token_ids)
@@ -28,6 +31,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> SamplerOutput | None:
+        if self._graph_step(chunks):
+            requests = [c.request for c in chunks]
+            logits = self.graphs.run([r.all_ids[r.num_computed] for r in requests], [r.num_computed for r in requests],
+                                     [r.slot for r in requests], [r.blocks for r in requests])
+            return self._sample(logits.float(), requests)
         segments, ids, start = [], [], 0
         for chunk in chunks:
             r = chunk.request
@@ -42,7 +50,13 @@ class ModelRunner:
             return None
         last_rows = torch.tensor([s.end - 1 for _, s in sampling], device=self.device)
         logits = self.model.compute_logits(hidden[last_rows]).float()
-        requests = [c.request for c, _ in sampling]
+        return self._sample(logits, [c.request for c, _ in sampling])
+
+    def _graph_step(self, chunks: list[ScheduledChunk]) -> bool:
+        return (self.graphs is not None and all(c.num_tokens == 1 and c.samples for c in chunks)
+                and self.graphs.can_run(len(chunks), max(len(c.request.blocks) for c in chunks)))
+
+    def _sample(self, logits: torch.Tensor, requests) -> SamplerOutput:
         apply_constraints(logits, [r.constraint for r in requests])
         batch = SamplingBatch.build([r.params for r in requests], [r.output_ids for r in requests],
                                     [r.prompt_ids for r in requests], self.vocab_size, self.device,

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from flashnext.models.context import ForwardContext
+from flashnext.models.decode_batch import DecodeBatch
 from flashnext.models.layers.attention import GatedAttention
 from flashnext.models.layers.gated_delta_net import GatedDeltaNet
 from flashnext.models.layers.moe import DenseMLP, SparseMoe
@@ -31,6 +32,11 @@ class HybridDecoderLayer(nn.Module):
         h = h + (self.linear_attn(x, ctx) if self.is_linear else self.self_attn(x, cos, sin, ctx))
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def decode(self, h, cos, sin, batch: DecodeBatch):
+        x = self.input_layernorm(h)
+        h = h + (self.linear_attn.decode(x, batch) if self.is_linear else self.self_attn.decode(x, cos, sin, batch))
+        return h + self.mlp.decode(self.post_attention_layernorm(h))
+
 
 class HybridModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -47,6 +53,13 @@ class HybridModel(nn.Module):
             h = layer(h, cos, sin, ctx)
         return self.norm(h)
 
+    def decode(self, batch: DecodeBatch) -> torch.Tensor:
+        h = self.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary(batch.positions, h.dtype)
+        for layer in self.layers:
+            h = layer.decode(h, cos, sin, batch)
+        return self.norm(h)
+
 
 class Qwen3NextForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -57,6 +70,10 @@ class Qwen3NextForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, ctx)
+
+    def decode(self, batch: DecodeBatch) -> torch.Tensor:
+        """Hidden states of one new token per row, in fixed shapes (models/decode_batch.py)."""
+        return self.model.decode(batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from flashnext.models.context import ForwardContext
+from flashnext.models.decode_batch import DecodeBatch
 from flashnext.models.layers.gated_delta_net import GatedDeltaNet
 from flashnext.models.layers.hyper_connection import HyperConnection
 from flashnext.models.layers.indexed_attention import IndexedAttention
@@ -39,6 +40,15 @@ class Qwen4ExpDecoderLayer(nn.Module):
         x, inject = self.mlp_hyper_connection.mix(h)
         return HyperConnection.inject(h, self.mlp(x), inject)
 
+    def decode(self, h, cos, sin, batch: DecodeBatch):
+        if self.ple is not None:
+            h = h + self.ple.decode(h, batch)
+        x, inject = self.attn_hyper_connection.mix(h)
+        x = self.linear_attn.decode(x, batch) if self.is_linear else self.self_attn.decode(x, cos, sin, batch)
+        h = HyperConnection.inject(h, x, inject)
+        x, inject = self.mlp_hyper_connection.mix(h)
+        return HyperConnection.inject(h, self.mlp.decode(x), inject)
+
 
 class Qwen4ExpModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -57,6 +67,14 @@ class Qwen4ExpModel(nn.Module):
             h = layer(h, input_ids, cos, sin, ctx)
         return self.hyper_connection_mixer.mix(h)[0]
 
+    def decode(self, batch: DecodeBatch) -> torch.Tensor:
+        e = self.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary(batch.positions, e.dtype)
+        h = e.repeat(1, self.cfg.hc_count)
+        for layer in self.layers:
+            h = layer.decode(h, cos, sin, batch)
+        return self.hyper_connection_mixer.mix(h)[0]
+
 
 class Qwen4ExpForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -67,6 +85,10 @@ class Qwen4ExpForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, ctx)
+
+    def decode(self, batch: DecodeBatch) -> torch.Tensor:
+        """Hidden states of one new token per row, in fixed shapes (models/decode_batch.py)."""
+        return self.model.decode(batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -7,8 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashnext.models.context import ForwardContext, Segment
+from flashnext.models.decode_batch import DecodeBatch
 from flashnext.models.layers.norms import ZeroCenteredRMSNorm
 from flashnext.models.layers.rope import apply_rotary
+from flashnext.ops.decode_attention import decode_attention
 from flashnext.weights.config import ModelConfig
 
 QUERY_BLOCK = 1024
@@ -33,12 +35,33 @@ class GatedAttention(nn.Module):
     def token_mask(self, x, cos, sin, ctx: ForwardContext, seg: Segment) -> torch.Tensor | None:
         return None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def decode_selection(self, x, cos, sin, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(token_index [B, T], token_valid [B, T]) each row may attend to, or None: every earlier token."""
+        return None
+
+    def _qkv(self, x, cos, sin):
         n = x.shape[0]
         q, gate = self.q_proj(x).view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = apply_rotary(self.q_norm(q), cos, sin)
         k = apply_rotary(self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)), cos, sin)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        return q, gate, k, self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        """One token per row: write its K/V into the row's page, attend over the pages (ops.decode_attention)."""
+        q, gate, k, v = self._qkv(x, cos, sin)
+        k_cache, v_cache = batch.kv.k[self.layer_idx], batch.kv.v[self.layer_idx]
+        rows = batch.page_rows(batch.positions, batch.kv.block_size)
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, rows, k)
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, rows, v)
+        selection = self.decode_selection(x, cos, sin, batch)
+        token_index, token_valid = selection if selection is not None else (None, None)
+        out = decode_attention(q, k_cache, v_cache, batch.block_table, batch.seq_lens, self.scaling,
+                               token_index=token_index, token_valid=token_valid)
+        return self.o_proj(out.reshape(x.shape[0], -1) * torch.sigmoid(gate.reshape(x.shape[0], -1)))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        n = x.shape[0]
+        q, gate, k, v = self._qkv(x, cos, sin)
         k_cache = ctx.kv.k[self.layer_idx].view(-1, self.num_kv_heads, self.head_dim)
         v_cache = ctx.kv.v[self.layer_idx].view(-1, self.num_kv_heads, self.head_dim)
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)

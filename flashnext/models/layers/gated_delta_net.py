@@ -10,8 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashnext.models.context import ForwardContext
+from flashnext.models.decode_batch import DecodeBatch
 from flashnext.models.layers.norms import GatedRMSNorm
 from flashnext.ops.causal_conv1d import causal_conv1d
+from flashnext.ops.gdn_decode import gdn_decode
 from flashnext.ops.gated_delta_rule import gated_delta_rule
 from flashnext.weights.config import ModelConfig
 
@@ -76,3 +78,12 @@ class GatedDeltaNet(nn.Module):
             out[rows] = o
         out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(out.reshape(x.shape[0], self.value_dim))
+
+    def decode(self, x: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        """One token per row: conv, delta rule and gated norm fused in ops.gdn_decode (states updated in place)."""
+        mixed, z, b, a = self._project(x)
+        out = gdn_decode(mixed, z, b, a, batch.states.conv[self.layer_idx], self.conv1d.weight.squeeze(1),
+                         batch.states.ssm[self.layer_idx], batch.slots, self.A_log, self.dt_bias, self.norm.weight,
+                         num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim, num_v_heads=self.num_v_heads,
+                         head_v_dim=self.head_v_dim, eps=self.norm.eps, activation=self.norm.activation)
+        return self.out_proj(out)

@@ -11,3 +11,6 @@ class IndexedAttention(GatedAttention):
 
     def token_mask(self, x, cos, sin, ctx, seg):
         return self.indexer(x, cos, sin, ctx, seg)
+
+    def decode_selection(self, x, cos, sin, batch):
+        return self.indexer.decode(x, cos, sin, batch)

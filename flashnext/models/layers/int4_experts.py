@@ -68,6 +68,11 @@ class Int4Experts(nn.Module):
             return self.expert_cache.forward(x, weights, ids)
         return moe_int4(x, ids, weights, self.weight_int4("gate_up"), self.weight_int4("down"))
 
+    def decode(self, x, weights, ids):
+        """The fused kernels need no host sync, so a captured decode step runs `forward` as it is. The expert
+        cache copies misses in from host memory: the engine runs it eagerly (no graph)."""
+        return self.forward(x, weights, ids)
+
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
                 f"int4 g{self.group_sizes[0]}/g{self.group_sizes[1]}")

@@ -17,6 +17,8 @@ class DenseMLP(nn.Module):
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+    decode = forward  # row-wise already: nothing to change for a captured decode step
+
 
 class Router(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -51,6 +53,13 @@ class Experts(nn.Module):
             out.index_add_(0, token, y.to(out.dtype))
         return out
 
+    def decode(self, x, weights, ids):
+        """Graph-safe form for a few rows: gather each (row, slot)'s expert weights, batched matmuls, sum over
+        slots. It reads every chosen expert once per row, fine for decode; INT4 experts have fused kernels."""
+        gate, up = torch.einsum("bh,bkoh->bko", x, self.gate_up_proj[ids]).chunk(2, dim=-1)
+        y = torch.einsum("bki,bkhi->bkh", F.silu(gate) * up, self.down_proj[ids])
+        return (y * weights[..., None]).sum(dim=1).to(x.dtype)
+
 
 class SparseMoe(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -61,7 +70,12 @@ class SparseMoe(nn.Module):
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x):
-        shared = self.shared_expert(x)
         weights, ids = self.gate(x)
-        routed = self.experts(x, weights, ids)
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return self._combine(x, self.experts(x, weights, ids))
+
+    def decode(self, x):
+        weights, ids = self.gate(x)
+        return self._combine(x, self.experts.decode(x, weights, ids))
+
+    def _combine(self, x, routed):
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashnext.models.context import ForwardContext
+from flashnext.models.decode_batch import DecodeBatch
 from flashnext.models.layers.norms import ZeroCenteredRMSNorm
 from flashnext.ops.causal_conv1d import causal_conv1d
 from flashnext.weights.config import ModelConfig
@@ -77,18 +78,18 @@ class NGramEmbedding(nn.Module):
         self.ngram_embedding = nn.Embedding(rows, cfg.ple_embed_dim // heads)
 
     def row_ids(self, history: torch.Tensor, length: int) -> torch.Tensor:
-        """history [ngram_size-1 + T] ids (carried ids first) → table rows [T, heads]."""
+        """history [..., ngram_size-1 + T] ids (carried ids first) → table rows [..., T, heads]."""
         context = self.ngram_size - 1
         hist = history.long()
         is_eos = hist == self.eos
+        idx = torch.arange(context, context + length, device=hist.device)
         shifted = []
         for shift in range(self.ngram_size):
-            idx = torch.arange(context, context + length, device=hist.device)
-            src = hist[idx - shift]
+            src = hist[..., idx - shift]
             # an EOS anywhere in [i - shift, i - 1] cuts the n-gram: the predecessor reads as EOS
-            cut = torch.zeros(length, dtype=torch.bool, device=hist.device)
+            cut = torch.zeros_like(src, dtype=torch.bool)
             for back in range(1, shift + 1):
-                cut |= is_eos[idx - back]
+                cut |= is_eos[..., idx - back]
             shifted.append(torch.where(cut, torch.full_like(src, self.eos), src))
         blocks = []
         for n in range(2, self.ngram_size + 1):
@@ -98,7 +99,7 @@ class NGramEmbedding(nn.Module):
             lo = (n - 2) * self.heads_per_ngram
             sizes = self.ngram_heads_vocab_sizes[lo: lo + self.heads_per_ngram]
             offsets = self.ngram_heads_offsets[lo: lo + self.heads_per_ngram]
-            blocks.append(torch.remainder(mixed[:, None], sizes[None, :]) + offsets[None, :])
+            blocks.append(torch.remainder(mixed[..., None], sizes) + offsets)
         return torch.cat(blocks, dim=-1)
 
     def forward(self, history: torch.Tensor, length: int) -> torch.Tensor:
@@ -129,12 +130,7 @@ class PLELayer(nn.Module):
             history = torch.cat([ids_state[seg.slot], input_ids[seg.start: seg.end]])
             emb[seg.start: seg.end] = self.ple_embedding(history, seg.length).to(h.dtype)
             ids_state[seg.slot] = history[-ids_state.shape[1]:]
-        key = self.norm_key(self.key_proj(emb)).unflatten(-1, (self.hc, self.hidden))
-        value = self.value_proj(emb)
-        query = self.norm_query(h).unflatten(-1, (self.hc, self.hidden))
-        gate = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden)
-        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
-        gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)
+        gated = self._gated(h, emb)
         normed = self.norm_conv(gated)
         conv_out = torch.empty_like(gated)
         weight = self.conv1d.weight.squeeze(1)
@@ -142,3 +138,24 @@ class PLELayer(nn.Module):
             rows = slice(seg.start, seg.end)
             conv_out[rows], conv_state[seg.slot] = causal_conv1d(normed[rows], weight, conv_state[seg.slot], self.dilation)
         return gated + conv_out
+
+    def _gated(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """The value of each token's n-gram rows, gated per stream by signed-sqrt key · query."""
+        key = self.norm_key(self.key_proj(emb)).unflatten(-1, (self.hc, self.hidden))
+        value = self.value_proj(emb)
+        query = self.norm_query(h).unflatten(-1, (self.hc, self.hidden))
+        gate = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden)
+        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+        return (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)
+
+    def decode(self, h: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        """One token per row; the id history and the conv tail of each row's slot move on by one."""
+        ids_state, conv_state = batch.states.ple_ids[self.layer_idx], batch.states.ple_conv[self.layer_idx]
+        history = torch.cat([ids_state[batch.slots], batch.input_ids[:, None]], dim=1)     # [B, ngram_size]
+        ids_state[batch.slots] = history[:, 1:]
+        emb = self.ple_embedding(history, 1)[:, 0].to(h.dtype)
+        gated = self._gated(h, emb)
+        full = torch.cat([conv_state[batch.slots], self.norm_conv(gated)[:, None, :]], dim=1)  # [B, span + 1, W]
+        conv_state[batch.slots] = full[:, 1:]
+        taps = full[:, :: self.dilation].float() * self.conv1d.weight.squeeze(1).t().float()
+        return gated + F.silu(taps.sum(dim=1)).to(h.dtype)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from flashnext.models.context import ForwardContext, Segment
+from flashnext.models.decode_batch import DecodeBatch
 from flashnext.models.layers.attention import QUERY_BLOCK
 from flashnext.models.layers.norms import ZeroCenteredRMSNorm
 from flashnext.models.layers.rope import apply_rotary
@@ -83,3 +84,41 @@ class QSAIndexer(nn.Module):
         token = torch.arange(total, device=x.device)
         tail = (token[None, :] >= complete_before[:, None] * self.ratio) & (token[None, :] <= query_pos[:, None])
         return mask | tail
+
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: DecodeBatch):
+        """One token per row → (token_index [B, T], token_valid [B, T]) with T = top-k blocks × ratio + ratio - 1.
+
+        Fixed shapes for a CUDA graph: every block slot of the padded block table is scored and the ones not yet
+        complete are masked, and the new key is pooled every step but written only where its block completes
+        (otherwise into the row of the incomplete block itself, which nothing reads before it completes)."""
+        q, raw = torch.split(self.index_qk_proj(x), [self.num_heads * self.head_dim, self.head_dim], dim=-1)
+        q = apply_rotary(self.q_layernorm(q.view(-1, self.num_heads, self.head_dim)), cos, sin)
+        pos, r = batch.positions, self.ratio
+        offset = pos % r
+        ring = batch.states.index_ring[self.layer_idx]
+        held = ring[batch.slots]                                                   # [B, r-1, D]
+        group = torch.cat([held, raw[:, None, :]], dim=1)
+        pooled = self.k_layernorm(group.float().mean(dim=1).to(raw.dtype))
+        start_cos, start_sin = self._rope[0](pos - offset, raw.dtype)
+        key = apply_rotary(pooled[:, None, :], start_cos, start_sin)[:, 0]
+        keys = batch.kv.index_keys[self.layer_idx]                                 # [blocks, per_page, D]
+        per_page = keys.shape[1]
+        keys.view(-1, self.head_dim).index_copy_(0, batch.page_rows(pos // r, per_page), key)
+        keep = torch.where((offset == r - 1)[:, None], held.gather(1, offset.clamp(max=r - 2)[:, None, None]
+                                                                      .expand(-1, 1, self.head_dim))[:, 0], raw)
+        ring[batch.slots, offset.clamp(max=r - 2)] = keep
+
+        capacity = batch.block_table.shape[1] * per_page                         # block slots of the table
+        block_keys = keys[batch.block_table].view(batch.size, capacity, self.head_dim).float()
+        scores = torch.einsum("bhd,bnd->bhn", q.float(), block_keys).relu().sum(1) / math.sqrt(self.head_dim)
+        complete_before = (pos + 1) // r
+        block_ids = torch.arange(capacity, device=x.device)
+        scores = scores.masked_fill(block_ids[None, :] >= complete_before[:, None], float("-inf"))
+        top = scores.topk(min(self.block_topk, capacity), dim=-1).indices        # [B, k]
+        chosen_valid = top < complete_before[:, None]
+        within = torch.arange(r, device=x.device)
+        chosen = (top[:, :, None] * r + within).flatten(1)
+        tail = complete_before[:, None] * r + within[None, : r - 1]
+        token_index = torch.cat([chosen, tail.clamp(max=capacity * r - 1)], dim=1)
+        token_valid = torch.cat([chosen_valid[:, :, None].expand(-1, -1, r).flatten(1), tail <= pos[:, None]], dim=1)
+        return token_index, token_valid

@@ -1,0 +1,105 @@
+"""The decode step as captured CUDA graphs: one graph per (batch bucket, block-table width bucket).
+
+A decode step of Flash-Next is ~1,000 small kernels; launched from Python each costs ~8–24 µs, replayed
+from a graph ~1.25 µs (../shared/PERF.md). So decode-only steps replay a graph of `model.decode` +
+`compute_logits` over static input tensors (models/decode_batch.py); prefill chunks stay eager.
+
+Buckets: the batch rounds up to a power of two (rows past the real batch point at a scratch state slot and
+a scratch KV block, reserved here for good, so their writes land where nobody reads), and the block table
+width rounds up to a power of two of at least 16 blocks (attention and the QSA indexer read per step what
+the table holds, so a short context does not pay for the longest). Graphs are captured on first use and
+share one memory pool. `--enforce-eager` turns all of this off (debugging; docs/architecture.md).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from flashnext.models.decode_batch import DecodeBatch
+
+log = logging.getLogger("flashnext.engine")
+
+MIN_WIDTH = 16
+
+
+def bucket(n: int, smallest: int = 1) -> int:
+    return max(smallest, 1 << max(0, n - 1).bit_length())
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv, states, max_batch: int, max_blocks_per_seq: int):
+        self.model = model
+        self.kv = kv
+        self.states = states
+        self.device = kv.device
+        self.max_batch = bucket(max_batch)
+        self.max_width = bucket(max_blocks_per_seq, MIN_WIDTH)
+        self.scratch_slot = states.allocate()
+        self.scratch_block = kv.allocate(1)[0]
+        long = dict(dtype=torch.long, device=self.device)
+        self.input_ids = torch.zeros(self.max_batch, **long)
+        self.positions = torch.zeros(self.max_batch, **long)
+        self.slots = torch.full((self.max_batch,), self.scratch_slot, **long)
+        self.tables: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def can_run(self, batch_size: int, max_blocks: int) -> bool:
+        return batch_size <= self.max_batch and max_blocks <= self.max_width
+
+    def run(self, input_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+        """Logits [n, vocab] of one new token per sequence (the rows' states and KV pages advance)."""
+        n = len(input_ids)
+        size, width = bucket(n), bucket(max(len(t) for t in block_tables), MIN_WIDTH)
+        key = (size, width)
+        if key not in self.graphs:
+            self._capture(size, width)
+        graph, logits = self.graphs[key]
+        pad = size - n
+        host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad],
+                            dtype=torch.long)
+        table = torch.full((size, width), self.scratch_block, dtype=torch.long)
+        for row, blocks in enumerate(block_tables):
+            table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        self.input_ids[:size].copy_(host[0], non_blocking=True)
+        self.positions[:size].copy_(host[1], non_blocking=True)
+        self.slots[:size].copy_(host[2], non_blocking=True)
+        self.tables[width][:size].copy_(table, non_blocking=True)
+        graph.replay()
+        return logits[:n]
+
+    def _batch(self, size: int, width: int) -> DecodeBatch:
+        if width not in self.tables:
+            self.tables[width] = torch.full((self.max_batch, width), self.scratch_block, dtype=torch.long,
+                                            device=self.device)
+        return DecodeBatch(self.input_ids[:size], self.positions[:size], self.slots[:size], self.tables[width][:size],
+                           self.kv, self.states)
+
+    def _step(self, batch: DecodeBatch) -> torch.Tensor:
+        return self.model.compute_logits(self.model.decode(batch))
+
+    @torch.inference_mode()
+    def _capture(self, size: int, width: int) -> None:
+        start = time.perf_counter()
+        # Warm-up and capture read the static inputs: point every row at the scratch slot and block first, so the
+        # warm-up runs (which do execute) write only there.
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.slots.fill_(self.scratch_slot)
+        batch = self._batch(size, width)
+        batch.block_table.fill_(self.scratch_block)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compiles and autotunes the Triton kernels outside the capture
+                self._step(batch)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._step(batch)
+        self.pool = graph.pool()
+        self.graphs[(size, width)] = (graph, logits)
+        log.info("captured the decode step for batch %d, %d KV blocks wide, in %.2f s", size, width,
+                 time.perf_counter() - start)

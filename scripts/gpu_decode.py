@@ -1,0 +1,101 @@
+"""On the GPU machine: the captured decode step (engine/cuda_graph.py) — exact, then how fast.
+
+1. Exactness: for each tiny preset, fp32, with and without --quantize int4, three prompts decoded together
+   (a padded batch bucket) greedily for 96 tokens: the CUDA-graph path must give the same tokens as
+   --enforce-eager (the torch reference). bf16 agreement is printed too (different kernels round differently).
+2. Speed: for each --model, one sequence: ms per decode step replayed from the graph vs the eager torch path,
+   and the whole engine loop's tokens/s (sampling, scheduling, detokenising included), at short context.
+Exits non-zero on a mismatch. Run: python3 scripts/gpu_decode.py [--model NAME ...] [--quantize int4]
+"""
+import argparse
+import sys
+import time
+
+import torch
+
+from flashnext.engine.llm import LLM
+from flashnext.engine.sampling_params import SamplingParams
+from flashnext.models.decode_batch import DecodeBatch
+
+PRESETS = ["tiny-flash-next", "tiny-qwen3-next", "tiny-qwen3.5-moe"]
+PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 60)), list(range(100, 111))]
+
+
+def greedy(model, dtype, quantize, eager, n=96):
+    llm = LLM(model, dtype=dtype, quantize=quantize, enforce_eager=eager, max_num_seqs=4, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    out = [c.token_ids for c in llm.generate(PROMPTS, params)]
+    graphs = llm.engine.runner.graphs
+    return out, (len(graphs.graphs) if graphs else 0)
+
+
+def exactness() -> bool:
+    ok = True
+    print(f"{'preset':18} {'weights':7} {'dtype':8} {'graphs':>6} {'equal tokens':>14}")
+    for name in PRESETS:
+        for quantize in (None, "int4"):
+            for dtype in ("float32", "bfloat16"):
+                ref, _ = greedy(name, dtype, quantize, eager=True)
+                got, captured = greedy(name, dtype, quantize, eager=False)
+                same = sum(next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), len(r)) for r, g in zip(ref, got))
+                total = sum(len(r) for r in ref)
+                exact = dtype == "float32"
+                ok &= captured > 0 and (same == total or not exact)
+                print(f"{name:18} {quantize or 'bf16':7} {dtype:8} {captured:6} {same:>6}/{total:<6}"
+                      f"{'' if same == total else ('  MISMATCH' if exact else '  (bf16: informational)')}")
+    return ok
+
+
+def timing(model_name: str, quantize: str | None, steps: int = 200):
+    llm = LLM(model_name, quantize=quantize, max_num_seqs=4, enable_prefix_caching=False)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    llm.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # captures graphs
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = llm.generate([PROMPTS[1]], params)[0]
+    torch.cuda.synchronize()
+    loop_tps = len(out.token_ids) / (time.perf_counter() - start)
+    graphs = engine.runner.graphs
+    graph, _ = graphs.graphs[(1, 16)]
+    # The bare step: replay only (the inputs of the last step stay in the static buffers).
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        graph.replay()
+    torch.cuda.synchronize()
+    replay_ms = (time.perf_counter() - t0) / 50 * 1e3
+    batch = DecodeBatch(graphs.input_ids[:1], graphs.positions[:1], graphs.slots[:1], graphs.tables[16][:1],
+                        engine.kv, engine.states)
+    with torch.inference_mode():
+        for _ in range(2):
+            engine.loaded.model.compute_logits(engine.loaded.model.decode(batch))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            engine.loaded.model.compute_logits(engine.loaded.model.decode(batch))
+        torch.cuda.synchronize()
+    eager_ms = (time.perf_counter() - t0) / 10 * 1e3
+    return replay_ms, eager_ms, loop_tps, engine.loaded.weight_bytes
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", action="append", default=[])
+    ap.add_argument("--quantize", default=None)
+    ap.add_argument("--skip-exactness", action="store_true")
+    args = ap.parse_args()
+    ok = True if args.skip_exactness else exactness()
+    if args.model:
+        print(f"\n{'model':40} {'graph ms/step':>13} {'eager ms/step':>13} {'graph tok/s':>11} {'engine tok/s':>12} {'weights GB':>10}")
+    for name in args.model:
+        replay_ms, eager_ms, loop_tps, nbytes = timing(name, args.quantize)
+        print(f"{name:40} {replay_ms:13.3f} {eager_ms:13.3f} {1e3 / replay_ms:11.1f} {loop_tps:12.1f} {nbytes / 1e9:10.2f}")
+    print("OK" if ok else "MISMATCH")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

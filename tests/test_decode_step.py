@@ -1,0 +1,75 @@
+"""The fixed-shape decode step (`model.decode(DecodeBatch)`, what a CUDA graph captures) equals the eager
+forward of one-token segments, for every architecture, over a batch of sequences of different lengths that
+crosses the QSA selection threshold, with padded block tables and a padding row on a scratch slot."""
+import pytest
+import torch
+
+from flashnext.cache.kv_pool import KVPool
+from flashnext.cache.state_pool import StatePool
+from flashnext.models.context import ForwardContext, Segment
+from flashnext.models.decode_batch import DecodeBatch
+from oracle import hf_model, ours_from_hf, rel_err
+from test_model_parity import CASES, IDS
+
+TOL = 1e-5
+PROMPTS = (5, 23, 40)      # the tiny QSA budget is 8–12 tokens: rows start below and above it
+SLOTS = (4, 1, 2)          # not in order on purpose
+STEPS = 20
+
+
+def _pools(cfg):
+    block_size = KVPool.fit_block_size(cfg, 8)
+    kv = KVPool(cfg, 40, block_size, torch.float32, "cpu")
+    states = StatePool(cfg, 6, torch.float32, "cpu")
+    for slot in range(6):
+        states.allocate()
+    return kv, states
+
+
+def _prefill(model, kv, states, prompts, tables):
+    segments, start = [], 0
+    for p, slot, blocks in zip(prompts, SLOTS, tables):
+        segments.append(Segment(slot, torch.tensor(blocks), start, len(p), 0))
+        start += len(p)
+    hidden = model(torch.cat(prompts), ForwardContext(segments, kv, states))
+    return model.compute_logits(hidden[torch.tensor([s.end - 1 for s in segments])])
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_decode_equals_eager_segments(case):
+    arch, overrides = case
+    hf, raw = hf_model(arch, seed=CASES.index(case), **overrides)
+    model = ours_from_hf(hf, raw)
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=g) for n in PROMPTS]
+    eager, fixed = _pools(cfg), _pools(cfg)
+    need = [eager[0].blocks_for(n + STEPS) for n in PROMPTS]
+    tables = [eager[0].allocate(n) for n in need]
+    assert [fixed[0].allocate(n) for n in need] == tables
+    scratch_block = fixed[0].allocate(1)[0]
+    width = max(need) + 3                                  # padded wider than any row needs
+    with torch.inference_mode():
+        logits = _prefill(model, *eager, prompts, tables)
+        assert torch.equal(_prefill(model, *fixed, prompts, tables), logits)
+        lengths = list(PROMPTS)
+        for _ in range(STEPS):
+            tokens = logits.argmax(-1)
+            segments = [Segment(slot, torch.tensor(t), i, 1, n) for i, (slot, t, n) in enumerate(zip(SLOTS, tables, lengths))]
+            logits = model.compute_logits(model(tokens, ForwardContext(segments, *eager)))
+            # A fourth row pads the batch the way the graph runner does: scratch slot 0, scratch block, position 0.
+            batch = DecodeBatch.from_lists(tokens.tolist() + [0], lengths + [0], list(SLOTS) + [0],
+                                           tables + [[scratch_block]], *fixed, width=width)
+            got = model.compute_logits(model.decode(batch))[:3]
+            assert rel_err(got, logits) < TOL
+            lengths = [n + 1 for n in lengths]
+    if cfg.arch == "qwen4_exp":
+        assert min(PROMPTS) < cfg.indexer_budget < max(PROMPTS), "rows must start on both sides of the QSA budget"
+    # The states of the real rows moved on identically; the KV rows they wrote are the same.
+    for name, t in eager[1].tensors().items():
+        for slot in SLOTS:
+            assert rel_err(fixed[1].tensors()[name][slot].float(), t[slot].float()) < TOL, name
+    for layer in cfg.attention_layers():
+        rows = torch.cat([eager[0].token_rows(torch.tensor(t), 0, n) for t, n in zip(tables, lengths)])
+        assert rel_err(fixed[0].k[layer].view(-1, *fixed[0].k[layer].shape[2:])[rows],
+                       eager[0].k[layer].view(-1, *eager[0].k[layer].shape[2:])[rows]) < TOL
