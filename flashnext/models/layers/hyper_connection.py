@@ -6,10 +6,10 @@ normed stream, and the mean over streams as the block input. After the block eve
 reduces the streams to the hidden size before lm_head.
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flashnext.models.layers.norms import ZeroCenteredRMSNorm
+from flashnext.ops.hyper_connection import hc_inject, hc_mix
 from flashnext.weights.config import ModelConfig
 
 
@@ -25,15 +25,12 @@ class HyperConnection(nn.Module):
         self.block_inject_weight = nn.Linear(width, self.hc, bias=False) if with_injection else None
 
     def mix(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """h [N, hc·H] → (block input [N, H], injection weights [N, hc] or None)."""
-        normed = self.hc_norm(h)
-        mix = F.silu(self.input_mix_weight_down(normed) / self.hc)
-        mix = torch.sigmoid(self.input_mix_weight_up(mix)).unflatten(-1, (self.hc, self.hidden))
-        block_input = (mix * normed.unflatten(-1, (self.hc, self.hidden))).mean(dim=-2)
-        if self.block_inject_weight is None:
-            return block_input, None
-        return block_input, 2 * torch.sigmoid(self.block_inject_weight(normed) / self.hc)
+        """h [N, hc·H] → (block input [N, H], injection weights [N, hc] or None); the math is ops.hyper_connection's
+        reference, fused into two kernels for decode-sized batches on the GPU."""
+        inject = None if self.block_inject_weight is None else self.block_inject_weight.weight
+        return hc_mix(h, self.hc_norm.weight, self.input_mix_weight_down.weight, self.input_mix_weight_up.weight,
+                      inject, self.hc, self.hidden, self.hc_norm.eps)
 
     @staticmethod
     def inject(h: torch.Tensor, block_output: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return h + (block_output.unsqueeze(-2) * weights.unsqueeze(-1)).flatten(-2)
+        return hc_inject(h, block_output, weights)

@@ -1,0 +1,75 @@
+"""Hyper-connection mix and inject (models/layers/hyper_connection.py) as ops, for the decode step.
+
+Shapes (N rows, hc streams of H = hidden, R = lowrank):
+    h [N, hc·H]; norm_weight [hc·H] (zero-centred: the norm scales by 1 + w); w_down [R, hc·H];
+    w_up [hc·H, R]; w_inject [hc, hc·H] or None (the final mixer has none)
+    mix    → block_input [N, H], inject_weights [N, hc] or None   (h's dtype)
+    inject → h + weights ⊗ block_output  [N, hc·H]
+
+`hc_mix_reference` / `hc_inject_reference` are the specification and round where the module rounds: the
+normed streams to h's dtype (ZeroCenteredRMSNorm's .type_as), every F.linear output, each elementwise op
+of a 16-bit tensor, and the mean over streams once (fp32 sum). `hc_mix` / `hc_inject` dispatch: CUDA
+tensors of up to DECODE_MAX_ROWS rows → the Triton kernels (ops/hyper_connection_triton.py), anything
+else → the reference (for prefill cuBLAS reads each weight once for all rows; the GEMV kernels would not).
+FLASHNEXT_HC=reference forces the reference (to bisect a wrong answer on the GPU).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+DECODE_MAX_ROWS = 16
+
+
+def hc_mix_reference(h: torch.Tensor, norm_weight: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor,
+                     w_inject: torch.Tensor | None, hc: int, hidden: int,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """h [N, hc·H] → (block input [N, H], injection weights [N, hc] or None), as HyperConnection.mix."""
+    x = h.float().unflatten(-1, (hc, hidden))
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    normed = (x.flatten(-2) * (1.0 + norm_weight.float())).type_as(h)
+    mix = F.silu(F.linear(normed, w_down) / hc)
+    mix = torch.sigmoid(F.linear(mix, w_up)).unflatten(-1, (hc, hidden))
+    block_input = (mix * normed.unflatten(-1, (hc, hidden))).mean(dim=-2)
+    if w_inject is None:
+        return block_input, None
+    return block_input, 2 * torch.sigmoid(F.linear(normed, w_inject) / hc)
+
+
+def hc_inject_reference(h: torch.Tensor, block_output: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """h [N, hc·H], block_output [N, H], weights [N, hc] → new h [N, hc·H], as HyperConnection.inject."""
+    return h + (block_output.unsqueeze(-2) * weights.unsqueeze(-1)).flatten(-2)
+
+
+def _use_triton(*tensors: torch.Tensor) -> bool:
+    h = tensors[0]
+    if h.device.type != "cuda" or os.environ.get("FLASHNEXT_HC", "triton") == "reference":
+        return False
+    # The kernels round to one activation dtype; mixed dtypes (torch would promote) take the reference.
+    return h.dim() == 2 and h.shape[0] <= DECODE_MAX_ROWS and all(t.dtype == h.dtype for t in tensors)
+
+
+def hc_mix(h: torch.Tensor, norm_weight: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor,
+           w_inject: torch.Tensor | None, hc: int, hidden: int,
+           eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """See hc_mix_reference. On the Triton path: two launches, no host sync, CUDA-graph capturable."""
+    weights = [w for w in (w_down, w_up, w_inject) if w is not None]
+    if not _use_triton(h, *weights):
+        return hc_mix_reference(h, norm_weight, w_down, w_up, w_inject, hc, hidden, eps)
+    from flashnext.ops.hyper_connection_triton import hc_mix_triton
+
+    return hc_mix_triton(h, norm_weight, w_down, w_up, w_inject, hc, hidden, eps)
+
+
+def hc_inject(h: torch.Tensor, block_output: torch.Tensor, weights: torch.Tensor,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """See hc_inject_reference. Out of place by default; out=h updates h in place (each element is read
+    and written by the same thread) and saves the decode step an allocation."""
+    if not _use_triton(h, block_output, weights):
+        result = hc_inject_reference(h, block_output, weights)
+        return result if out is None else out.copy_(result)
+    from flashnext.ops.hyper_connection_triton import hc_inject_triton
+
+    return hc_inject_triton(h, block_output, weights, out)

@@ -1,0 +1,166 @@
+"""Hyper-connection mix/inject kernels on the GPU: correctness against the torch reference and decode timings
+at Flash-Next's shapes (hc 4, hidden 2560, lowrank 320, bf16).
+
+    python scripts/gpu_hyper_connection.py            # check + one table (~20 s on an H200)
+    python scripts/gpu_hyper_connection.py --sweep    # also search launch configs per N (a few minutes)
+
+For each N it checks the Triton mix (block input and injection weights) against hc_mix_reference in bf16, that
+two launches give identical bits, and that a captured CUDA graph replays to the same bits (the down kernel's
+arrival counters must reset themselves); then times the reference (torch eager and in a CUDA graph) and the
+Triton path with triton.testing.do_bench / do_bench_cudagraph. GB/s counts the weight bytes a mix must read
+(down + up + inject + norm weight, 13.2 MB) against the 4.27 TB/s copy ceiling; inject counts h read and
+written plus block output. Exits non-zero on any mismatch.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import torch
+
+COPY_CEILING = 4.27e12
+HC, HIDDEN, LOWRANK, EPS = 4, 2560, 320, 1e-6
+ROWS = [1, 4, 8]
+TOL = 2e-2  # max|triton - reference| / max|reference|: a 1-ulp bf16 flip of the largest output is up to 0.8%
+
+
+def rel_err(got, want):
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+def make_weights(dev):
+    gen = torch.Generator(device=dev).manual_seed(0)
+    width = HC * HIDDEN
+
+    def uniform(*shape, fan_in):  # nn.Linear's default init
+        return ((torch.rand(*shape, generator=gen, device=dev) * 2 - 1) / fan_in ** 0.5).bfloat16()
+
+    norm_weight = (torch.randn(width, generator=gen, device=dev) * 0.2).bfloat16()
+    return (norm_weight, uniform(LOWRANK, width, fan_in=width), uniform(width, LOWRANK, fan_in=LOWRANK),
+            uniform(HC, width, fan_in=width))
+
+
+def bench(fn):
+    import triton.testing as tt
+
+    eager = tt.do_bench(fn, warmup=10, rep=50, return_mode="median")
+    graph = tt.do_bench_cudagraph(fn, rep=50, return_mode="median")
+    return eager * 1e3, graph * 1e3  # µs
+
+
+def check(n, h, weights, kernels, reference):
+    """Errors (block input, injection weights) vs the bf16 reference and vs fp32 math, and bit-stability."""
+    ref = reference(h, *weights, HC, HIDDEN, EPS)
+    exact = reference(h.float(), *(w.float() for w in weights), HC, HIDDEN, EPS)
+    got = kernels.hc_mix_triton(h, *weights, HC, HIDDEN, EPS)
+    again = kernels.hc_mix_triton(h, *weights, HC, HIDDEN, EPS)
+    stable = all(torch.equal(a, b) for a, b in zip(got, again))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kernels.hc_mix_triton(h, *weights, HC, HIDDEN, EPS)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    stable &= all(torch.equal(a, b) for a, b in zip(got, captured))
+    errs = [rel_err(g, r) for g, r in zip(got, ref)]
+    return errs, [rel_err(r, e) for r, e in zip(ref, exact)], [rel_err(g, e) for g, e in zip(got, exact)], stable
+
+
+def sweep(h, weights, kernels):
+    """Best config in a CUDA graph: the down kernel's tiles first (default up), then the up kernel's."""
+    import triton.testing as tt
+
+    n = h.shape[0]
+    base = kernels.default_config(n, HC, HIDDEN, LOWRANK, LOWRANK + HC, h.device)
+
+    def timed(cfg):
+        try:
+            return tt.do_bench_cudagraph(lambda: kernels.hc_mix_triton(h, *weights, HC, HIDDEN, EPS, config=cfg),
+                                         rep=20, return_mode="median") * 1e3
+        except Exception:  # noqa: BLE001 - configs that do not compile or fit are skipped
+            return float("inf")
+
+    best = (timed(base), base)
+    for block_r in (16, 32, 64):
+        for block_k in (64, 128, 256):
+            if base.block_m * block_r * block_k > 16384:
+                continue
+            for splits in (2, 4, 5, 10):
+                for warps in (4, 8):
+                    cfg = dataclasses.replace(best[1], block_r=block_r, block_k=block_k, splits=splits,
+                                              warps_down=warps)
+                    best = min(best, (timed(cfg), cfg), key=lambda b: b[0])
+    for block_h in (4, 8, 16, 32):
+        for block_kr in (32, 64, 128, 512):
+            if base.block_m * block_h * block_kr > 16384:
+                continue
+            for warps in (2, 4, 8):
+                cfg = dataclasses.replace(best[1], block_h=block_h, block_kr=block_kr, warps_up=warps)
+                best = min(best, (timed(cfg), cfg), key=lambda b: b[0])
+    return best
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return 1
+    from flashnext.ops import hyper_connection_triton as kernels
+    from flashnext.ops.hyper_connection import hc_inject_reference, hc_mix_reference
+
+    dev = torch.device("cuda")
+    weights = make_weights(dev)
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {kernels.triton.__version__}  "
+          f"hc {HC} hidden {HIDDEN} lowrank {LOWRANK} bf16; mix reads {weight_bytes / 1e6:.1f} MB of weights")
+    header = (f"{'op':7} {'N':>2} {'err in/w':>17} {'fp32 err ref/ours':>17} {'ref us':>7} {'ref graph':>9} "
+              f"{'ours us':>8} {'ours graph':>10} {'GB/s':>6} {'%ceil':>6} {'speedup':>7}")
+    print(header)
+    print("-" * len(header))
+    failures, sweeps = 0, []
+    for n in ROWS:
+        gen = torch.Generator(device=dev).manual_seed(n)
+        h = (torch.randn(n, HC * HIDDEN, generator=gen, device=dev) * 2).bfloat16()
+        try:
+            errs, ref_exact, ours_exact, stable = check(n, h, weights, kernels, hc_mix_reference)
+            ok = max(errs) < TOL and stable
+            failures += not ok
+            ref_t = bench(lambda h=h: hc_mix_reference(h, *weights, HC, HIDDEN, EPS))
+            our_t = bench(lambda h=h: kernels.hc_mix_triton(h, *weights, HC, HIDDEN, EPS))
+        except Exception as error:  # noqa: BLE001 - one broken size must not hide the others
+            failures += 1
+            print(f"{'mix':7} {n:2d}  FAILED: {type(error).__name__}: {error}")
+            continue
+        gbs = weight_bytes / (our_t[1] * 1e-6) / 1e9
+        print(f"{'mix':7} {n:2d} {errs[0]:8.1e}/{errs[1]:7.1e}{'' if ok else '!'} "
+              f"{max(ref_exact):8.1e}/{max(ours_exact):8.1e} {ref_t[0]:7.1f} {ref_t[1]:9.1f} {our_t[0]:8.1f} "
+              f"{our_t[1]:10.1f} {gbs:6.0f} {100 * gbs * 1e9 / COPY_CEILING:5.1f}% {ref_t[1] / our_t[1]:6.2f}x"
+              f"{'' if stable else '  NOT BIT-STABLE'}")
+        if args.sweep:
+            sweeps.append((n, our_t[1], sweep(h, weights, kernels)))
+
+        block_output = torch.randn(n, HIDDEN, generator=gen, device=dev).bfloat16()
+        inject = (torch.rand(n, HC, generator=gen, device=dev) * 2).bfloat16()
+        err = rel_err(kernels.hc_inject_triton(h, block_output, inject), hc_inject_reference(h, block_output, inject))
+        ok = err < TOL
+        failures += not ok
+        inputs = (h, block_output, inject)
+        ref_t = bench(lambda inputs=inputs: hc_inject_reference(*inputs))
+        our_t = bench(lambda inputs=inputs: kernels.hc_inject_triton(*inputs))
+        gbs = (2 * h.numel() + block_output.numel()) * 2 / (our_t[1] * 1e-6) / 1e9
+        print(f"{'inject':7} {n:2d} {err:17.1e}{'' if ok else '!'} {'':17} {ref_t[0]:7.1f} {ref_t[1]:9.1f} "
+              f"{our_t[0]:8.1f} {our_t[1]:10.1f} {gbs:6.0f} {100 * gbs * 1e9 / COPY_CEILING:5.1f}% "
+              f"{ref_t[1] / our_t[1]:6.2f}x")
+    for n, t, (bt, cfg) in sweeps:
+        print(f"sweep N={n}: default {t:.1f} us, best {bt:.1f} us ({weight_bytes / (bt * 1e-6) / 1e9:.0f} GB/s) {cfg}")
+    print(f"\n{'ALL CORRECT' if not failures else f'{failures} FAILURE(S)'} (err = max|triton - reference| / "
+          f"max|reference| for block input / injection weights, bound {TOL:g}; fp32 err: the bf16 reference and "
+          "ours against fp32 math on the same inputs)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

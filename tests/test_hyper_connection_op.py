@@ -1,0 +1,125 @@
+"""Hyper-connection mix/inject ops: the reference against HyperConnection (bit for bit, fp32 and bf16), and the
+Triton kernels (CPU: TRITON_INTERPRET=1, fp32 only — the interpreter gets bf16 wrong) against the reference at
+odd sizes, with the K splits, row tiles and row blocks that the decode shapes use."""
+import importlib.util
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+# Triton reads TRITON_INTERPRET when its modules are imported and its kernels decorated: choose the
+# interpreter at collection, on CPU only (as tests/test_w4a16.py does).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from flashnext.models.layers.hyper_connection import HyperConnection
+from flashnext.ops.hyper_connection import hc_inject, hc_inject_reference, hc_mix, hc_mix_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_err(got, want):
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
+
+
+def make_layer(hc, hidden, lowrank, with_injection, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    cfg = SimpleNamespace(hc_count=hc, hidden_size=hidden, hc_hidden_size=hc * hidden, hc_lowrank=lowrank,
+                          rms_norm_eps=1e-6)
+    layer = HyperConnection(cfg, with_injection=with_injection)
+    with torch.no_grad():  # default init zeroes the norm weight, which would hide a missing (1 + w)
+        layer.hc_norm.weight.normal_(0, 0.2)
+    return layer.to(dtype)
+
+
+def mix_args(layer):
+    inject = layer.block_inject_weight.weight if layer.block_inject_weight is not None else None
+    return (layer.hc_norm.weight, layer.input_mix_weight_down.weight, layer.input_mix_weight_up.weight, inject,
+            layer.hc, layer.hidden, layer.hc_norm.eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hc,with_injection", [(2, True), (4, True), (4, False)])
+def test_reference_equals_module(hc, with_injection, dtype):
+    layer = make_layer(hc, 64, 16, with_injection, dtype)
+    h = (torch.randn(5, hc * 64) * 3).to(dtype)
+    with torch.no_grad():
+        want_input, want_weights = layer.mix(h)
+        got_input, got_weights = hc_mix_reference(h, *mix_args(layer))
+    assert got_input.dtype == dtype and torch.equal(got_input, want_input)
+    if with_injection:
+        assert got_weights.dtype == dtype and torch.equal(got_weights, want_weights)
+    else:
+        assert got_weights is None and want_weights is None
+    block_output = torch.randn(5, 64).to(dtype)
+    weights = (torch.rand(5, hc) * 2).to(dtype)
+    assert torch.equal(hc_inject_reference(h, block_output, weights), HyperConnection.inject(h, block_output, weights))
+
+
+def test_dispatch_off_cuda_is_the_reference():
+    layer = make_layer(2, 64, 16, True)
+    h = torch.randn(3, 128)
+    with torch.no_grad():
+        got, want = hc_mix(h, *mix_args(layer)), hc_mix_reference(h, *mix_args(layer))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    out = torch.empty_like(h)
+    assert hc_inject(h, h[:, :64], got[1], out=out) is out
+    assert torch.equal(out, hc_inject_reference(h, h[:, :64], got[1]))
+
+
+# --- Triton kernels (interpreted on CPU) ---------------------------------------------------------------
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="triton is not importable (pip install triton)")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from flashnext.ops import hyper_connection_triton
+    return hyper_connection_triton
+
+
+@needs_triton
+@pytest.mark.parametrize("n", [1, 3, 5])
+@pytest.mark.parametrize("hc,with_injection", [(2, True), (4, True), (4, False)])
+def test_triton_mix_matches_reference(kernels, n, hc, with_injection):
+    layer = make_layer(hc, 64, 16, with_injection, seed=n).to(DEVICE)
+    h = torch.randn(n, hc * 64, device=DEVICE) * 3
+    with torch.no_grad():
+        want_input, want_weights = hc_mix_reference(h, *mix_args(layer))
+        got_input, got_weights = kernels.hc_mix_triton(h, *mix_args(layer))
+    assert got_input.shape == (n, 64) and rel_err(got_input, want_input) < 1e-5
+    if with_injection:
+        assert got_weights.shape == (n, hc) and rel_err(got_weights, want_weights) < 1e-5
+    else:
+        assert got_weights is None
+
+
+@needs_triton
+@pytest.mark.parametrize("n,hc,with_injection", [(5, 4, True), (3, 3, False)])
+def test_triton_mix_ragged_tiles_and_splits(kernels, n, hc, with_injection):
+    # hidden 60, lowrank 20: every tile is ragged; 2 K splits per stream (the last short), two row tiles
+    # (one straddling the down/inject boundary) and row blocks, so the last-arrival reduction adds partials.
+    layer = make_layer(hc, 60, 20, with_injection, seed=7).to(DEVICE)
+    h = torch.randn(n, 2 * hc * 60, device=DEVICE)[:, ::2]  # a strided h is accepted
+    cfg = kernels.MixConfig(block_m=4, block_r=16, block_k=32, splits=2, block_h=32, block_kr=16)
+    with torch.no_grad():
+        want_input, want_weights = hc_mix_reference(h, *mix_args(layer))
+        for _ in range(2):  # the arrival counters must be back at zero after a launch
+            got_input, got_weights = kernels.hc_mix_triton(h, *mix_args(layer), config=cfg)
+            assert rel_err(got_input, want_input) < 1e-5
+            assert (got_weights is None) if not with_injection else rel_err(got_weights, want_weights) < 1e-5
+    assert kernels.hc_mix_triton(h[:0], *mix_args(layer))[0].shape == (0, 60)
+
+
+@needs_triton
+@pytest.mark.parametrize("n,hc", [(1, 4), (3, 2), (5, 4)])
+def test_triton_inject_matches_reference(kernels, n, hc):
+    h = torch.randn(n, hc * 600, device=DEVICE)
+    block_output = torch.randn(n, 600, device=DEVICE)
+    weights = torch.rand(n, hc, device=DEVICE) * 2
+    want = hc_inject_reference(h, block_output, weights)
+    assert rel_err(kernels.hc_inject_triton(h, block_output, weights), want) < 1e-6
+    kernels.hc_inject_triton(h, block_output, weights, out=h)
+    assert rel_err(h, want) < 1e-6
