@@ -22,7 +22,8 @@ PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 60)), list(range(100, 111))]
 
 
 def greedy(model, dtype, quantize, eager, n=96):
-    llm = LLM(model, dtype=dtype, quantize=quantize, enforce_eager=eager, max_num_seqs=4, enable_prefix_caching=False)
+    llm = LLM(model, dtype=dtype, quantize=quantize, enforce_eager=eager, max_num_seqs=4, enable_prefix_caching=False,
+              kv_cache_gb=1.0)
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     out = [c.token_ids for c in llm.generate(PROMPTS, params)]
     graphs = llm.engine.runner.graphs
@@ -47,7 +48,7 @@ def exactness() -> bool:
 
 
 def timing(model_name: str, quantize: str | None, steps: int = 200):
-    llm = LLM(model_name, quantize=quantize, max_num_seqs=4, enable_prefix_caching=False)
+    llm = LLM(model_name, quantize=quantize, max_num_seqs=4, enable_prefix_caching=False, kv_cache_gb=8.0)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     llm.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # captures graphs

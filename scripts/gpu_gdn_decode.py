@@ -78,7 +78,7 @@ def main() -> int:
                 out_err = rel_err(got, want)
                 s_err = rel_err(inputs["ssm_state"], ref_states["ssm_state"])
                 conv_ok = torch.equal(inputs["conv_state"], ref_states["conv_state"])
-                ok = out_err < 1e-2 and s_err < 1e-2 and conv_ok
+                ok = out_err < 2e-2 and s_err < 2e-2 and conv_ok
                 failures += not ok
 
                 def step(warps=None, inputs=inputs, kw=kw):
@@ -101,7 +101,7 @@ def main() -> int:
                   f"{100 * gbs * 1e9 / COPY_CEILING:5.1f}% {sweep[best_warps] * 1e3:8.1f} {best_warps:5d} "
                   f"{best_gbs:9.0f} {ref * 1e3:8.1f}")
     print(f"\n{'ALL CORRECT' if not failures else f'{failures} FAILURE(S)'} (err = max|triton - reference| / "
-          "max|reference|, bound 1e-2 for bf16 output and the fp32 state; conv tail must be equal). "
+          "max|reference|, bound 2e-2 (a few bf16 ulps) for the output and the fp32 state; conv tail must be equal). "
           f"Default warps of the delta-rule kernel: {kernels.default_num_warps(128, 128)}.")
     return 1 if failures else 0
 
