@@ -19,6 +19,7 @@ class EngineArgs:
     kv_cache_gb: float | None = None      # explicit KV pool size; default: from free memory
     block_size: int = 16
     seed: int = 0
+    ple_placement: str = "auto"           # PLE n-gram table: auto (host above 4 GiB), device or host (pinned RAM)
     enforce_eager: bool = False           # no CUDA graphs: every decode step runs the eager torch path (debugging)
     quantize: str | None = None           # "int4": dense projections INT4 in memory (RTN g128; docs/int4.md)
     # Expert cache (docs/expert_cache.md): routed INT4 experts in host memory, a pool of slots per layer on the device

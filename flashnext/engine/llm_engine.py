@@ -73,7 +73,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(args.dtype, self.device, args.model)
         self.loaded = loaded or load_model(args.model, self.device, self.dtype, quantize=args.quantize,
                                            expert_vram_gb=args.expert_vram_gb,
-                                           expert_cache_policy=args.expert_cache_policy)
+                                           expert_cache_policy=args.expert_cache_policy,
+                                           ple_placement=args.ple_placement)
         cfg = self.config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)

@@ -14,6 +14,7 @@ from flashnext.models import build_model
 from flashnext.models.quantize import (dense_int4_targets, quantize_dense_int4, quantize_experts_int4,
                                        use_int4_weights)
 from flashnext.models.layers.rope import RotaryEmbedding
+from flashnext.models.layers.row_table import RowTable, choose_placement
 from flashnext.tokenizer import Tokenizer
 from flashnext.weights.checkpoint import load_checkpoint
 from flashnext.weights.config import ModelConfig, load_config
@@ -39,12 +40,23 @@ def preset_cache_dir() -> Path:
     return Path(os.environ.get("FLASHNEXT_CACHE", Path.home() / ".cache" / "flashnext")) / "presets"
 
 
+MEM_PREFIX = "mem:"  # mem:<preset>: random weights built on the device, no checkpoint (weights/synth_device.py)
+
+
 def resolve_model(name: str) -> Path:
-    """A folder as is; a preset name is synthesised once into the cache; anything else is a hub id."""
+    """A folder as is; a preset name is synthesised once into the cache; "mem:<preset>" is a folder with only the
+    preset's config and tokenizer (its weights are built in memory by load_model); anything else is a hub id."""
     from flashnext.weights.presets import PRESETS
 
     if Path(name).is_dir():
         return Path(name)
+    if name.startswith(MEM_PREFIX):
+        from flashnext.weights.synth_device import synthetic_tokenizer_dir
+
+        try:
+            return synthetic_tokenizer_dir(name[len(MEM_PREFIX):], preset_cache_dir())
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
     if name in PRESETS:
         from flashnext.weights.synth import synthesize
 
@@ -61,22 +73,80 @@ def resolve_model(name: str) -> Path:
 
 
 QUANTIZE_CHOICES = (None, "int4")
+# A mem: model stores its PLE table as float8_e4m3fn with one scale (the FP8 release's format) when the table
+# would exceed this in the model dtype: full-size Flash-Next's is 102 GB in bf16, 51 GB in fp8.
+MEM_PLE_FP8_ABOVE = 16 << 30
 
 
 def load_model(name: str, device, dtype: torch.dtype, quantize: str | None = None, parallel=None,
-               expert_vram_gb: float | None = None, expert_cache_policy: str = "lfu-decay") -> LoadedModel:
+               expert_vram_gb: float | None = None, expert_cache_policy: str = "lfu-decay", *,
+               ple_placement: str = "auto") -> LoadedModel:
     """`quantize="int4"` replaces the dense projections and routed experts by INT4 ones after loading (RTN;
     docs/int4.md). `parallel` (a flashnext.parallel.ParallelPlan) shards the model for one rank right after
-    loading, before quantising; the returned config then has the rank's local head counts (docs/parallel.md)."""
+    loading, before quantising; the returned config then has the rank's local head counts (docs/parallel.md).
+    `ple_placement` ("auto" | "device" | "host"; auto = host above 4 GiB) says where the PLE n-gram table lives:
+    "host" keeps it in pinned host memory, read row by row by the GPU (flashnext/models/layers/row_table.py).
+    `name` "mem:<preset>" builds a random-weight model straight on the device instead of reading a checkpoint."""
     if quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"--quantize {quantize!r} is not supported; choose int4 or leave it unset")
+    choose_placement(ple_placement, 0)  # a bad value fails before anything is loaded
     start = time.perf_counter()
+    if name.startswith(MEM_PREFIX):
+        model, cfg, path, nbytes = _build_in_memory(name, device, dtype, quantize, parallel, ple_placement)
+    else:
+        model, cfg, path, nbytes = _load_checkpoint_model(name, device, dtype, quantize, parallel, ple_placement)
+    expert_cache = None
+    if expert_vram_gb is not None:
+        # TODO(real sizes): the experts are still quantised on the device first, so the whole model must fit once.
+        from flashnext.cache.expert_cache import install_expert_cache
+
+        expert_cache = install_expert_cache(model, int(expert_vram_gb * (1 << 30)), expert_cache_policy)
+        nbytes = _state_bytes(model, device)
+    tokenizer = Tokenizer.from_dir(path)
+    return LoadedModel(model.eval(), cfg, tokenizer, path, time.perf_counter() - start, nbytes, expert_cache)
+
+
+def _state_bytes(model: torch.nn.Module, device) -> int:
+    """Bytes of the weights on `device` (a PLE table in host memory is not counted against a GPU)."""
+    kind = torch.device(device).type
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values() if t.device.type == kind)
+
+
+def _build_in_memory(name: str, device, dtype, quantize, parallel, ple_placement):
+    from flashnext.weights.synth_device import build_synthetic_model
+
+    if parallel is not None and parallel.world > 1:
+        raise ValueError(f"{name} is built whole on one device; tensor/expert parallel needs a checkpoint folder "
+                         "or a preset name")
+    path = resolve_model(name)
+    cfg = load_config(path)
+    # Sizes are primes just above the base, so the table holds about base × ple_embed_dim values per PLE layer.
+    table_bytes = cfg.ngram_vocab_size_base * cfg.ple_embed_dim * dtype.itemsize if cfg.ple_layers else 0
+    ple_dtype = torch.float8_e4m3fn if table_bytes > MEM_PLE_FP8_ABOVE else None
+    log.info("building %s in memory (%s%s)", name, "int4" if quantize == "int4" else dtype,
+             ", PLE table fp8" if ple_dtype else "")
+    model = build_synthetic_model(cfg, device, dtype, seed=0, int4=quantize == "int4", ple_placement=ple_placement,
+                                  ple_dtype=ple_dtype)
+    return model, cfg, path, _state_bytes(model, device)
+
+
+def _place_ple_tables(model: torch.nn.Module, ple_placement: str) -> None:
+    for name, table in model.named_modules():
+        if isinstance(table, RowTable) and choose_placement(ple_placement, table.nbytes) == "host":
+            t0 = time.perf_counter()
+            table.to_host()
+            log.info("PLE table %s (%.1f GB) moved to %s host memory in %.1f s", name, table.nbytes / 1e9,
+                     "pinned" if table.weight.is_pinned() else "pageable", time.perf_counter() - t0)
+
+
+def _load_checkpoint_model(name, device, dtype, quantize, parallel, ple_placement):
     path = resolve_model(name)
     cfg = load_config(path)
     model = build_model(cfg, device="meta", dtype=dtype)
     expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
     # 4-bit dense projections of a GPTQ/AutoRound checkpoint stay packed (docs/int4.md).
     packed = frozenset(f"{module}.weight" for module in dense_int4_targets(model))
+    # TODO(real sizes): the loader reads every tensor onto `device`, a host PLE table too, before it moves.
     weights = load_checkpoint(path, expected, dtype=dtype, device=device, progress=True, packed_int4=packed)
     derived = {k: v for k, v in model.state_dict().items() if v.device.type != "meta"}
     for key, value in derived.items():
@@ -90,27 +160,19 @@ def load_model(name: str, device, dtype: torch.dtype, quantize: str | None = Non
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.inv_freq = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta).inv_freq
+    weights = None  # the table's device copy is freed once it moves; the model holds every other tensor
+    _place_ple_tables(model, ple_placement)
     model = model.to(device)
-    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    nbytes = _state_bytes(model, device)
     if parallel is not None and parallel.world > 1:
         from flashnext.parallel.shard import shard_model
 
-        del weights  # it holds the whole tensors: drop it so they are freed once sharded
         shard_model(model, parallel.rank, parallel.world, tp=parallel.tp, ep=parallel.ep)
         cfg = model.cfg
-        nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        nbytes = _state_bytes(model, device)
     if quantize == "int4":
-        weights = None  # it still holds the bf16 projections: drop it so they are freed once replaced
         dense, experts = quantize_dense_int4(model), quantize_experts_int4(model)
         log.info("quantised %d dense projections and %d routed-expert sets to int4 (RTN, group 128)", len(dense),
                  len(experts))
-        nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    expert_cache = None
-    if expert_vram_gb is not None:
-        # TODO(real sizes): the experts are still quantised on the device first, so the whole model must fit once.
-        from flashnext.cache.expert_cache import install_expert_cache
-
-        expert_cache = install_expert_cache(model, int(expert_vram_gb * (1 << 30)), expert_cache_policy)
-        nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    tokenizer = Tokenizer.from_dir(path)
-    return LoadedModel(model.eval(), cfg, tokenizer, path, time.perf_counter() - start, nbytes, expert_cache)
+        nbytes = _state_bytes(model, device)
+    return model, cfg, path, nbytes

@@ -35,7 +35,8 @@ def _load(args: EngineArgs, rank: int, port: int):
     device = rank_device(args.device, rank)
     init_process(rank, plan.world, port, device)
     dtype = resolve_dtype(args.dtype, device, args.model)
-    return load_model(args.model, device, dtype, quantize=args.quantize, parallel=plan), device, dtype
+    return (load_model(args.model, device, dtype, quantize=args.quantize, parallel=plan, ple_placement=args.ple_placement),
+            device, dtype)
 
 
 def _worker(rank: int, args: EngineArgs, port: int) -> None:

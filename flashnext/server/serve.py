@@ -65,6 +65,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--kv-cache-gb", type=float, help="KV cache size in GiB (default: from free memory)")
     _add(parser, "--block-size", type=int, help="tokens per KV block (default 16)")
     _add(parser, "--seed", type=int, help="seed of the engine's shared sampling generator (default 0)")
+    _add(parser, "--ple-placement", choices=["auto", "device", "host"],
+         help="where Flash-Next's PLE n-gram table lives: host = pinned RAM, 16 rows read by the GPU per token (auto: "
+              "host when the table is over 4 GiB; default auto)")
     _add(parser, "--enforce-eager", type=_bool,
          help="run every decode step eagerly instead of replaying captured CUDA graphs (debugging; default false)")
     _add(parser, "--quantize", choices=["int4"],
@@ -104,7 +107,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 _ENGINE_FLAGS = {"model": "model", "device": "device", "max_num_batched_tokens": "max_num_batched_tokens",
                  "kv_cache_gb": "kv_cache_gb", "block_size": "block_size", "seed": "seed", "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
                  "max_queued_requests": "max_queued_requests", "gpu_memory_fraction": "gpu_memory_fraction",
-                 "dtype": "dtype", "quantize": "quantize", "enforce_eager": "enforce_eager", "enable_prefix_caching": "enable_prefix_caching",
+                 "dtype": "dtype", "quantize": "quantize", "enforce_eager": "enforce_eager", "ple_placement": "ple_placement", "enable_prefix_caching": "enable_prefix_caching",
                  "prefix_snapshot_interval": "prefix_snapshot_interval", "prefix_cache_gb": "prefix_cache_gb",
                  "kv_host_gb": "kv_host_gb", "kv_host_write_through": "kv_host_write_through",
                  "kv_disk_dir": "kv_disk_dir", "kv_disk_gb": "kv_disk_gb", "tensor_parallel": "tensor_parallel",

@@ -16,6 +16,7 @@ from torch import nn
 from flashnext.models.context import ForwardContext
 from flashnext.models.decode_batch import DecodeBatch
 from flashnext.models.layers.norms import ZeroCenteredRMSNorm
+from flashnext.models.layers.row_table import RowTable
 from flashnext.ops.causal_conv1d import causal_conv1d
 from flashnext.weights.config import ModelConfig
 
@@ -75,7 +76,7 @@ class NGramEmbedding(nn.Module):
         self.register_buffer("layer_multipliers", torch.tensor(multipliers, dtype=torch.long, device=cpu))
         self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(sizes, dtype=torch.long, device=cpu))
         self.register_buffer("ngram_heads_offsets", torch.tensor(offsets, dtype=torch.long, device=cpu))
-        self.ngram_embedding = nn.Embedding(rows, cfg.ple_embed_dim // heads)
+        self.ngram_embedding = RowTable(rows, cfg.ple_embed_dim // heads)
 
     def row_ids(self, history: torch.Tensor, length: int) -> torch.Tensor:
         """history [..., ngram_size-1 + T] ids (carried ids first) → table rows [..., T, heads]."""
@@ -104,7 +105,7 @@ class NGramEmbedding(nn.Module):
 
     def forward(self, history: torch.Tensor, length: int) -> torch.Tensor:
         rows = self.row_ids(history, length)
-        return self.ngram_embedding(rows.to(self.ngram_embedding.weight.device)).flatten(-2)
+        return self.ngram_embedding(rows).flatten(-2)
 
 
 class PLELayer(nn.Module):
