@@ -133,6 +133,7 @@ def test_triton_matches_reference(kernels, m, n, k, g, kind):
 @needs_triton
 @pytest.mark.parametrize("split_k,block_m", [(1, 1), (3, 16)])
 def test_triton_split_and_tile_choices_agree(kernels, split_k, block_m):
+    # The GEMM kernel forced at decode sizes (its no-dot mode at block_m < 16): the benchmark's baseline.
     device = "cuda" if torch.cuda.is_available() else "cpu"
     w, _ = make_weight(96, 384, 64, "asym", seed=7)
     w = w.to(device)
@@ -142,14 +143,59 @@ def test_triton_split_and_tile_choices_agree(kernels, split_k, block_m):
     assert kernels.w4a16_matmul(x[:0], w).shape == (0, 96)
 
 
+GEMV_CASES = [  # (M, N, K, g, kind, GemvConfig fields or None for the heuristic)
+    (1, 72, 96, 32, "rtn", None), (1, 200, 256, 128, "act", None),
+    (3, 200, 96, 32, "asym", (64, 32, 3)), (3, 72, 256, 128, "act", (32, 64, 4)),
+    (8, 72, 256, 128, "asym", None), (8, 200, 96, 32, "act", (128, 16, 6)),
+    (1, 200, 256, 128, "rtn", (64, 128, 1)),
+    # tensor-core mode: M padded to 16, K tiles of 128
+    (3, 200, 256, 128, "asym", (64, 128, 2, True)), (8, 72, 256, 128, "act", (32, 128, 1, True)),
+    (1, 72, 384, 128, "rtn", (32, 128, 3, True)),
+]
+
+
 @needs_triton
-@pytest.mark.parametrize("m", [3, 17])
+@pytest.mark.parametrize("m,n,k,g,kind,fields", GEMV_CASES)
+def test_gemv_matches_reference(kernels, m, n, k, g, kind, fields):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    w, _ = make_weight(n, k, g, kind, seed=m + n)
+    w = w.to(device)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m)).to(device)
+    cfg = kernels.GemvConfig(*fields) if fields else kernels.gemv_config(m, n, k, g, x.device)
+    got = kernels.w4a16_matmul(x, w, cfg)
+    assert got.shape == (m, n) and got.dtype == x.dtype
+    assert rel_err(got, w4a16_linear_reference(x, w)) < 1e-5
+    # The last program of each column block leaves its counter at zero for the next call (no memset).
+    for counters in kernels._COUNTERS.get(x.device, []):
+        assert int(counters.abs().sum()) == 0
+
+
+@needs_triton
+def test_gemv_dispatch_and_split_rule(kernels):
+    dev = torch.device("cpu")
+    w, _ = make_weight(72, 256, 128, "asym", seed=5)
+    for m in (1, 8):
+        cfg = kernels.gemv_config(m, 72, 256, 128, dev)
+        # a small shape still gets split K (8 "SMs" on CPU) so that every SM has programs
+        assert cfg.split_k > 1 and 256 % cfg.block_k == 0 and 128 % cfg.block_k == 0
+    x = torch.randn(8, 256)
+    rows = [kernels.w4a16_matmul(x[i:i + 1], w) for i in range(8)]
+    # per-row calls and one 8-row call agree (a different M bucket may pick another tile: fp32 order only)
+    assert rel_err(torch.cat(rows), kernels.w4a16_matmul(x, w)) < 1e-5
+    assert kernels.w4a16_matmul(x[:0], w).shape == (0, 72)
+    # the same call twice gives the same bits: split-K partials are added in a fixed order
+    assert torch.equal(kernels.w4a16_matmul(x[:3], w), kernels.w4a16_matmul(x[:3], w))
+
+
+@needs_triton
+@pytest.mark.parametrize("m", [1, 3, 8, 17])
 def test_triton_half_precision_activations(kernels, m):
-    # fp16 takes the low-precision dot path ((q - z) cast to x's dtype, exact for integers). bf16 is only
+    # fp16: M <= 8 takes the GEMV kernel (fp32 fma; at M = 8 and g = 128 its dot mode, (q - z) * 16**-j in
+    # fp16: exact), M = 17 the GEMM kernel's dot ((q - z) cast to x's dtype, exact for integers). bf16 is only
     # checked on the GPU (scripts/gpu_w4a16.py): Triton 3.9's interpreter reinterprets the bits of an
     # int → bf16 cast and gets bf16 tl.dot wrong.
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    w, _ = make_weight(96, 256, 64, "act", seed=3)
+    w, _ = make_weight(96, 256, 128, "act", seed=3)
     w = w.to(device)
     x = torch.randn(m, 256).to(device=device, dtype=torch.float16)
     got = kernels.w4a16_matmul(x, w)

@@ -1,8 +1,9 @@
 """W4A16 linear: y = x @ W.T with W in the INT4 kernel layout (docs/int4.md), activations in 16/32 bit.
 
 `w4a16_linear_reference` is the specification: dequantise to fp32, matmul in fp32, round once to x's dtype.
-`w4a16_linear` dispatches: CUDA tensors → the Triton kernels (ops/w4a16_triton.py), anything else → the
-reference. FLASHNEXT_W4A16=reference forces the reference (to bisect a wrong answer on the GPU).
+`w4a16_linear` dispatches: CUDA tensors → the Triton kernels (ops/w4a16_triton.py: up to GEMV_MAX_M = 8 rows
+the split-K GEMV kernel, more rows the GEMM kernel), anything else → the reference. FLASHNEXT_W4A16=reference
+forces the reference (to bisect a wrong answer on the GPU).
 """
 from __future__ import annotations
 

@@ -1,16 +1,31 @@
 """Triton W4A16 matmul: y [M, N] = x [M, K] @ W.T with W held in the INT4 kernel layout (docs/int4.md).
 
-One kernel, two reductions chosen at compile time:
-- decode GEMV (M ≤ 4): x·(q − z) as fp32 multiply-and-sum in registers (no tensor cores: at M ≤ 4 they
-  would idle 3/4 of every MMA and cost a shared-memory round trip);
-- GEMM (M > 4): `tl.dot` of x with the (q − z) tile in x's dtype — exact, those are integers in [−16, 15] —
-  accumulated in fp32.
-Both multiply each K tile's fp32 partial by its group's scale (BLOCK_K divides the group size), so the
-result differs from dequantise-then-matmul only by fp32 summation order.
-The grid is (N blocks, K splits, M blocks); with more than one K split the partials are added with fp32
-atomics into a zeroed buffer (decode shapes are too narrow to fill the GPU otherwise: N = 2560 in blocks of
-64 is 40 programs for 132 SMs).
-`qweight` is read along N, which is contiguous: 4 int32 (16 bytes) per thread and load.
+Two kernels; `w4a16_matmul` sends M <= GEMV_MAX_M rows (decode) to the first, larger M to the second.
+
+`_w4a16_gemv_kernel` (decode, M <= 8): the weight is read once for all M rows and the read is all that costs
+(Flash-Next in_proj_qkv: 13 MB, ~3 µs at 4.27 TB/s), so the kernel is shaped for bytes in flight:
+- a program owns BLOCK_N output columns (contiguous int32 words: 16-byte loads along N) and a K split, so
+  that N/BLOCK_N × splits is ~PROGRAMS_PER_SM programs per SM; weight loads are software-pipelined (tl.range);
+- dequantisation without int → float conversions (I2F is quarter rate or slower, and ALU throughput is
+  within 2× of the bandwidth at M = 1): a nibble masked in place and ORed into the mantissa of 2**23 is
+  exactly 2**23 + q·16**j as an fp32; subtracting 2**23 + zero·16**j leaves (q − zero)·16**j exactly, and
+  the activation is multiplied by 16**−j instead (a power of two: exact). The upper four nibbles of a word
+  go through one shift by 16 first. Per weight: and-or, sub, then one fma per row;
+- the FMA mode keeps [M, BLOCK_K/8, BLOCK_N] fp32 terms (scaled per K tile: BLOCK_K divides the group
+  size) and reduces over K once per program; the dot mode (`GemvConfig.use_dot`, M padded to 16) feeds
+  (q − zero) in x's dtype (exact: integers times a power of two) to eight tl.dot of K = BLOCK_K/8 per tile;
+- split-K without atomics on values: each program stores its fp32 partial [M, BLOCK_N], counts itself in on
+  a per-column-block counter, and the last to arrive adds the partials in split order (deterministic),
+  writes y in x's dtype and resets the counter. One launch, no memset: the counters live in one buffer per
+  device that the kernel leaves zeroed, so two of these kernels must not run concurrently on one device
+  (the engine decodes on one stream). No host sync, static shapes: CUDA-graph safe.
+
+`_w4a16_kernel` (GEMM): `tl.dot` of x with the (q − z) tile in x's dtype — exact, those are integers in
+[−16, 15] — accumulated in fp32 over a grid of (N blocks, K splits, M blocks), split-K partials added with
+fp32 atomics into a zeroed buffer. A LaunchConfig with block_m < 16 selects its older decode mode (fp32
+multiply-and-sum, no dot), kept as the baseline scripts/gpu_w4a16.py times the GEMV kernel against.
+Both kernels multiply each K tile's fp32 partial by its group's scale and gather x's columns through `perm`
+for act-order weights, so the result differs from dequantise-then-matmul only by fp32 summation order.
 """
 from __future__ import annotations
 
@@ -73,8 +88,110 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr,
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _nibble(word, j: tl.constexpr):
+    """Nibble j (0..3) of each int32 word as the fp32 2**23 + q * 16**j (exact; no conversion instruction)."""
+    return ((word & (0xF << (4 * j))) | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _activation(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, k, HAS_PERM: tl.constexpr):
+    """x [BLOCK_M, len(k)] at packed rows k, in x's dtype: act-order weights gather the columns through perm."""
+    if HAS_PERM:
+        k = tl.load(perm_ptr + k)
+    return tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _arrive_last(counter_ptr, count):
+    """Count this program in on its counter; True for the last of `count`, which resets the counter to 0.
+
+    The barrier puts every thread's partial stores before the (release) atomic of the thread doing it; the
+    last program's (acquire) atomic then sees all of them, and it reads them past L1 (.cg)."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    last = arrived == count - 1
+    if last:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
+def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, counter_ptr,
+                       M, N, K, stride_xm, stride_om, group_size, k_per_split, n_split,
+                       HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, USE_DOT: tl.constexpr,
+                       REDUCE: tl.constexpr, REDUCE_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       NUM_STAGES: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_K // 8, BLOCK_N), tl.float32)
+    k_start = pid_k * k_per_split
+    for k0 in tl.range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K, num_stages=NUM_STAGES):
+        words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        low = tl.load(qw_ptr + words[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
+        high = low >> 16  # the sign bits this drags in are masked off by _nibble
+        group = k0 // group_size
+        if HAS_ZEROS:
+            zero = tl.load(z_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.float32)
+        else:
+            zero = tl.full((BLOCK_N,), 8.0, tl.float32)
+        scale = tl.load(s_ptr + group * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        rows = 8 * words
+        if USE_DOT:
+            tile = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        else:
+            tile = tl.zeros((BLOCK_M, BLOCK_K // 8, BLOCK_N), tl.float32)
+        for j in tl.static_range(4):
+            bias = 8388608.0 + zero * (1 << (4 * j))
+            step = 1.0 / (1 << (4 * j))
+            x_low = _activation(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, rows + j, HAS_PERM)
+            x_high = _activation(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, rows + 4 + j, HAS_PERM)
+            if USE_DOT:
+                # (nibble - bias) * step is q - zero exactly; as one fma (both terms are exact) it is one op
+                w_low = (_nibble(low, j) * step - (bias * step)[None, :]).to(x_low.dtype)
+                w_high = (_nibble(high, j) * step - (bias * step)[None, :]).to(x_high.dtype)
+                tile = tl.dot(x_low, w_low, tile, input_precision=DOT_PRECISION)
+                tile = tl.dot(x_high, w_high, tile, input_precision=DOT_PRECISION)
+            else:
+                tile += (x_low.to(tl.float32) * step)[:, :, None] * (_nibble(low, j) - bias[None, :])[None, :, :]
+                tile += (x_high.to(tl.float32) * step)[:, :, None] * (_nibble(high, j) - bias[None, :])[None, :, :]
+        if USE_DOT:
+            acc += tile * scale[None, :]
+        else:
+            acc += tile * scale[None, None, :]
+    if USE_DOT:
+        y = acc
+    else:
+        y = tl.sum(acc, axis=1)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    mask = m_ok[:, None] & n_ok[None, :]
+    if REDUCE:
+        # part [n_split, M, N] fp32
+        tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], y, mask=mask)
+        if _arrive_last(counter_ptr + pid_n, n_split):
+            # REDUCE_ROWS partials per load, so that their L2 latency is paid once per chunk, not per split
+            y = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for first in range(0, n_split, REDUCE_ROWS):
+                splits = first + tl.arange(0, REDUCE_ROWS)
+                ptrs = part_ptr + (splits[:, None, None] * M + offs_m[None, :, None]) * N + offs_n[None, None, :]
+                ok = (splits < n_split)[:, None, None] & mask[None, :, :]
+                y += tl.sum(tl.load(ptrs, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+            tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
+    """Tiles of the GEMM kernel (block_m < 16: its fp32 multiply-and-sum mode, no dot)."""
     block_m: int
     block_n: int
     block_k: int
@@ -87,7 +204,24 @@ class LaunchConfig:
         return self.block_m >= 16
 
 
-GEMV_MAX_M = 4
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch of the GEMV kernel. block_k divides the group size (and is >= 128 with use_dot: each of the
+    eight dots of a tile has K = block_k / 8 >= 16); split_k is the number of K splits asked for (the grid
+    gets ceil(K tiles / ceil(K tiles / split_k)) of them, each with >= 1 tile)."""
+    block_n: int
+    block_k: int
+    split_k: int
+    use_dot: bool = False
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+GEMV_MAX_M = 8        # w4a16_matmul sends M <= GEMV_MAX_M to the GEMV kernel
+PROGRAMS_PER_SM = 4   # GEMV grid target: enough programs for bytes in flight on every SM
+# Configs measured on the H200 (scripts/gpu_w4a16.py prints this table's entries): (N, K, M bucket) →
+# GemvConfig. Shapes not listed take gemv_config's heuristic.
+TUNED: dict[tuple[int, int, int], GemvConfig] = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,10 +231,47 @@ def _num_sms(device: torch.device) -> int:
     return 8
 
 
+def m_bucket(m: int) -> int:
+    """The GEMV kernel's BLOCK_M for m rows (1, 2, 4, 8): configs are chosen per bucket."""
+    return triton.next_power_of_2(m)
+
+
+_GEMV_CONFIGS: dict[tuple, GemvConfig] = {}
+
+
+def gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> GemvConfig:
+    """The GEMV launch for this shape: TUNED if listed, else a heuristic, cached per (N, K, g, M bucket, SMs).
+
+    Heuristic: 128-column blocks (64, 32 when N x K is too small to give every SM its programs), K tiles of
+    128 rows (64 for the 8-row FMA mode: its [M, K/8, N] fp32 terms live in registers), K split until there
+    are PROGRAMS_PER_SM programs per SM (half that above 2 rows); tensor cores (M padded to 16) from 5 rows
+    on, where one fma per row and weight would outrun the CUDA cores' share of the bandwidth. A guess until
+    the sweep of scripts/gpu_w4a16.py fills TUNED."""
+    bucket = m_bucket(m)
+    key = (n, k, group_size, bucket, _num_sms(device))
+    cfg = _GEMV_CONFIGS.get(key)
+    if cfg is not None:
+        return cfg
+    cfg = TUNED.get((n, k, bucket))
+    if cfg is None or group_size % cfg.block_k:
+        use_dot = bucket > 4 and group_size >= 128
+        block_k = min(group_size, 64 if bucket > 4 and not use_dot else 128)
+        tiles = k // block_k
+        # above 2 rows a program has more arithmetic per byte and the partials grow with M: half the programs
+        target = PROGRAMS_PER_SM * _num_sms(device) // (1 if bucket <= 2 else 2)
+        block_n = 128
+        while block_n > 32 and triton.cdiv(n, block_n) * tiles < target:
+            block_n //= 2
+        split = max(1, min(tiles, triton.cdiv(target, triton.cdiv(n, block_n))))
+        cfg = GemvConfig(block_n, block_k, split, use_dot, num_warps=4 if bucket <= 2 else 8)
+    _GEMV_CONFIGS[key] = cfg
+    return cfg
+
+
 def default_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> LaunchConfig:
-    """Launch shapes by problem size: GEMV for decode, dot tiles otherwise; split K until the grid has
-    about two programs per SM."""
-    if m <= GEMV_MAX_M:
+    """GEMM-kernel tiles by problem size (m <= 4: its no-dot mode); split K until the grid has about two
+    programs per SM."""
+    if m <= 4:
         block_m = triton.next_power_of_2(m)
         block_n, block_k, warps, stages = 64, min(group_size, 128 // block_m), 4, 4
     elif m <= 16:
@@ -115,12 +286,64 @@ def default_config(m: int, n: int, k: int, group_size: int, device: torch.device
 
 
 def supports(w: Int4Weight) -> bool:
-    """The kernel needs K tiles of ≥ 16 rows that never straddle a group."""
+    """The kernels need K tiles of >= 16 rows that never straddle a group."""
     return w.group_size >= 16 and w.group_size & (w.group_size - 1) == 0 and w.qweight.dim() == 2
 
 
-def w4a16_matmul(x: torch.Tensor, w: Int4Weight, config: LaunchConfig | None = None) -> torch.Tensor:
-    """x [M, K] (row-major) → [M, N] in x's dtype."""
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """n zeroed int32 counters. The kernel leaves them zeroed, so one buffer per device serves every call.
+
+    A buffer that is outgrown stays alive (a captured graph may still point at it). Never grown during
+    CUDA-graph capture: a capture that needs more gets a buffer of its own, zeroed by a memset recorded in
+    the graph (the cache must not hold memory the graph's pool may hand out again)."""
+    buffers = _COUNTERS.setdefault(device, [])
+    if buffers and buffers[-1].numel() >= n:
+        return buffers[-1]
+    buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)  # N up to 1M columns at BLOCK_N 16
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        buffers.append(buf)
+    return buf
+
+
+def _optional(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """zeros and perm, or a dummy pointer never read (HAS_ZEROS / HAS_PERM are constexprs)."""
+    return (w.zeros if w.zeros is not None else w.scales), (w.perm if w.perm is not None else w.qweight)
+
+
+def _gemv(x: torch.Tensor, w: Int4Weight, cfg: GemvConfig) -> torch.Tensor:
+    m, k = x.shape
+    n = w.out_features
+    assert m <= GEMV_MAX_M and w.group_size % cfg.block_k == 0 and cfg.block_k >= (128 if cfg.use_dot else 16), \
+        (m, w.group_size, cfg)
+    tiles = k // cfg.block_k
+    per = triton.cdiv(tiles, max(1, min(cfg.split_k, tiles)))
+    split = triton.cdiv(tiles, per)
+    blocks = triton.cdiv(n, cfg.block_n)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    counters = _arrival_counters(x.device, blocks) if split > 1 else out
+    zeros, perm = _optional(w)
+    block_m = 16 if cfg.use_dot else m_bucket(m)
+    # the last program adds ~32 fp32 registers per thread of partials per load (not a function of the split,
+    # which would compile a kernel per split count)
+    reduce_rows = min(32, max(1, 32 * 32 * cfg.num_warps // (block_m * cfg.block_n)))
+    _w4a16_gemv_kernel[(blocks, split)](
+        x, w.qweight, w.scales, zeros, perm, out, part, counters,
+        m, n, k, x.stride(0), out.stride(0), w.group_size, per * cfg.block_k, split,
+        HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None, USE_DOT=cfg.use_dot,
+        REDUCE=split > 1, REDUCE_ROWS=reduce_rows,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else None, NUM_STAGES=cfg.num_stages,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def w4a16_matmul(x: torch.Tensor, w: Int4Weight, config: LaunchConfig | GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] (row-major) → [M, N] in x's dtype. M <= GEMV_MAX_M: the GEMV kernel, else the GEMM kernel;
+    a config forces its kernel (GemvConfig only for M <= GEMV_MAX_M)."""
     m, k = x.shape
     n = w.out_features
     assert k == w.in_features and supports(w), (tuple(x.shape), tuple(w.qweight.shape), w.group_size)
@@ -128,7 +351,12 @@ def w4a16_matmul(x: torch.Tensor, w: Int4Weight, config: LaunchConfig | None = N
         x = x.contiguous()
     if m == 0:
         return x.new_empty(0, n)
-    cfg = config or default_config(m, n, k, w.group_size, x.device)
+    if config is None:
+        config = gemv_config(m, n, k, w.group_size, x.device) if m <= GEMV_MAX_M else \
+            default_config(m, n, k, w.group_size, x.device)
+    if isinstance(config, GemvConfig):
+        return _gemv(x, w, config)
+    cfg = config
     assert w.group_size % cfg.block_k == 0, "a K tile must not straddle two groups"
     steps = k // cfg.block_k
     k_per_split = triton.cdiv(steps, cfg.split_k) * cfg.block_k
@@ -136,9 +364,9 @@ def w4a16_matmul(x: torch.Tensor, w: Int4Weight, config: LaunchConfig | None = N
     atomic = split > 1
     out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic else torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
-    dummy = w.qweight
+    zeros, perm = _optional(w)
     _w4a16_kernel[grid](
-        x, w.qweight, w.scales, w.zeros if w.zeros is not None else dummy, w.perm if w.perm is not None else dummy, out,
+        x, w.qweight, w.scales, zeros, perm, out,
         m, n, k, x.stride(0), out.stride(0), k_per_split,
         GROUP=w.group_size, HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None,
         USE_DOT=cfg.use_dot, ATOMIC=atomic, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
