@@ -78,8 +78,24 @@ def timing(model_name: str, quantize: str | None, steps: int = 200):
         for _ in range(10):
             engine.loaded.model.compute_logits(engine.loaded.model.decode(batch))
         torch.cuda.synchronize()
-    eager_ms = (time.perf_counter() - t0) / 10 * 1e3
+        eager_ms = (time.perf_counter() - t0) / 10 * 1e3
+        profile_kernels(lambda: engine.loaded.model.compute_logits(engine.loaded.model.decode(batch)))
     return replay_ms, eager_ms, loop_tps, engine.loaded.weight_bytes
+
+
+def profile_kernels(step, runs: int = 3, top: int = 18):
+    """GPU time per kernel over `runs` eager steps (the same kernels the graph replays, without launch gaps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            step()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / runs, e.count // runs) for e in prof.key_averages()]
+    total = sum(t for _, t, _ in rows)
+    print(f"  GPU time per step by kernel: {total / 1e3:.3f} ms in {sum(c for _, _, c in rows)} kernels")
+    for name, t, count in sorted(rows, key=lambda r: -r[1])[:top]:
+        print(f"    {t / 1e3:8.3f} ms {100 * t / total:5.1f}%  x{count:<5} {name[:90]}")
 
 
 def main() -> int:

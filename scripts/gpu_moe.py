@@ -1,13 +1,18 @@
 """On the GPU machine: the INT4 MoE kernels at the real shapes — correct against the torch reference, and how
-fast (decode M = 1, 2, 4, 8; prefill M = 4096), with a small sweep of tile configs.
+fast: decode M = 1, 2, 4, 8 (the decode GEMV kernels of moe_int4_decode_triton against the grouped kernels of
+moe_int4_triton, which decode ran before) and prefill M = 4096 (grouped), with small config sweeps.
 
-Flash-Next (H 2560, I 640) and Qwen3-Next (H 2048, I 512): E 512, top-10, g 128, symmetric (plus one
-asymmetric correctness check). Routing comes from a random zero-mean router on random activations, so
+Flash-Next (H 2560, I 640) and Qwen3-Next (H 2048, I 512): E 512, top-10, g 128, symmetric (plus asymmetric
+and act-order correctness checks). Routing comes from a random zero-mean router on random activations, so
 tokens spread over the experts (PERF.md: positive-only weights collapse routing); the coverage is printed.
 Bandwidth = bytes of expert weights read (qweight + scales of every distinct routed expert) / time, against
-the 4.27 TB/s copy ceiling. Times are triton.testing.do_bench medians (L2 flushed before each call);
-decode also replayed in a CUDA graph over 8 layers' distinct weights (per-layer µs), as the engine runs it. Exits non-zero on a mismatch.
-Run: python3 scripts/gpu_moe.py [--quick]
+the 4.27 TB/s copy ceiling (the decode kernels re-read an expert chosen by several tokens, mostly from L2:
+the same useful bytes are counted for both). Times are triton.testing.do_bench medians (L2 flushed before
+each call) and, for decode, do_bench_cudagraph over 8 layers' distinct weights (per-layer µs), as the engine
+runs it; rows are sorted by the smaller of the two. The decode checks also ask for the same bits run to
+run, alone and in a batch, and replayed in a CUDA graph (the kernels add their partials with arrival
+counters). Exits non-zero on a mismatch.
+Run: python3 scripts/gpu_moe.py [--quick]     (--quick: default configs only, no sweeps)
 """
 import sys
 
@@ -16,6 +21,7 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 from flashnext.ops.moe_int4 import moe_int4_reference
+from flashnext.ops.moe_int4_decode_triton import DEFAULT, DecodeConfig, moe_int4_decode
 from flashnext.ops.moe_int4_triton import DECODE, PREFILL, MoeConfig, moe_int4_triton
 from flashnext.weights.int4_layout import Int4Weight
 
@@ -24,9 +30,10 @@ SHAPES = {"flash-next": (2560, 640), "qwen3-next": (2048, 512)}
 E, TOP_K, G = 512, 10, 128
 DECODE_M, PREFILL_M = (1, 2, 4, 8), 4096
 LAYERS = 8
-DECODE_SWEEP = [DECODE] + [MoeConfig(16, bn, bk, w, s) for bn, bk, w, s in
-                           [(16, 128, 4, 3), (64, 128, 4, 3), (32, 64, 4, 4), (64, 64, 4, 4), (32, 128, 2, 3),
-                            (64, 128, 8, 3), (128, 128, 4, 3), (32, 256, 4, 2)]]
+# (block_n, block_k, split_k, split_down, warps, stages); split 0 = by the shapes (~4 programs per SM at M = 1)
+DECODE_SWEEP = [DEFAULT] + [DecodeConfig(*c) for c in [(32, 128, 0, 0, 4, 3), (128, 128, 0, 0, 4, 4),
+                                                       (64, 128, 1, 1, 4, 3), (64, 128, 10, 5, 4, 3),
+                                                       (64, 128, 0, 0, 8, 3)]]
 PREFILL_SWEEP = [PREFILL] + [MoeConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in
                              [(64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 128, 128, 8, 3), (128, 64, 64, 4, 4),
                               (32, 128, 64, 4, 4), (128, 128, 128, 8, 2)]]
@@ -36,13 +43,14 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def random_experts(n, k, asym=False, seed=0):
+def random_experts(n, k, asym=False, act_order=False, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     qweight = torch.randint(-2**31, 2**31 - 1, (E, k // 8, n), generator=g, device="cuda", dtype=torch.int32)
     # Zero-mean, signed scales sized so that activations stay O(1) through gate/up and down.
     scales = (torch.randn(E, k // G, n, generator=g, device="cuda") / (4.6 * k ** 0.5)).to(torch.bfloat16)
     zeros = torch.randint(0, 17, (E, k // G, n), generator=g, device="cuda").to(torch.uint8) if asym else None
-    return Int4Weight(qweight, scales, zeros, None, G)
+    perm = torch.rand(E, k, generator=g, device="cuda").argsort(-1).to(torch.int32) if act_order else None
+    return Int4Weight(qweight, scales, zeros, perm, G)
 
 
 def routing(m, h, seed=1):
@@ -60,19 +68,48 @@ def weight_bytes(w: Int4Weight, experts: int) -> int:
 
 def check(name, h, i) -> bool:
     ok = True
-    for asym in (False, True):
-        wgu, wd = random_experts(2 * i, h, asym, 0), random_experts(h, i, asym, 1)
+    for kind in ("sym", "asym", "act-order"):
+        wgu = random_experts(2 * i, h, kind == "asym", kind == "act-order", 0)
+        wd = random_experts(h, i, kind == "asym", kind == "act-order", 1)
         for m in (1, 8, 300):
             x, ids, w = routing(m, h, seed=m)
             ref = moe_int4_reference(x.float(), ids, w, wgu, wd)
-            e16 = rel(moe_int4_triton(x, ids, w, wgu, wd), ref)
-            e32 = rel(moe_int4_triton(x.float(), ids, w, wgu, wd), ref)
-            # bf16: x and the intermediate h are bf16 (as in the bf16 model); fp32: exact but summation order.
-            good = e16 < 2e-2 and e32 < 1e-4
-            ok &= good
-            print(f"  check {name:10} {'asym' if asym else 'sym ':4} M={m:<4} bf16 {e16:.2e}  fp32 {e32:.2e}  "
-                  f"{'ok' if good else 'MISMATCH'}")
+            kernels = [("grouped", moe_int4_triton)] + ([("decode", moe_int4_decode)] if m <= 8 else [])
+            for label, fn in kernels:
+                e16 = rel(fn(x, ids, w, wgu, wd), ref)
+                e32 = rel(fn(x.float(), ids, w, wgu, wd), ref)
+                # bf16: x (and, grouped only, h) rounded to bf16 as in the bf16 model; fp32: summation order only.
+                good = e16 < 2e-2 and e32 < 1e-4
+                ok &= good
+                print(f"  check {name:10} {kind:9} M={m:<4} {label:7} bf16 {e16:.2e}  fp32 {e32:.2e}  "
+                      f"{'ok' if good else 'MISMATCH'}")
+        ok &= check_decode_bits(name, kind, h, wgu, wd)
     return ok
+
+
+def check_decode_bits(name, kind, h, wgu, wd) -> bool:
+    """Same bits twice, a token alone as in a batch of 8, and replayed in a CUDA graph as run eagerly."""
+    x, ids, w = routing(8, h, seed=8)
+    first = moe_int4_decode(x, ids, w, wgu, wd)
+    again = torch.equal(first, moe_int4_decode(x, ids, w, wgu, wd))
+    alone = torch.equal(first[5:6], moe_int4_decode(x[5:6], ids[5:6], w[5:6], wgu, wd))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe_int4_decode(x, ids, w, wgu, wd)
+    replays = []
+    for _ in range(3):
+        graph.replay()
+        replays.append(torch.equal(captured, first))
+    good = again and alone and all(replays)
+    print(f"  check {name:10} {kind:9} decode bits: repeat {again}, alone {alone}, graph {replays}  "
+          f"{'ok' if good else 'MISMATCH'}")
+    return good
+
+
+def _timed(fn, step, graph):
+    t = do_bench(fn, warmup=10, rep=40) * 1e-3
+    tg = do_bench_cudagraph(step, rep=40) * 1e-3 / LAYERS if graph else float("nan")
+    return (min(t, tg) if graph else t), t, tg
 
 
 def bench(name, h, i, quick):
@@ -81,33 +118,44 @@ def bench(name, h, i, quick):
     layers = [(random_experts(2 * i, h, seed=2 * n), random_experts(h, i, seed=2 * n + 1)) for n in range(LAYERS)]
     wgu, wd = layers[0]
     print(f"\n{name}: H={h} I={i} E={E} top-{TOP_K} g{G} — per layer, routed experts only")
-    print(f"  {'M':>5} {'experts':>7} {'MB read':>8} {'config':>22} {'µs (bench)':>10} {'µs (graph)':>10} "
-          f"{'GB/s':>7} {'% ceil':>6} {'TFLOP/s':>8}")
+    print(f"  {'M':>5} {'experts':>7} {'MB read':>8} {'kernel / config':>34} {'µs (bench)':>10} {'µs (graph)':>10} "
+          f"{'GB/s':>7} {'% ceil':>6}")
+    best_decode = {}
     for m in DECODE_M + (PREFILL_M,):
         x, ids, w = routing(m, h, seed=m)
         experts = ids.unique().numel()
         nbytes = weight_bytes(wgu, experts) + weight_bytes(wd, experts)
-        flops = 2 * m * TOP_K * 3 * h * i
-        sweep = DECODE_SWEEP if m <= 16 else PREFILL_SWEEP
+        decode = m <= 16
+        if decode:
+            runs = [("grouped", moe_int4_triton, DECODE)]
+            runs += [("decode", moe_int4_decode, c) for c in (DECODE_SWEEP[:1] if quick else DECODE_SWEEP)]
+        else:
+            runs = [("grouped", moe_int4_triton, c) for c in (PREFILL_SWEEP[:1] if quick else PREFILL_SWEEP)]
         results = []
-        for cfg in (sweep[:1] if quick else sweep):
-            fn = lambda: moe_int4_triton(x, ids, w, wgu, wd, cfg)  # noqa: E731
-            step = lambda: [moe_int4_triton(x, ids, w, a, b, cfg) for a, b in layers]  # noqa: E731
+        for label, op, cfg in runs:
+            fn = lambda: op(x, ids, w, wgu, wd, cfg)  # noqa: E731
+            step = lambda: [op(x, ids, w, a, b, cfg) for a, b in layers]  # noqa: E731
             try:
-                t = do_bench(fn, warmup=10, rep=50) * 1e-3
-                tg = do_bench_cudagraph(step, rep=50) * 1e-3 / LAYERS if m <= 16 else float("nan")
+                results.append((*_timed(fn, step, decode), label, cfg))
             except Exception as exc:  # a config that does not compile (shared memory, registers): skip it
-                print(f"  {m:5d} {'':7} {'':8} {_cfg(cfg):>22} failed: {type(exc).__name__}: {str(exc)[:80]}")
-                continue
-            results.append((min(t, tg) if m <= 16 else t, t, tg, cfg))
-        for best, (_, t, tg, cfg) in enumerate(sorted(results, key=lambda r: r[0])):
-            tt = min(t, tg) if m <= 16 else t
-            print(f"  {m:5d} {experts:7d} {nbytes / 1e6:8.1f} {_cfg(cfg):>22} {t * 1e6:10.1f} {tg * 1e6:10.1f} "
-                  f"{nbytes / tt / 1e9:7.0f} {100 * nbytes / tt / CEILING:5.1f}% {flops / tt / 1e12:8.1f}"
-                  f"{'  <- best' if best == 0 and len(results) > 1 else ''}")
+                print(f"  {m:5d} {'':7} {'':8} {label + ' ' + _cfg(cfg):>34} failed: {type(exc).__name__}: "
+                      f"{str(exc)[:80]}")
+        for rank, (tt, t, tg, label, cfg) in enumerate(sorted(results, key=lambda r: r[0])):
+            print(f"  {m:5d} {experts:7d} {nbytes / 1e6:8.1f} {label + ' ' + _cfg(cfg):>34} {t * 1e6:10.1f} "
+                  f"{tg * 1e6:10.1f} {nbytes / tt / 1e9:7.0f} {100 * nbytes / tt / CEILING:5.1f}%"
+                  f"{'  <- best' if rank == 0 and len(results) > 1 else ''}")
+        if decode:
+            best_decode[m] = {_cfg(cfg): tt for tt, _, _, label, cfg in results if label == "decode"}
+    if best_decode and not quick:
+        totals = {c: sum(best_decode[m].get(c, float("inf")) for m in DECODE_M) for c in best_decode[DECODE_M[0]]}
+        winner = min(totals, key=totals.get)
+        print(f"  decode config with the least time summed over M = {DECODE_M}: {winner} "
+              f"({totals[winner] * 1e6:.1f} µs; default {_cfg(DEFAULT)}: {totals[_cfg(DEFAULT)] * 1e6:.1f} µs)")
 
 
-def _cfg(c: MoeConfig) -> str:
+def _cfg(c) -> str:
+    if isinstance(c, DecodeConfig):
+        return f"n{c.block_n} k{c.block_k} s{c.split_k}/{c.split_down} w{c.num_warps} st{c.num_stages}"
     return f"m{c.block_m} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}"
 
 

@@ -16,9 +16,11 @@ import torch.nn.functional as F
 
 from flashnext.weights.int4_layout import Int4Weight, dequantize
 
-# FLASHNEXT_MOE_INT4=reference forces the torch reference on CUDA too (debugging); default "auto".
+# FLASHNEXT_MOE_INT4: "auto" (default: decode kernels up to DECODE_MAX_M tokens, grouped kernels above),
+# "grouped" (the grouped kernels at every M), "reference" (the torch reference on CUDA too; debugging).
 _BACKEND = os.environ.get("FLASHNEXT_MOE_INT4", "auto")
-last_backend: str | None = None  # which path the latest call took ("triton" or "reference"): a trace switch
+DECODE_MAX_M = 8  # the decode kernels re-read an expert per token that chose it: fine up to a few tokens
+last_backend: str | None = None  # which path the latest call took ("decode", "grouped", "reference"): a trace switch
 
 
 def _expert(w: Int4Weight, e: int) -> Int4Weight:
@@ -39,12 +41,18 @@ def moe_int4_reference(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down:
 
 
 def moe_int4(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weight) -> torch.Tensor:
-    """CUDA: the Triton kernels (flashnext.ops.moe_int4_triton); elsewhere the reference."""
+    """CUDA: M <= DECODE_MAX_M -> the decode GEMV kernels (moe_int4_decode_triton), larger M -> the grouped
+    kernels (moe_int4_triton); elsewhere the reference."""
     global last_backend
     if x.is_cuda and _BACKEND != "reference":
+        if x.shape[0] <= DECODE_MAX_M and _BACKEND != "grouped":
+            from flashnext.ops.moe_int4_decode_triton import moe_int4_decode
+
+            last_backend = "decode"
+            return moe_int4_decode(x, topk_ids, topk_weights, w_gate_up, w_down)
         from flashnext.ops.moe_int4_triton import moe_int4_triton
 
-        last_backend = "triton"
+        last_backend = "grouped"
         return moe_int4_triton(x, topk_ids, topk_weights, w_gate_up, w_down)
     last_backend = "reference"
     return moe_int4_reference(x, topk_ids, topk_weights, w_gate_up, w_down)

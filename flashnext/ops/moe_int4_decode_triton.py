@@ -1,0 +1,286 @@
+"""Routed experts with INT4 weights for decode (M <= 8 tokens): two GEMV kernels, no sort (reference: ops/moe_int4.py;
+ops.moe_int4.moe_int4 sends M <= DECODE_MAX_M here on CUDA).
+
+At decode the expert weights are the whole cost (Flash-Next: ~25 MB of INT4 per layer at M = 1, ~6 µs at
+4.27 TB/s), so the kernels are shaped for bytes in flight, not for tensor cores:
+  1. gate_up: a program per (token·slot pair, BLOCK_N columns of I, K split). It reads its expert's gate
+     and up tiles of the same columns, unpacks the nibbles in registers and multiplies them with the
+     token's activation in fp32 on CUDA cores; h = silu(gate) * up, fp32, [M*k, I].
+  2. down: a program per (pair, BLOCK_N columns of H, K split), the routing weight folded in; the k*splits
+     partials of a token are added into out [M, H] (x's dtype) by the kernel itself.
+No padding of M, no sort, no block table; an expert chosen by several tokens is read once per token
+(up to 8 times at M = 8: accepted, the grouped kernels of moe_int4_triton take over above that).
+
+Split-K and the sum over k without atomics on the values: each program stores its fp32 partial, then
+counts itself in with one atomic on a per-tile counter; the program that arrives last adds all the
+partials of the tile in a fixed order (a tl.sum over them) and resets the counter. So results are the same
+bits run to run, and, the splits being chosen from the shapes and not from M, a token gets the same bits
+at any M <= 8. The counters live in one zeroed buffer per device that the kernels leave zeroed, so a call
+needs no memset; two of these kernels must not run concurrently on one device (they are issued on the
+decode stream, one layer after the other).
+
+Dequantisation without int -> float conversions (I2F is quarter rate, and a layer has ~50 M weights at
+M = 1, so instructions per weight matter as much as bytes): nibble j of a word, masked in place and read as
+an fp32, is the denormal q * 16**j * 2**-149 exactly (denormals are kept: fma.rn.f32, no ftz). Multiplying
+it by x * 2**(96 - 4j) gives x * q * 2**-53 for every j, so a weight costs one and + one fma; the zero point
+comes off per word (zero * the sum of the word's 8 activations) and 2**53 goes back with the group scale.
+The upper four nibbles of a word go through one shift by 12. The products are exact in fp32; the sums
+differ from sum(x * (q - zero)) only in rounding (~1e-7 relative on the tests). Scaled x stays finite for
+|x| < 2**32; only products below ~2**-70 (irrelevant) lose bits as denormals. BLOCK_K divides the group
+size, so a K tile has one scale and one zero per column.
+
+No host sync and static shapes: the call can be captured in a CUDA graph (scratch is torch.empty).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from flashnext.weights.int4_layout import Int4Weight
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int = 64      # output columns per program (int32 words: 64 -> 256-byte rows)
+    block_k: int = 128     # K rows per loop step, lowered to divide the group size
+    split_k: int = 0       # K splits of gate_up (over H); 0: enough for ~PROGRAMS_PER_SM programs at M = 1
+    split_down: int = 0    # K splits of down (over I); 0: the same rule
+    num_warps: int = 4
+    num_stages: int = 3    # software pipelining depth of the weight loads (tl.range)
+
+
+DEFAULT = DecodeConfig()
+PROGRAMS_PER_SM = 4
+
+
+# Activations are scaled by 2**96 / 16**j so that times a nibble read as the denormal q * 16**j * 2**-149
+# they give x * q * 2**-53; 2**53 comes back with the group scale.
+_X_SCALE = tl.constexpr(2.0 ** 96)
+_PRODUCT_UNIT = tl.constexpr(2.0 ** -53)
+_UNSCALE = tl.constexpr(2.0 ** 53)
+
+
+@triton.jit
+def _bits(word, mask: tl.constexpr):
+    """word & mask read as an fp32: for a nibble mask 0xF * 16**j (j <= 4), exactly q * 16**j * 2**-149."""
+    return (word & mask).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _activation(x_ptr, perm_ptr, k, HAS_PERM: tl.constexpr):
+    """x at packed rows k (fp32): act-order weights gather the columns through perm."""
+    if HAS_PERM:
+        k = tl.load(perm_ptr + k)
+    return tl.load(x_ptr + k).to(tl.float32)
+
+
+@triton.jit
+def _tile_dot(x_ptr, perm_ptr, qweight_ptr, scales_ptr, zeros_ptr, k0, offs_n, n_ok, N, GROUP: tl.constexpr,
+              HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_K // 8, BLOCK_N] fp32 terms whose column sums are x[k0:k0+BLOCK_K] @ W[k0:k0+BLOCK_K, offs_n].
+
+    The row reduction is left to the caller (once per program, not once per tile)."""
+    words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    low = tl.load(qweight_ptr + words[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
+    high = low >> 12  # rows 4..7 of each word to bits 4..19 (the sign bits this drags in are masked off)
+    group = k0 // GROUP
+    if HAS_ZEROS:
+        zero = tl.load(zeros_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.float32)
+    else:
+        zero = tl.full((BLOCK_N,), 8.0, tl.float32)
+    scale = tl.load(scales_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.float32)
+    rows = 8 * words
+    terms = tl.zeros((BLOCK_K // 8, BLOCK_N), tl.float32)
+    row_sum = tl.zeros((BLOCK_K // 8,), tl.float32)
+    mask = 0xF
+    x_scale = _X_SCALE
+    for j in tl.static_range(4):  # nibble j of `low`, and nibble j + 4 (at bits 4j + 4) of `high`
+        x_low = _activation(x_ptr, perm_ptr, rows + j, HAS_PERM)
+        x_high = _activation(x_ptr, perm_ptr, rows + 4 + j, HAS_PERM)
+        row_sum += x_low + x_high
+        terms += (x_low * x_scale)[:, None] * _bits(low, mask)
+        terms += (x_high * (x_scale / 16))[:, None] * _bits(high, mask * 16)
+        mask = mask * 16
+        x_scale = x_scale / 16
+    terms -= row_sum[:, None] * (zero * _PRODUCT_UNIT)[None, :]
+    return terms * (scale * _UNSCALE)[None, :]
+
+
+@triton.jit
+def _arrive_last(counter_ptr, count):
+    """Count this program in on its tile's counter; True for the last of `count`, which resets it to 0.
+
+    The barrier puts every thread's partial stores before the (release) atomic of the thread doing it;
+    the last program's (acquire) atomic then sees all of them, and it reads them past L1 (.cg)."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    last = arrived == count - 1
+    if last:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
+def _sum_rows(ptr, first_row, n_rows, row_stride, offs, ok, ROWS: tl.constexpr):
+    """The fixed-order sum of n_rows fp32 partials (rows first_row.. of a [*, row_stride] buffer) at offs."""
+    rows = first_row + tl.arange(0, ROWS)
+    mask = (tl.arange(0, ROWS) < n_rows)[:, None] & ok[None, :]
+    parts = tl.load(ptr + rows[:, None] * row_stride + offs[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+    return tl.sum(parts, axis=0)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, ids_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, h_ptr, part_ptr, counter_ptr,
+                    H, I, k_per_split, GROUP: tl.constexpr, TOP_K: tl.constexpr, SPLIT: tl.constexpr,
+                    SPLIT_P2: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    pair, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    N = 2 * I
+    qweight_ptr += expert * (H // 8) * N
+    scales_ptr += expert * (H // GROUP) * N
+    zeros_ptr += expert * (H // GROUP) * N
+    perm_ptr += expert * H
+    x_ptr += (pair // TOP_K) * H
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    gate = tl.zeros((BLOCK_K // 8, BLOCK_N), tl.float32)
+    up = tl.zeros((BLOCK_K // 8, BLOCK_N), tl.float32)
+    k_start = split * k_per_split
+    for k0 in tl.range(k_start, tl.minimum(k_start + k_per_split, H), BLOCK_K, num_stages=NUM_STAGES):
+        gate += _tile_dot(x_ptr, perm_ptr, qweight_ptr, scales_ptr, zeros_ptr, k0, offs_n, n_ok, N, GROUP,
+                          HAS_ZEROS, HAS_PERM, BLOCK_K, BLOCK_N)
+        up += _tile_dot(x_ptr, perm_ptr, qweight_ptr, scales_ptr, zeros_ptr, k0, I + offs_n, n_ok, N, GROUP,
+                        HAS_ZEROS, HAS_PERM, BLOCK_K, BLOCK_N)
+    g = tl.sum(gate, axis=0)
+    u = tl.sum(up, axis=0)
+    if SPLIT > 1:
+        # part [M*k, SPLIT, 2I]: gate partials, then up partials
+        row = pair * SPLIT + split
+        tl.store(part_ptr + row * N + offs_n, g, mask=n_ok)
+        tl.store(part_ptr + row * N + I + offs_n, u, mask=n_ok)
+        if _arrive_last(counter_ptr + pair * tl.num_programs(1) + tile, SPLIT):
+            g = _sum_rows(part_ptr, pair * SPLIT, SPLIT, N, offs_n, n_ok, SPLIT_P2)
+            u = _sum_rows(part_ptr, pair * SPLIT, SPLIT, N, I + offs_n, n_ok, SPLIT_P2)
+            tl.store(h_ptr + pair * I + offs_n, g * tl.sigmoid(g) * u, mask=n_ok)
+    else:
+        tl.store(h_ptr + pair * I + offs_n, g * tl.sigmoid(g) * u, mask=n_ok)
+
+
+@triton.jit
+def _down_kernel(h_ptr, ids_ptr, topk_weights_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr, part_ptr,
+                 counter_ptr, H, I, k_per_split, GROUP: tl.constexpr, TOP_K: tl.constexpr, SPLIT: tl.constexpr,
+                 PARTS_P2: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    pair, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    token = pair // TOP_K
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    qweight_ptr += expert * (I // 8) * H
+    scales_ptr += expert * (I // GROUP) * H
+    zeros_ptr += expert * (I // GROUP) * H
+    perm_ptr += expert * I
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    acc = tl.zeros((BLOCK_K // 8, BLOCK_N), tl.float32)
+    k_start = split * k_per_split
+    for k0 in tl.range(k_start, tl.minimum(k_start + k_per_split, I), BLOCK_K, num_stages=NUM_STAGES):
+        acc += _tile_dot(h_ptr + pair * I, perm_ptr, qweight_ptr, scales_ptr, zeros_ptr, k0, offs_n, n_ok, H, GROUP,
+                         HAS_ZEROS, HAS_PERM, BLOCK_K, BLOCK_N)
+    y = tl.sum(acc, axis=0) * tl.load(topk_weights_ptr + pair).to(tl.float32)
+    parts = TOP_K * SPLIT  # a constexpr
+    if parts > 1:
+        # part [M, k*SPLIT, H]: one row per (slot, split) of the token
+        tl.store(part_ptr + (pair * SPLIT + split) * H + offs_n, y, mask=n_ok)
+        if _arrive_last(counter_ptr + token * tl.num_programs(1) + tile, parts):
+            y = _sum_rows(part_ptr, token * parts, parts, H, offs_n, n_ok, PARTS_P2)
+            tl.store(out_ptr + token * H + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        tl.store(out_ptr + token * H + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """n zeroed int32 counters. The kernels leave them zeroed, so one buffer per device serves every call.
+
+    Grown only outside CUDA-graph capture: a capture that needs more gets a buffer of its own, zeroed by a
+    memset recorded in the graph (the cache must not hold memory the graph's pool may hand out again)."""
+    buf = _COUNTERS.get(device)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _COUNTERS[device] = buf
+    return buf
+
+
+def _block_k(config_k: int, group_size: int) -> int:
+    """The largest power of two <= config_k dividing the group size: a K tile never straddles two groups."""
+    bk = config_k
+    while bk > 16 and group_size % bk:
+        bk //= 2
+    if group_size % bk:
+        raise ValueError(f"the INT4 MoE kernels need a group size divisible by 16, got {group_size}")
+    return bk
+
+
+def _splits(k: int, block_k: int, wanted: int, programs: int, device: torch.device) -> tuple[int, int]:
+    """(rows per split, number of splits) of a K of k rows; wanted 0: enough for PROGRAMS_PER_SM per SM."""
+    steps = k // block_k
+    if wanted == 0:
+        wanted = triton.cdiv(PROGRAMS_PER_SM * _num_sms(device), programs)
+    per = triton.cdiv(steps, max(1, min(wanted, steps)))
+    return per * block_k, triton.cdiv(steps, per)
+
+
+def moe_int4_decode(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weight,
+                    config: DecodeConfig | None = None) -> torch.Tensor:
+    """Same contract as ops.moe_int4.moe_int4_reference; x [M, H] bf16/fp16/fp32 on CUDA (or interpreted)."""
+    cfg = config or DEFAULT
+    m, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    inter = w_gate_up.qweight.shape[-1] // 2
+    pairs = m * top_k
+    x = x.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
+    device = x.device
+    # Splits are fixed by the shapes (their M = 1 program count), so a token's bits do not depend on M.
+    bk_up = _block_k(cfg.block_k, w_gate_up.group_size)
+    tiles_up = triton.cdiv(inter, cfg.block_n)
+    per_up, split_up = _splits(hidden, bk_up, cfg.split_k, top_k * tiles_up, device)
+    bk_down = _block_k(cfg.block_k, w_down.group_size)
+    tiles_down = triton.cdiv(hidden, cfg.block_n)
+    per_down, split_down = _splits(inter, bk_down, cfg.split_down, top_k * tiles_down, device)
+    counters = _arrival_counters(device, max(pairs * tiles_up, m * tiles_down))
+    h = torch.empty(pairs, inter, dtype=torch.float32, device=device)
+    out = torch.empty(m, hidden, dtype=x.dtype, device=device)
+    part_up = torch.empty(pairs, split_up, 2 * inter, dtype=torch.float32, device=device) if split_up > 1 else h
+    parts_down = top_k * split_down
+    part_down = torch.empty(m, parts_down, hidden, dtype=torch.float32, device=device) if parts_down > 1 else out
+    launch = dict(BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def optional(w):  # zeros and perm, or a dummy pointer never read (HAS_ZEROS/HAS_PERM are constexprs)
+        return (w.scales if w.zeros is None else w.zeros, w.qweight if w.perm is None else w.perm,
+                dict(HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None))
+
+    zeros, perm, flags = optional(w_gate_up)
+    _gate_up_kernel[(pairs, tiles_up, split_up)](
+        x, ids, w_gate_up.qweight, w_gate_up.scales, zeros, perm, h, part_up, counters,
+        hidden, inter, per_up, GROUP=w_gate_up.group_size, TOP_K=top_k, SPLIT=split_up,
+        SPLIT_P2=triton.next_power_of_2(split_up), BLOCK_K=bk_up, **flags, **launch)
+    zeros, perm, flags = optional(w_down)
+    _down_kernel[(pairs, tiles_down, split_down)](
+        h, ids, topk_weights.reshape(-1).contiguous(), w_down.qweight, w_down.scales, zeros, perm, out, part_down,
+        counters, hidden, inter, per_down, GROUP=w_down.group_size, TOP_K=top_k, SPLIT=split_down,
+        PARTS_P2=triton.next_power_of_2(parts_down), BLOCK_K=bk_down, **flags, **launch)
+    return out
