@@ -45,7 +45,7 @@ from flashnext.weights.int4_layout import Int4Weight
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    block_n: int = 64      # output columns per program (int32 words: 64 -> 256-byte rows)
+    block_n: int = 32      # output columns per program (H200 sweep: 32 has the least time summed over M = 1…8)
     block_k: int = 128     # K rows per loop step, lowered to divide the group size
     split_k: int = 0       # K splits of gate_up (over H); 0: enough for ~PROGRAMS_PER_SM programs at M = 1
     split_down: int = 0    # K splits of down (over I); 0: the same rule

@@ -220,8 +220,32 @@ class GemvConfig:
 GEMV_MAX_M = 8        # w4a16_matmul sends M <= GEMV_MAX_M to the GEMV kernel
 PROGRAMS_PER_SM = 4   # GEMV grid target: enough programs for bytes in flight on every SM
 # Configs measured on the H200 (scripts/gpu_w4a16.py prints this table's entries): (N, K, M bucket) →
-# GemvConfig. Shapes not listed take gemv_config's heuristic.
-TUNED: dict[tuple[int, int, int], GemvConfig] = {}
+# GemvConfig. Shapes not listed take gemv_config's heuristic. Flash-Next and Qwen3-Next shapes, sweep of 2026-11-29
+# (bf16, g128, symmetric; the L2-cold graph time): 10–40% faster than the heuristic.
+TUNED: dict[tuple[int, int, int], GemvConfig] = {
+    (10240, 2560, 1): GemvConfig(64, 128, 4, False, 4, 2),
+    (10240, 2560, 8): GemvConfig(256, 128, 7, True, 4, 3),
+    (6144, 2560, 1): GemvConfig(256, 128, 11, False, 4, 3),
+    (6144, 2560, 8): GemvConfig(256, 128, 11, True, 4, 2),
+    (2560, 6144, 1): GemvConfig(256, 128, 26, False, 4, 2),
+    (2560, 6144, 8): GemvConfig(64, 128, 14, True, 4, 3),
+    (12288, 2560, 1): GemvConfig(256, 128, 5, False, 4, 2),
+    (12288, 2560, 8): GemvConfig(256, 128, 5, True, 4, 3),
+    (512, 2560, 1): GemvConfig(32, 128, 20, False, 4, 2),
+    (512, 2560, 8): GemvConfig(32, 128, 16, True, 4, 4),
+    (640, 2560, 1): GemvConfig(32, 128, 20, False, 4, 2),
+    (640, 2560, 8): GemvConfig(32, 128, 13, True, 4, 4),
+    (2560, 640, 1): GemvConfig(32, 128, 5, False, 4, 2),
+    (2560, 640, 8): GemvConfig(256, 128, 5, True, 4, 4),
+    (12288, 2048, 1): GemvConfig(256, 128, 16, False, 4, 2),
+    (12288, 2048, 8): GemvConfig(256, 128, 5, True, 4, 2),
+    (2048, 4096, 1): GemvConfig(64, 128, 17, False, 4, 2),
+    (2048, 4096, 8): GemvConfig(64, 128, 8, True, 4, 3),
+    (512, 2048, 1): GemvConfig(32, 128, 16, False, 4, 2),
+    (512, 2048, 8): GemvConfig(32, 128, 16, True, 4, 2),
+    (2048, 512, 1): GemvConfig(32, 128, 4, False, 4, 2),
+    (2048, 512, 8): GemvConfig(64, 128, 4, True, 4, 3),
+}
 
 
 @functools.lru_cache(maxsize=None)

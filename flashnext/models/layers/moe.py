@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashnext.ops.router_topk import router_topk
 from flashnext.weights.config import ModelConfig
 
 
@@ -29,12 +30,7 @@ class Router(nn.Module):
 
     def forward(self, x):
         """→ (weights [N, k] in x's dtype, expert ids [N, k])."""
-        logits = F.linear(x, self.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-        top, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.normalize:
-            top = top / top.sum(dim=-1, keepdim=True)
-        return top.to(logits.dtype), ids
+        return router_topk(F.linear(x, self.weight), self.top_k, self.normalize)
 
 
 class Experts(nn.Module):
