@@ -31,11 +31,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> SamplerOutput | None:
+        # The sampling tensors are built before the forward is queued: their small host→device copies then find
+        # the GPU idle instead of waiting behind the step (a pageable copy blocks the host until it is done).
+        requests = [c.request for c in chunks if c.samples]
+        batch = self._sampling_batch(requests) if requests else None
         if self._graph_step(chunks):
-            requests = [c.request for c in chunks]
             logits = self.graphs.run([r.all_ids[r.num_computed] for r in requests], [r.num_computed for r in requests],
                                      [r.slot for r in requests], [r.blocks for r in requests])
-            return self._sample(logits.float(), requests)
+            return self._sample(logits.float(), requests, batch)
         segments, ids, start = [], [], 0
         for chunk in chunks:
             r = chunk.request
@@ -50,17 +53,20 @@ class ModelRunner:
             return None
         last_rows = torch.tensor([s.end - 1 for _, s in sampling], device=self.device)
         logits = self.model.compute_logits(hidden[last_rows]).float()
-        return self._sample(logits, [c.request for c, _ in sampling])
+        return self._sample(logits, requests, batch)
 
     def _graph_step(self, chunks: list[ScheduledChunk]) -> bool:
         return (self.graphs is not None and all(c.num_tokens == 1 and c.samples for c in chunks)
                 and self.graphs.can_run(len(chunks), max(len(c.request.blocks) for c in chunks)))
 
-    def _sample(self, logits: torch.Tensor, requests) -> SamplerOutput:
-        apply_constraints(logits, [r.constraint for r in requests])
+    def _sampling_batch(self, requests) -> SamplingBatch:
         batch = SamplingBatch.build([r.params for r in requests], [r.output_ids for r in requests],
                                     [r.prompt_ids for r in requests], self.vocab_size, self.device,
                                     eos_token_ids=self.eos_token_ids, generators=[r.generator for r in requests])
         for r, g in zip(requests, batch.generators):
             r.generator = g
+        return batch
+
+    def _sample(self, logits: torch.Tensor, requests, batch: SamplingBatch) -> SamplerOutput:
+        apply_constraints(logits, [r.constraint for r in requests])
         return sample(logits, batch, generator=self.generator)
