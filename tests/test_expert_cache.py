@@ -11,7 +11,7 @@ from flashnext.engine.args import EngineArgs
 from flashnext.engine.llm_engine import LLMEngine
 from flashnext.engine.loading import load_model
 from flashnext.engine.sampling_params import SamplingParams
-from flashnext.models.layers.moe import Router
+from flashnext.models.layers.int4_experts import Int4Experts
 from flashnext.models.session import Session
 from flashnext.server.metrics import ServerMetrics, expert_cache_of
 
@@ -44,8 +44,8 @@ def test_outputs_equal_all_resident(resident, slots, policy):
     model = load_model(name, "cpu", torch.float32, quantize="int4").model
     cache = install_expert_cache(model, policy=policy, slots_per_layer=slots)
     reads = []
-    for router in (m for m in model.modules() if isinstance(m, Router)):
-        router.register_forward_hook(lambda mod, args, out: reads.append(out[1].unique().numel()))
+    for experts in (m for m in model.modules() if isinstance(m, Int4Experts)):   # forward(x, weights, ids)
+        experts.register_forward_hook(lambda mod, args, out: reads.append(args[2].unique().numel()))
     assert torch.equal(_greedy(model, _prompt(41)), want)
     st = cache.stats
     assert st.hits + st.misses == sum(reads) and st.misses >= 1

@@ -14,6 +14,7 @@ from flashnext.models import build_model
 from flashnext.models.quantize import (dense_int4_targets, quantize_dense_int4, quantize_experts_int4,
                                        use_int4_weights)
 from flashnext.models.layers.rope import RotaryEmbedding
+from flashnext.models.stacked import stack_projections
 from flashnext.models.layers.row_table import RowTable, choose_placement
 from flashnext.tokenizer import Tokenizer
 from flashnext.weights.checkpoint import load_checkpoint
@@ -102,6 +103,8 @@ def load_model(name: str, device, dtype: torch.dtype, quantize: str | None = Non
 
         expert_cache = install_expert_cache(model, int(expert_vram_gb * (1 << 30)), expert_cache_policy)
         nbytes = _state_bytes(model, device)
+    stacked = stack_projections(model)  # last: the weights are where they stay (models/stacked.py)
+    log.info("stacked %d groups of projections that share an input", stacked)
     tokenizer = Tokenizer.from_dir(path)
     return LoadedModel(model.eval(), cfg, tokenizer, path, time.perf_counter() - start, nbytes, expert_cache)
 

@@ -36,6 +36,7 @@ class GatedDeltaNet(nn.Module):
             self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
             self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
             self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+            self.project_ba = None  # b and a in one GEMM once the model is loaded (models/stacked.py)
         else:
             self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
             self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
@@ -51,7 +52,8 @@ class GatedDeltaNet(nn.Module):
         n = x.shape[0]
         if self.split:
             z = self.in_proj_z(x).view(n, self.num_v_heads, self.head_v_dim)
-            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+            b, a = self.project_ba(x) if self.project_ba is not None else (self.in_proj_b(x), self.in_proj_a(x))
+            return self.in_proj_qkv(x), z, b, a
         r = self.num_v_heads // self.num_k_heads
         qkvz = self.in_proj_qkvz(x).view(n, self.num_k_heads, -1)
         q, k, v, z = torch.split(qkvz, [self.head_k_dim, self.head_k_dim, r * self.head_v_dim, r * self.head_v_dim], dim=-1)

@@ -14,9 +14,11 @@ class DenseMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up = None  # gate and up in one GEMM once the model is loaded (models/stacked.py)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
     decode = forward  # row-wise already: nothing to change for a captured decode step
 
@@ -64,14 +66,19 @@ class SparseMoe(nn.Module):
         self.experts = Experts(cfg)
         self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.route_and_gate = None  # router and shared-expert gate in one GEMM once loaded (models/stacked.py)
 
     def forward(self, x):
-        weights, ids = self.gate(x)
-        return self._combine(x, self.experts(x, weights, ids))
+        weights, ids, shared_gate = self._route(x)
+        return self.experts(x, weights, ids) + torch.sigmoid(shared_gate) * self.shared_expert(x)
 
     def decode(self, x):
-        weights, ids = self.gate(x)
-        return self._combine(x, self.experts.decode(x, weights, ids))
+        weights, ids, shared_gate = self._route(x)
+        return self.experts.decode(x, weights, ids) + torch.sigmoid(shared_gate) * self.shared_expert(x)
 
-    def _combine(self, x, routed):
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+    def _route(self, x):
+        """→ routing weights [N, k], expert ids [N, k], shared-expert gate logit [N, 1]."""
+        if self.route_and_gate is None:
+            return *self.gate(x), self.shared_expert_gate(x)
+        logits, shared_gate = self.route_and_gate(x)
+        return *router_topk(logits, self.gate.top_k, self.gate.normalize), shared_gate

@@ -1,0 +1,72 @@
+"""Projections that read the same input, stacked into one matrix so that one kernel computes them all.
+
+A captured Flash-Next decode step is ~3,000 kernels; small projections of one input (GatedDeltaNet's b and a,
+the router and the shared-expert gate, the shared expert's gate and up) each cost a launch and a
+latency-bound GEMV of their own. `stack_projections(model)` — run once the model sits on its final device,
+after loading and sharding — gives the owning modules a `StackedProjection` that they call instead. The
+modules and their checkpoint keys stay as they are: 16-bit weights become row views of the stacked matrix
+(no copy); INT4 weights are concatenated along N, a copy, since their [K/8, N] layout has no row views.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashnext.models.layers.int4_linear import Int4Linear
+from flashnext.ops.w4a16 import w4a16_linear
+from flashnext.weights.int4_layout import Int4Weight
+
+
+class StackedProjection:
+    def __init__(self, *modules: nn.Module):
+        if any(getattr(m, "bias", None) is not None for m in modules):
+            raise ValueError("stacked projections have no bias")
+        self.int4: Int4Weight | None = None
+        self.weight: torch.Tensor | None = None
+        if all(isinstance(m, Int4Linear) for m in modules):
+            weights = [m.weight_int4 for m in modules]
+            first = weights[0]
+            if any(w.perm is not None or w.group_size != first.group_size or (w.zeros is None) != (first.zeros is None)
+                   for w in weights):
+                raise ValueError("INT4 projections stack only without act-order and with one group size and zero form")
+            self.sizes = [w.out_features for w in weights]
+            cat = lambda name: torch.cat([getattr(w, name) for w in weights], dim=1)  # noqa: E731
+            self.int4 = Int4Weight(cat("qweight"), cat("scales"), None if first.zeros is None else cat("zeros"), None,
+                                   first.group_size)
+        elif not any(isinstance(m, Int4Linear) for m in modules):
+            self.sizes = [m.weight.shape[0] for m in modules]
+            self.weight = torch.cat([m.weight.detach() for m in modules])
+            for m, view in zip(modules, self.weight.split(self.sizes)):
+                m.weight = nn.Parameter(view, requires_grad=False)
+        else:
+            raise ValueError("cannot stack INT4 and 16-bit projections")
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = F.linear(x, self.weight) if self.int4 is None else w4a16_linear(x, self.int4)
+        return y.split(self.sizes, dim=-1)
+
+
+def stack_projections(model: nn.Module) -> int:
+    """Give every module with projections of one input its stacked form; returns how many were stacked."""
+    from flashnext.models.layers.gated_delta_net import GatedDeltaNet
+    from flashnext.models.layers.moe import DenseMLP, SparseMoe
+
+    count = 0
+    for module in model.modules():
+        pair = None
+        if isinstance(module, GatedDeltaNet) and module.split:
+            pair = ("project_ba", module.in_proj_b, module.in_proj_a)
+        elif isinstance(module, SparseMoe):
+            pair = ("route_and_gate", module.gate, module.shared_expert_gate)
+        elif isinstance(module, DenseMLP):
+            pair = ("gate_up", module.gate_proj, module.up_proj)
+        if pair is None:
+            continue
+        name, *parts = pair
+        try:
+            setattr(module, name, StackedProjection(*parts))
+            count += 1
+        except ValueError:
+            pass  # e.g. act-order INT4: the projections keep running one by one
+    return count

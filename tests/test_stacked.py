@@ -1,0 +1,43 @@
+"""Stacked projections (models/stacked.py) change no result: a model with them equals the same model without,
+whole-sequence and in the fixed-shape decode step, bf16-style views and INT4 concatenations alike."""
+import copy
+
+import pytest
+import torch
+
+from flashnext.models.layers.int4_experts import quantize_experts_int4
+from flashnext.models.quantize import quantize_dense_int4
+from flashnext.models.session import Session
+from flashnext.models.stacked import StackedProjection, stack_projections
+from oracle import hf_model, ours_from_hf, rel_err
+
+
+@pytest.mark.parametrize("arch", ["qwen4_exp", "qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("int4", [False, True])
+def test_stacked_model_equals_unstacked(arch, int4):
+    hf, raw = hf_model(arch, seed=3)
+    plain = ours_from_hf(hf, raw)
+    if int4:
+        quantize_dense_int4(plain)
+        quantize_experts_int4(plain)
+    stacked = copy.deepcopy(plain)
+    assert stack_projections(stacked) > 0
+    ids = torch.randint(2, 500, (40,), generator=torch.Generator().manual_seed(0))
+    want = Session(plain, 64).extend(ids, all_logits=True)
+    got_session = Session(stacked, 64)
+    got = got_session.extend(ids, all_logits=True)
+    assert rel_err(got, want) < 1e-6
+    # the checkpoint view is unchanged: same keys, same values
+    assert plain.state_dict().keys() == stacked.state_dict().keys()
+    for key, value in plain.state_dict().items():
+        assert torch.equal(stacked.state_dict()[key], value), key
+
+
+def test_views_share_storage_and_mixed_kinds_refuse():
+    lin = [torch.nn.Linear(8, n, bias=False) for n in (3, 5)]
+    s = StackedProjection(*lin)
+    assert lin[0].weight.data_ptr() == s.weight.data_ptr()           # a view, no copy
+    y = s(torch.randn(2, 8))
+    assert [t.shape[-1] for t in y] == [3, 5]
+    with pytest.raises(ValueError):
+        StackedProjection(torch.nn.Linear(8, 3, bias=True), lin[1])
