@@ -8,7 +8,9 @@
 #
 # Settings (environment):
 #   PRESET=flash-next  DTYPE=int4       what `flashnext synth` makes
-#   CKPT=/tmp/flashnext-$PRESET-$DTYPE  where the checkpoint goes (reused when it has a config.json)
+#   CKPT=/tmp/flashnext-$PRESET-$DTYPE  where the checkpoint goes (reused when it has a config.json);
+#                                       CKPT=mem:flash-next builds random weights in memory instead (no disk;
+#                                       add SERVER_ARGS="--quantize int4" for the INT4 release's layout)
 #   LAYERS=N                            synthesise only N layers (a smaller, faster checkpoint)
 #   SERVER_ARGS="..."                   extra `flashnext serve` flags for every run
 #   BENCH_ARGS="..."                    extra `flashnext bench` flags (e.g. "--runs 3 --depths 0,10000,65536")
@@ -57,7 +59,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 
 # 2. The checkpoint: random weights of the released config, in the released quantisation. Check the disk
 # first: a synthesis that fills it fails only after minutes (flash-next's bf16 PLE table alone is ~102 GB).
-if [ ! -f "$CKPT/config.json" ]; then
+if [[ "$CKPT" != mem:* ]] && [ ! -f "$CKPT/config.json" ]; then
   need_gb=$("$PY" - "$PRESET" "$DTYPE" "${LAYERS:-}" <<'PY'
 import math, sys
 from flashnext.weights.presets import get_preset, set_num_layers
