@@ -64,11 +64,12 @@ def test_decode_fp16_activations():
 def test_decode_token_bits_independent_of_batch():
     """A token's output has the same bits alone and in a batch (the splits do not depend on M), and the
     arrival counters are left zeroed for the next call."""
-    from flashnext.ops.moe_int4_decode_triton import _COUNTERS, DecodeConfig, moe_int4_decode
+    from flashnext.ops.arrival import _BUFFERS
+    from flashnext.ops.moe_int4_decode_triton import DecodeConfig, moe_int4_decode
 
     x, ids, weights, w_gate_up, w_down = case(3, 3, 32, 16, asym=True)
     config = DecodeConfig(block_n=64, block_k=32, split_k=2, split_down=2)
     batch = moe_int4_decode(x, ids, weights, w_gate_up, w_down, config)
     alone = moe_int4_decode(x[1:2], ids[1:2], weights[1:2], w_gate_up, w_down, config)
     assert torch.equal(batch[1:2], alone)
-    assert not _COUNTERS[x.device].any()
+    assert not any(buf.any() for buf in _BUFFERS[x.device])

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashnext.ops.arrival import arrival_counters
+
 
 @triton.jit
 def _round(v, dtype: tl.constexpr):
@@ -180,18 +182,6 @@ def default_config(n: int, hc: int, hidden: int, lowrank: int, rows: int, device
     return MixConfig(block_m, block_r, block_k, splits, block_h, block_kr)
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _counter(device: torch.device, size: int) -> torch.Tensor:
-    """Arrival counters of the down kernel's row tiles. Each launch leaves them at zero, so one buffer per
-    device serves every mix — one mix at a time (the decode step runs on one stream)."""
-    buf = _counters.get(device)
-    if buf is None or buf.numel() < size:
-        buf = _counters[device] = torch.zeros(max(size, 256), dtype=torch.int32, device=device)
-    return buf
-
-
 def hc_mix_triton(h: torch.Tensor, norm_weight: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor,
                   w_inject: torch.Tensor | None, hc: int, hidden: int, eps: float,
                   config: MixConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -218,7 +208,7 @@ def hc_mix_triton(h: torch.Tensor, norm_weight: torch.Tensor, w_down: torch.Tens
     mix = h.new_empty(n, lowrank)
     _hc_down_kernel[grid](
         h, norm_weight, w_down, w_inject if w_inject is not None else w_down, partials,
-        _counter(h.device, grid[0] * grid[2]), mix, inject if inject is not None else mix, rms,
+        arrival_counters(h.device, grid[0] * grid[2]), mix, inject if inject is not None else mix, rms,
         n, hidden, lowrank, h.stride(0), k_per_split, splits, eps,
         HC=hc, HAS_INJECT=w_inject is not None, BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
         BLOCK_RMS=max(64, 2048 // cfg.block_m), num_warps=cfg.warps_down)

@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashnext.ops.arrival import arrival_counters, arrive_last
+from flashnext.ops.moe_int4_triton import block_k_for_group
 from flashnext.weights.int4_layout import Int4Weight
 
 
@@ -111,20 +113,6 @@ def _tile_dot(x_ptr, perm_ptr, qweight_ptr, scales_ptr, zeros_ptr, k0, offs_n, n
 
 
 @triton.jit
-def _arrive_last(counter_ptr, count):
-    """Count this program in on its tile's counter; True for the last of `count`, which resets it to 0.
-
-    The barrier puts every thread's partial stores before the (release) atomic of the thread doing it;
-    the last program's (acquire) atomic then sees all of them, and it reads them past L1 (.cg)."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    last = arrived == count - 1
-    if last:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
-    return last
-
-
-@triton.jit
 def _sum_rows(ptr, first_row, n_rows, row_stride, offs, ok, ROWS: tl.constexpr):
     """The fixed-order sum of n_rows fp32 partials (rows first_row.. of a [*, row_stride] buffer) at offs."""
     rows = first_row + tl.arange(0, ROWS)
@@ -163,7 +151,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr
         row = pair * SPLIT + split
         tl.store(part_ptr + row * N + offs_n, g, mask=n_ok)
         tl.store(part_ptr + row * N + I + offs_n, u, mask=n_ok)
-        if _arrive_last(counter_ptr + pair * tl.num_programs(1) + tile, SPLIT):
+        if arrive_last(counter_ptr + pair * tl.num_programs(1) + tile, SPLIT):
             g = _sum_rows(part_ptr, pair * SPLIT, SPLIT, N, offs_n, n_ok, SPLIT_P2)
             u = _sum_rows(part_ptr, pair * SPLIT, SPLIT, N, I + offs_n, n_ok, SPLIT_P2)
             tl.store(h_ptr + pair * I + offs_n, g * tl.sigmoid(g) * u, mask=n_ok)
@@ -195,7 +183,7 @@ def _down_kernel(h_ptr, ids_ptr, topk_weights_ptr, qweight_ptr, scales_ptr, zero
     if parts > 1:
         # part [M, k*SPLIT, H]: one row per (slot, split) of the token
         tl.store(part_ptr + (pair * SPLIT + split) * H + offs_n, y, mask=n_ok)
-        if _arrive_last(counter_ptr + token * tl.num_programs(1) + tile, parts):
+        if arrive_last(counter_ptr + token * tl.num_programs(1) + tile, parts):
             y = _sum_rows(part_ptr, token * parts, parts, H, offs_n, n_ok, PARTS_P2)
             tl.store(out_ptr + token * H + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
     else:
@@ -205,33 +193,6 @@ def _down_kernel(h_ptr, ids_ptr, topk_weights_ptr, qweight_ptr, scales_ptr, zero
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n zeroed int32 counters. The kernels leave them zeroed, so one buffer per device serves every call.
-
-    Grown only outside CUDA-graph capture: a capture that needs more gets a buffer of its own, zeroed by a
-    memset recorded in the graph (the cache must not hold memory the graph's pool may hand out again)."""
-    buf = _COUNTERS.get(device)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        _COUNTERS[device] = buf
-    return buf
-
-
-def _block_k(config_k: int, group_size: int) -> int:
-    """The largest power of two <= config_k dividing the group size: a K tile never straddles two groups."""
-    bk = config_k
-    while bk > 16 and group_size % bk:
-        bk //= 2
-    if group_size % bk:
-        raise ValueError(f"the INT4 MoE kernels need a group size divisible by 16, got {group_size}")
-    return bk
 
 
 def _splits(k: int, block_k: int, wanted: int, programs: int, device: torch.device) -> tuple[int, int]:
@@ -255,13 +216,13 @@ def moe_int4_decode(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: In
     ids = topk_ids.reshape(-1).contiguous()
     device = x.device
     # Splits are fixed by the shapes (their M = 1 program count), so a token's bits do not depend on M.
-    bk_up = _block_k(cfg.block_k, w_gate_up.group_size)
+    bk_up = block_k_for_group(cfg.block_k, w_gate_up.group_size)
     tiles_up = triton.cdiv(inter, cfg.block_n)
     per_up, split_up = _splits(hidden, bk_up, cfg.split_k, top_k * tiles_up, device)
-    bk_down = _block_k(cfg.block_k, w_down.group_size)
+    bk_down = block_k_for_group(cfg.block_k, w_down.group_size)
     tiles_down = triton.cdiv(hidden, cfg.block_n)
     per_down, split_down = _splits(inter, bk_down, cfg.split_down, top_k * tiles_down, device)
-    counters = _arrival_counters(device, max(pairs * tiles_up, m * tiles_down))
+    counters = arrival_counters(device, max(pairs * tiles_up, m * tiles_down))
     h = torch.empty(pairs, inter, dtype=torch.float32, device=device)
     out = torch.empty(m, hidden, dtype=x.dtype, device=device)
     part_up = torch.empty(pairs, split_up, 2 * inter, dtype=torch.float32, device=device) if split_up > 1 else h

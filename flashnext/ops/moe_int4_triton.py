@@ -175,7 +175,7 @@ def _prefill_blocks(sorted_ids: torch.Tensor, num_experts: int, block_m: int) ->
     return torch.where(b < block_end[-1], start, -1).to(torch.int32)
 
 
-def _block_k(config_k: int, group_size: int) -> int:
+def block_k_for_group(config_k: int, group_size: int) -> int:
     """The largest power of two <= config_k dividing the group size (which divides K): tiles stay in one group."""
     bk = config_k
     while bk > 16 and group_size % bk:
@@ -217,11 +217,11 @@ def moe_int4_triton(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: In
     _gate_up_kernel[grid](
         x, h, sorted_ids, order, block_start, w_gate_up.qweight, w_gate_up.scales, zeros, perm,
         n_pairs, hidden, inter, w_gate_up.group_size, TOP_K=top_k,
-        BLOCK_K=_block_k(config.block_k, w_gate_up.group_size), **flags, **common)
+        BLOCK_K=block_k_for_group(config.block_k, w_gate_up.group_size), **flags, **common)
     grid = (block_start.numel(), triton.cdiv(hidden, config.block_n))
     zeros, perm, flags = optional(w_down)
     _down_kernel[grid](
         h, y, topk_weights.reshape(-1).contiguous(), sorted_ids, order, block_start,
         w_down.qweight, w_down.scales, zeros, perm, n_pairs, hidden, inter, w_down.group_size,
-        BLOCK_K=_block_k(config.block_k, w_down.group_size), **flags, **common)
+        BLOCK_K=block_k_for_group(config.block_k, w_down.group_size), **flags, **common)
     return y.view(m, top_k, hidden).sum(1).to(x.dtype)

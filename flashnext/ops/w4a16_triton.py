@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashnext.ops.arrival import arrival_counters, arrive_last
 from flashnext.weights.int4_layout import Int4Weight
 
 
@@ -103,20 +104,6 @@ def _activation(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, k, HAS_PERM: tl.conste
 
 
 @triton.jit
-def _arrive_last(counter_ptr, count):
-    """Count this program in on its counter; True for the last of `count`, which resets the counter to 0.
-
-    The barrier puts every thread's partial stores before the (release) atomic of the thread doing it; the
-    last program's (acquire) atomic then sees all of them, and it reads them past L1 (.cg)."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    last = arrived == count - 1
-    if last:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
-    return last
-
-
-@triton.jit
 def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, counter_ptr,
                        M, N, K, stride_xm, stride_om, group_size, k_per_split, n_split,
                        HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, USE_DOT: tl.constexpr,
@@ -176,7 +163,7 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr,
     if REDUCE:
         # part [n_split, M, N] fp32
         tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], y, mask=mask)
-        if _arrive_last(counter_ptr + pid_n, n_split):
+        if arrive_last(counter_ptr + pid_n, n_split):
             # REDUCE_ROWS partials per load, so that their L2 latency is paid once per chunk, not per split
             y = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for first in range(0, n_split, REDUCE_ROWS):
@@ -314,24 +301,6 @@ def supports(w: Int4Weight) -> bool:
     return w.group_size >= 16 and w.group_size & (w.group_size - 1) == 0 and w.qweight.dim() == 2
 
 
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n zeroed int32 counters. The kernel leaves them zeroed, so one buffer per device serves every call.
-
-    A buffer that is outgrown stays alive (a captured graph may still point at it). Never grown during
-    CUDA-graph capture: a capture that needs more gets a buffer of its own, zeroed by a memset recorded in
-    the graph (the cache must not hold memory the graph's pool may hand out again)."""
-    buffers = _COUNTERS.setdefault(device, [])
-    if buffers and buffers[-1].numel() >= n:
-        return buffers[-1]
-    buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)  # N up to 1M columns at BLOCK_N 16
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        buffers.append(buf)
-    return buf
-
-
 def _optional(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
     """zeros and perm, or a dummy pointer never read (HAS_ZEROS / HAS_PERM are constexprs)."""
     return (w.zeros if w.zeros is not None else w.scales), (w.perm if w.perm is not None else w.qweight)
@@ -348,7 +317,7 @@ def _gemv(x: torch.Tensor, w: Int4Weight, cfg: GemvConfig) -> torch.Tensor:
     blocks = triton.cdiv(n, cfg.block_n)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    counters = _arrival_counters(x.device, blocks) if split > 1 else out
+    counters = arrival_counters(x.device, blocks) if split > 1 else out
     zeros, perm = _optional(w)
     block_m = 16 if cfg.use_dot else m_bucket(m)
     # the last program adds ~32 fp32 registers per thread of partials per load (not a function of the split,
