@@ -9,8 +9,8 @@ from torch import nn
 from flashnext.models.context import ForwardContext, Segment
 from flashnext.models.decode_batch import DecodeBatch
 from flashnext.models.layers.norms import ZeroCenteredRMSNorm
-from flashnext.models.layers.rope import apply_rotary
 from flashnext.ops.decode_attention import decode_attention
+from flashnext.ops.norm_rope import norm_rope
 from flashnext.weights.config import ModelConfig
 
 QUERY_BLOCK = 1024
@@ -42,8 +42,9 @@ class GatedAttention(nn.Module):
     def _qkv(self, x, cos, sin):
         n = x.shape[0]
         q, gate = self.q_proj(x).view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = apply_rotary(self.q_norm(q), cos, sin)
-        k = apply_rotary(self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)), cos, sin)
+        q = norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin)
+        k = norm_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps,
+                      cos, sin)
         return q, gate, k, self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:

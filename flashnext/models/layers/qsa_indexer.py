@@ -18,7 +18,7 @@ from flashnext.models.context import ForwardContext, Segment
 from flashnext.models.decode_batch import DecodeBatch
 from flashnext.models.layers.attention import QUERY_BLOCK
 from flashnext.models.layers.norms import ZeroCenteredRMSNorm
-from flashnext.models.layers.rope import apply_rotary
+from flashnext.ops.norm_rope import norm_rope
 from flashnext.weights.config import ModelConfig
 
 
@@ -35,6 +35,10 @@ class QSAIndexer(nn.Module):
         self.k_layernorm = ZeroCenteredRMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
         self._rope = [rope]   # shared with the model, kept out of the module tree (no duplicate buffers)
 
+    def _key(self, pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Pooled raw keys [B, D] → block keys: k_layernorm'ed and RoPE'd at the block's first position."""
+        return norm_rope(pooled[:, None, :], self.k_layernorm.weight, self.k_layernorm.eps, cos, sin)[:, 0]
+
     def _append_block_keys(self, raw: torch.Tensor, ctx: ForwardContext, seg: Segment) -> None:
         """Pool the blocks this segment completes into the pages; keep the remainder in the ring."""
         ring = ctx.states.index_ring[self.layer_idx][seg.slot]
@@ -43,10 +47,10 @@ class QSAIndexer(nn.Module):
         complete = pending.shape[0] // self.ratio
         if complete:
             groups = pending[: complete * self.ratio].view(complete, self.ratio, self.head_dim)
-            pooled = self.k_layernorm(groups.float().mean(dim=1).to(raw.dtype))
+            pooled = groups.float().mean(dim=1).to(raw.dtype)
             starts = (first_block + torch.arange(complete, device=raw.device)) * self.ratio
             cos, sin = self._rope[0](starts, raw.dtype)
-            keys = apply_rotary(pooled[:, None, :], cos, sin)[:, 0]
+            keys = self._key(pooled, cos, sin)
             per_page = ctx.kv.block_size // self.ratio
             block_ids = first_block + torch.arange(complete, device=raw.device)
             rows = seg.blocks[block_ids // per_page] * per_page + block_ids % per_page
@@ -57,7 +61,7 @@ class QSAIndexer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext, seg: Segment) -> torch.Tensor:
         """x [T, hidden] of one segment → visibility mask [T, total_len] (before the causal mask)."""
         q, raw = torch.split(self.index_qk_proj(x), [self.num_heads * self.head_dim, self.head_dim], dim=-1)
-        q = apply_rotary(self.q_layernorm(q.view(-1, self.num_heads, self.head_dim)), cos, sin)
+        q = norm_rope(q.view(-1, self.num_heads, self.head_dim), self.q_layernorm.weight, self.q_layernorm.eps, cos, sin)
         self._append_block_keys(raw, ctx, seg)
 
         total = seg.total_len
@@ -92,15 +96,14 @@ class QSAIndexer(nn.Module):
         complete are masked, and the new key is pooled every step but written only where its block completes
         (otherwise into the row of the incomplete block itself, which nothing reads before it completes)."""
         q, raw = torch.split(self.index_qk_proj(x), [self.num_heads * self.head_dim, self.head_dim], dim=-1)
-        q = apply_rotary(self.q_layernorm(q.view(-1, self.num_heads, self.head_dim)), cos, sin)
+        q = norm_rope(q.view(-1, self.num_heads, self.head_dim), self.q_layernorm.weight, self.q_layernorm.eps, cos, sin)
         pos, r = batch.positions, self.ratio
         offset = pos % r
         ring = batch.states.index_ring[self.layer_idx]
         held = ring[batch.slots]                                                   # [B, r-1, D]
         group = torch.cat([held, raw[:, None, :]], dim=1)
-        pooled = self.k_layernorm(group.float().mean(dim=1).to(raw.dtype))
         start_cos, start_sin = self._rope[0](pos - offset, raw.dtype)
-        key = apply_rotary(pooled[:, None, :], start_cos, start_sin)[:, 0]
+        key = self._key(group.float().mean(dim=1).to(raw.dtype), start_cos, start_sin)
         keys = batch.kv.index_keys[self.layer_idx]                                 # [blocks, per_page, D]
         per_page = keys.shape[1]
         keys.view(-1, self.head_dim).index_copy_(0, batch.page_rows(pos // r, per_page), key)
