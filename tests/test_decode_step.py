@@ -37,23 +37,33 @@ def _prefill(model, kv, states, prompts, tables):
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_decode_equals_eager_segments(case):
+    _check_decode(case, PROMPTS, STEPS, extra_width=3)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] == "qwen4_exp"], ids=[i for i in IDS if "qwen4" in i])
+def test_short_table_decodes_dense_without_scoring(case):
+    """A block table narrower than the indexer's top-k takes the dense branch; it must equal the scored path."""
+    _check_decode(case, (2, 3, 1), 2, extra_width=0)
+
+
+def _check_decode(case, prompts_len, steps, extra_width):
     arch, overrides = case
     hf, raw = hf_model(arch, seed=CASES.index(case), **overrides)
     model = ours_from_hf(hf, raw)
     cfg = model.cfg
     g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=g) for n in PROMPTS]
+    prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=g) for n in prompts_len]
     eager, fixed = _pools(cfg), _pools(cfg)
-    need = [eager[0].blocks_for(n + STEPS) for n in PROMPTS]
+    need = [eager[0].blocks_for(n + steps) for n in prompts_len]
     tables = [eager[0].allocate(n) for n in need]
     assert [fixed[0].allocate(n) for n in need] == tables
     scratch_block = fixed[0].allocate(1)[0]
-    width = max(need) + 3                                  # padded wider than any row needs
+    width = max(need) + extra_width                        # padded wider than any row needs
     with torch.inference_mode():
         logits = _prefill(model, *eager, prompts, tables)
         assert torch.equal(_prefill(model, *fixed, prompts, tables), logits)
-        lengths = list(PROMPTS)
-        for _ in range(STEPS):
+        lengths = list(prompts_len)
+        for _ in range(steps):
             tokens = logits.argmax(-1)
             segments = [Segment(slot, torch.tensor(t), i, 1, n) for i, (slot, t, n) in enumerate(zip(SLOTS, tables, lengths))]
             logits = model.compute_logits(model(tokens, ForwardContext(segments, *eager)))
@@ -63,8 +73,8 @@ def test_decode_equals_eager_segments(case):
             got = model.compute_logits(model.decode(batch))[:3]
             assert rel_err(got, logits) < TOL
             lengths = [n + 1 for n in lengths]
-    if cfg.arch == "qwen4_exp":
-        assert min(PROMPTS) < cfg.indexer_budget < max(PROMPTS), "rows must start on both sides of the QSA budget"
+    if cfg.arch == "qwen4_exp" and extra_width:
+        assert min(prompts_len) < cfg.indexer_budget < max(prompts_len), "rows must start on both sides of the budget"
     # The states of the real rows moved on identically; the KV rows they wrote are the same.
     for name, t in eager[1].tensors().items():
         for slot in SLOTS:

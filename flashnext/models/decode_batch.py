@@ -10,6 +10,7 @@ Layers implement `decode(x, …, batch)` beside `forward`: the same math as a on
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -31,6 +32,11 @@ class DecodeBatch:
     def seq_lens(self) -> torch.Tensor:
         """Tokens each row's attention sees, the new one included."""
         return self.positions + 1
+
+    @cached_property
+    def token_rows(self) -> torch.Tensor:
+        """Flat KV row of each row's new token: computed once per step, used by every attention layer."""
+        return self.page_rows(self.positions, self.kv.block_size)
 
     def page_rows(self, index: torch.Tensor, per_page: int) -> torch.Tensor:
         """Flat row ids of per-sequence item `index` [B, ...] in a paged [blocks, per_page, ...] tensor (KV

@@ -51,7 +51,7 @@ class GatedAttention(nn.Module):
         """One token per row: write its K/V into the row's page, attend over the pages (ops.decode_attention)."""
         q, gate, k, v = self._qkv(x, cos, sin)
         k_cache, v_cache = batch.kv.k[self.layer_idx], batch.kv.v[self.layer_idx]
-        rows = batch.page_rows(batch.positions, batch.kv.block_size)
+        rows = batch.token_rows
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, rows, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, rows, v)
         selection = self.decode_selection(x, cos, sin, batch)

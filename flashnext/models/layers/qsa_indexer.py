@@ -90,13 +90,14 @@ class QSAIndexer(nn.Module):
         return mask | tail
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: DecodeBatch):
-        """One token per row → (token_index [B, T], token_valid [B, T]) with T = top-k blocks × ratio + ratio - 1.
+        """One token per row → (token_index [B, T], token_valid [B, T]) with T = top-k blocks × ratio + ratio - 1,
+        or None when the block table is too short to hold more complete blocks than the top-k: then every row
+        sees everything (dense causal attention) and nothing needs scoring — decided by the static table width.
 
         Fixed shapes for a CUDA graph: every block slot of the padded block table is scored and the ones not yet
         complete are masked, and the new key is pooled every step but written only where its block completes
         (otherwise into the row of the incomplete block itself, which nothing reads before it completes)."""
         q, raw = torch.split(self.index_qk_proj(x), [self.num_heads * self.head_dim, self.head_dim], dim=-1)
-        q = norm_rope(q.view(-1, self.num_heads, self.head_dim), self.q_layernorm.weight, self.q_layernorm.eps, cos, sin)
         pos, r = batch.positions, self.ratio
         offset = pos % r
         ring = batch.states.index_ring[self.layer_idx]
@@ -112,6 +113,9 @@ class QSAIndexer(nn.Module):
         ring[batch.slots, offset.clamp(max=r - 2)] = keep
 
         capacity = batch.block_table.shape[1] * per_page                         # block slots of the table
+        if capacity <= self.block_topk:
+            return None
+        q = norm_rope(q.view(-1, self.num_heads, self.head_dim), self.q_layernorm.weight, self.q_layernorm.eps, cos, sin)
         block_keys = keys[batch.block_table].view(batch.size, capacity, self.head_dim).float()
         scores = torch.einsum("bhd,bnd->bhn", q.float(), block_keys).relu().sum(1) / math.sqrt(self.head_dim)
         complete_before = (pos + 1) // r
