@@ -1,0 +1,24 @@
+"""On the GPU machine: bf16 checks of the small fused ops (norm + RoPE, router top-k) against their references.
+Run: python3 scripts/gpu_small_ops.py"""
+import torch, sys
+from flashnext.ops.norm_rope import norm_rope_reference
+from flashnext.ops.norm_rope_triton import norm_rope_triton
+from flashnext.ops.router_topk import router_topk_reference
+from flashnext.ops.router_topk_triton import router_topk_triton
+from flashnext.models.layers.rope import RotaryEmbedding
+ok = True
+for rows, heads, dim, rot in [(1, 24, 256, 64), (8, 2, 256, 64), (300, 4, 128, 64)]:
+    wide = torch.randn(rows, heads, 2 * dim, device="cuda", dtype=torch.bfloat16)
+    x = wide[..., :dim]; w = torch.randn(dim, device="cuda", dtype=torch.bfloat16) * 0.2
+    cos, sin = RotaryEmbedding(rot, 1e7)(torch.arange(rows, device="cuda") * 37, torch.bfloat16)
+    a = norm_rope_triton(x, w, 1e-6, cos, sin).float(); b = norm_rope_reference(x, w, 1e-6, cos, sin).float()
+    err = ((a - b).abs().max() / b.abs().max()).item(); ok &= err < 1e-2
+    print(f"norm_rope {rows}x{heads}x{dim} bf16 max rel err {err:.1e}")
+for rows in (1, 8, 300):
+    logits = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    wt, it = router_topk_triton(logits, 10, True); wr, ir = router_topk_reference(logits, 10, True)
+    same = (torch.sort(it, 1).values == torch.sort(ir, 1).values).float().mean().item()
+    err = (wt.float().sort(1).values - wr.float().sort(1).values).abs().max().item()
+    ok &= same > 0.99 and err < 1e-2
+    print(f"router_topk {rows} rows: same experts {same:.3f}, weight err {err:.1e}")
+print("KERNELS OK" if ok else "KERNEL MISMATCH"); sys.exit(0 if ok else 1)
