@@ -88,17 +88,18 @@ class DecodeGraphs:
         self.input_ids.zero_()
         self.positions.zero_()
         self.slots.fill_(self.scratch_slot)
-        batch = self._batch(size, width)
-        batch.block_table.fill_(self.scratch_block)
+        self._batch(size, width).block_table.fill_(self.scratch_block)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):  # compiles and autotunes the Triton kernels outside the capture
-                self._step(batch)
+                self._step(self._batch(size, width))
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        # A fresh DecodeBatch: values it caches (its token rows) must be computed inside the capture, from the
+        # static inputs, not carried over from a warm-up run.
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._step(batch)
+            logits = self._step(self._batch(size, width))
         self.pool = graph.pool()
         self.graphs[(size, width)] = (graph, logits)
         log.info("captured the decode step for batch %d, %d KV blocks wide, in %.2f s", size, width,
