@@ -9,6 +9,8 @@ a scratch KV block, reserved here for good, so their writes land where nobody re
 width rounds up to a power of two of at least 16 blocks (attention and the QSA indexer read per step what
 the table holds, so a short context does not pay for the longest). Graphs are captured on first use and
 share one memory pool. `--enforce-eager` turns all of this off (debugging; docs/architecture.md).
+On a CPU nothing is captured: `run` executes the same fixed-shape step eagerly, which is how the tests cover
+the buckets, the padding and the scratch rows without a GPU.
 """
 from __future__ import annotations
 
@@ -43,8 +45,9 @@ class DecodeGraphs:
         self.positions = torch.zeros(self.max_batch, **long)
         self.slots = torch.full((self.max_batch,), self.scratch_slot, **long)
         self.tables: dict[int, torch.Tensor] = {}
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self.pool = None
+        self.capture = self.device.type == "cuda"
 
     def can_run(self, batch_size: int, max_blocks: int) -> bool:
         return batch_size <= self.max_batch and max_blocks <= self.max_width
@@ -67,6 +70,8 @@ class DecodeGraphs:
         self.positions[:size].copy_(host[1], non_blocking=True)
         self.slots[:size].copy_(host[2], non_blocking=True)
         self.tables[width][:size].copy_(table, non_blocking=True)
+        if graph is None:
+            return self._step(self._batch(size, width))[:n]
         graph.replay()
         return logits[:n]
 
@@ -82,6 +87,10 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture(self, size: int, width: int) -> None:
+        if not self.capture:
+            self._batch(size, width)
+            self.graphs[(size, width)] = (None, None)
+            return
         start = time.perf_counter()
         # Warm-up and capture read the static inputs: point every row at the scratch slot and block first, so the
         # warm-up runs (which do execute) write only there.

@@ -1,7 +1,8 @@
 """Runs one scheduled step through the model and samples the requests whose chunk reached their end.
 
-This is the one place that turns scheduler output into tensors. A step of one token per request replays a
-captured CUDA graph when `graphs` is given (engine/cuda_graph.py); any other step runs the eager torch path.
+This is the one place that turns scheduler output into tensors. Requests that decode one token replay the
+captured decode graph when `graphs` is given (engine/cuda_graph.py); prefill chunks run the eager torch path,
+in the same step, so running streams keep their fast path while a long prompt enters.
 """
 from __future__ import annotations
 
@@ -31,14 +32,45 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> SamplerOutput | None:
+        """One step: chunks that decode one token go through the captured graph (when there is one), the rest
+        (prefill chunks) through the eager forward, in the same step; sampled in the order of `chunks`."""
+        requests = [c.request for c in chunks if c.samples]
+        if not requests:
+            self._forward_eager(chunks)
+            return None
         # The sampling tensors are built before the forward is queued: their small host→device copies then find
         # the GPU idle instead of waiting behind the step (a pageable copy blocks the host until it is done).
-        requests = [c.request for c in chunks if c.samples]
-        batch = self._sampling_batch(requests) if requests else None
-        if self._graph_step(chunks):
-            logits = self.graphs.run([r.all_ids[r.num_computed] for r in requests], [r.num_computed for r in requests],
-                                     [r.slot for r in requests], [r.blocks for r in requests])
-            return self._sample(logits.float(), requests, batch)
+        batch = self._sampling_batch(requests)
+        decoding = self._graph_chunks(chunks)
+        eager = [c for c in chunks if c not in decoding]
+        parts = []
+        if decoding:
+            rs = [c.request for c in decoding]
+            parts.append((rs, self.graphs.run([r.all_ids[r.num_computed] for r in rs], [r.num_computed for r in rs],
+                                              [r.slot for r in rs], [r.blocks for r in rs])))
+        if eager:
+            parts.append(([c.request for c in eager if c.samples], self._forward_eager(eager)))
+        if len(parts) == 1:
+            logits = parts[0][1].float()
+        else:
+            row = {id(r): i for i, r in enumerate(requests)}
+            logits = torch.empty(len(requests), self.vocab_size, dtype=torch.float32, device=self.device)
+            for rs, part in parts:
+                if rs:
+                    logits[torch.tensor([row[id(r)] for r in rs], device=self.device)] = part.float()
+        return self._sample(logits, requests, batch)
+
+    def _graph_chunks(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """The chunks the decode graph can run: one token that is sampled, all of them in one bucket."""
+        if self.graphs is None:
+            return []
+        decoding = [c for c in chunks if c.num_tokens == 1 and c.samples]
+        if decoding and self.graphs.can_run(len(decoding), max(len(c.request.blocks) for c in decoding)):
+            return decoding
+        return []
+
+    def _forward_eager(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
+        """The torch forward of any chunks → logits of those that sample ([n, V], model dtype), or None."""
         segments, ids, start = [], [], 0
         for chunk in chunks:
             r = chunk.request
@@ -46,18 +78,11 @@ class ModelRunner:
             blocks = torch.tensor(r.blocks, dtype=torch.long, device=self.device)
             segments.append(Segment(r.slot, blocks, start, chunk.num_tokens, r.num_computed))
             start += chunk.num_tokens
+        last_rows = [s.end - 1 for c, s in zip(chunks, segments) if c.samples]
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        last = torch.tensor(last_rows, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, ForwardContext(segments, self.kv, self.states))
-        sampling = [(c, s) for c, s in zip(chunks, segments) if c.samples]
-        if not sampling:
-            return None
-        last_rows = torch.tensor([s.end - 1 for _, s in sampling], device=self.device)
-        logits = self.model.compute_logits(hidden[last_rows]).float()
-        return self._sample(logits, requests, batch)
-
-    def _graph_step(self, chunks: list[ScheduledChunk]) -> bool:
-        return (self.graphs is not None and all(c.num_tokens == 1 and c.samples for c in chunks)
-                and self.graphs.can_run(len(chunks), max(len(c.request.blocks) for c in chunks)))
+        return self.model.compute_logits(hidden[last]) if last_rows else None
 
     def _sampling_batch(self, requests) -> SamplingBatch:
         batch = SamplingBatch.build([r.params for r in requests], [r.output_ids for r in requests],
