@@ -147,3 +147,27 @@ def test_tiny_budgets_stay_exact_and_leak_nothing(flash, host_gb):
             convs[i] = prompt + reply + tokens(1000 * turn + i, rng.randrange(1, 12))
     assert engine.stats().prefix_hits > 0
     pools_idle(engine)
+
+
+@pytest.mark.parametrize("host_gb", [0.0, 0.05])
+def test_shutdown_persists_to_disk(flash, tmp_path, host_gb):
+    """Without write-through, a conversation held only in VRAM (or spilled to host RAM) reaches the disk tier at
+    shutdown, and a restarted engine resumes it from there exactly."""
+    first = make(loaded=flash.loaded, kv_disk_dir=str(tmp_path), kv_host_gb=host_gb)
+    prompt = tokens(20, 70)
+    reply, _ = run(first, prompt)
+    turn2 = prompt + reply + tokens(21, 4)
+    expected = cold(first, turn2, 6)
+    if host_gb:
+        first.prefix_cache.evict_all()          # the entries now sit in the host tier only
+    disk = first.prefix_cache.lower
+    while disk.lower is not None:
+        disk = disk.lower
+    assert disk.name == "disk" and not disk.snaps       # nothing written down before the shutdown
+    first.shutdown()
+    assert disk.snaps
+    second = make(loaded=flash.loaded, kv_disk_dir=str(tmp_path))
+    out, cached = run(second, turn2)
+    assert out == expected and cached >= 64
+    pools_idle(second)
+    pools_idle(first)

@@ -207,6 +207,29 @@ class PrefixCache:
         while self.lru:
             self._evict(next(iter(self.lru)))
 
+    def persist(self) -> int:
+        """Copy every device and host entry that the disk tier lacks down to it (at shutdown: conversations then
+        survive a restart even without --kv-host-write-through); returns how many were written."""
+        tiers, tier = [], self.lower
+        while tier is not None:
+            tiers.append(tier)
+            tier = tier.lower
+        if not tiers or tiers[-1].name != "disk":
+            return 0
+        disk, written = tiers[-1], 0
+        for key, (node, tail) in list(self.lru.items()):
+            if key not in disk:
+                self._write_down(disk, node, key, node.snapshots[tail])
+                written += 1
+        for tier in tiers[:-1]:
+            for key in [k for k in tier.snaps if k not in disk]:
+                entry = tier.load(key)
+                if entry is not None:
+                    blocks, snap = entry
+                    disk.put(tier.snaps[key].blocks, lambda i, blocks=blocks: blocks[i], key, snap)
+                    written += 1
+        return written
+
     def clear(self) -> None:
         """Drop every device and host entry (the disk tier keeps its files)."""
         lower, self.lower = self.lower, None

@@ -95,6 +95,8 @@ class AsyncLLM:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():  # the engine is ours alone again: persist its cache
+            self.engine.shutdown()
 
     # ---- the engine thread ----
     def _drain_inbox(self) -> None:

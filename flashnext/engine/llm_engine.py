@@ -201,6 +201,13 @@ class LLMEngine:
         self.scheduler.finish(request)
         return self._output(request)
 
+    def shutdown(self) -> None:
+        """Before the process ends: the prefix cache writes what only VRAM and host RAM hold to its disk tier."""
+        if self.prefix_cache is not None:
+            written = self.prefix_cache.persist()
+            if written:
+                log.info("wrote %d cached conversation states to the disk tier", written)
+
     def has_work(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
