@@ -15,7 +15,7 @@ from flashnext.models.layers.int4_linear import Int4Linear
 from flashnext.models.quantize import dense_int4_targets, quantize_dense_int4
 from flashnext.models.session import Session
 from flashnext.weights.checkpoint import load_checkpoint
-from flashnext.weights.int4_layout import dequantize
+from flashnext.weights.int4_layout import Int4Weight, dequantize
 from flashnext.weights.synth import synthesize
 
 PRESETS = ["tiny-flash-next", "tiny-qwen3-next"]
@@ -141,3 +141,33 @@ def test_int4_checkpoint_keeps_dense_projections_packed(preset, tmp_path):
     ids = _prompt(70, seed=4)
     assert rel_err(Session(model, 96).extend(ids, all_logits=True), Session(twin, 96).extend(ids, all_logits=True)) < TOL
     assert loaded.weight_bytes < sum(t.numel() * t.element_size() for t in dense.values())
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_int4_checkpoint_keeps_experts_packed(preset, tmp_path):
+    """Routed experts of an INT4 checkpoint load as stacked Int4Experts (never a 16-bit copy), dequantise exactly
+    to what loading them dense gives, and the model computes what a twin with those dense experts computes."""
+    from flashnext.models.layers.int4_experts import Int4Experts
+    from flashnext.models.layers.moe import Experts
+
+    folder = synthesize(preset, tmp_path / "ckpt", dtype="int4", seed=5)
+    model = load_model(str(folder), "cpu", torch.float32).model
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, Int4Experts)}
+    assert experts and not any(isinstance(m, Experts) for m in model.modules())
+    reference = load_model(preset, "cpu", torch.float32).model
+    meta = {k: (tuple(v.shape), v.dtype) for k, v in reference.state_dict().items()}
+    dense = load_checkpoint(folder, meta, dtype=torch.float32, progress=False)
+    twin = copy.deepcopy(model)
+    for name, module in experts.items():
+        for prefix, key in (("gate_up", "gate_up_proj"), ("down", "down_proj")):
+            w = module.weight_int4(prefix)
+            assert w.scales.dtype == torch.float16                       # the checkpoint's scales, unrounded
+            assert torch.equal(torch.stack([dequantize(Int4Weight(w.qweight[e], w.scales[e], None if w.zeros is None
+                                                                  else w.zeros[e], None, w.group_size))
+                                            for e in range(w.qweight.shape[0])]), dense[f"{name}.{key}"]), name
+        plain = Experts(model.cfg)
+        plain.gate_up_proj.data, plain.down_proj.data = dense[f"{name}.gate_up_proj"], dense[f"{name}.down_proj"]
+        parent, _, child = name.rpartition(".")
+        setattr(twin.get_submodule(parent), child, plain.requires_grad_(False))
+    ids = _prompt(50, seed=6)
+    assert rel_err(Session(model, 64).extend(ids, all_logits=True), Session(twin, 64).extend(ids, all_logits=True)) < TOL

@@ -41,3 +41,15 @@ def test_views_share_storage_and_mixed_kinds_refuse():
     assert [t.shape[-1] for t in y] == [3, 5]
     with pytest.raises(ValueError):
         StackedProjection(torch.nn.Linear(8, 3, bias=True), lin[1])
+
+
+def test_quantising_after_stacking_drops_the_stale_stack():
+    hf, raw = hf_model("qwen3_next", seed=4)
+    model = ours_from_hf(hf, raw)
+    stack_projections(model)
+    quantize_dense_int4(model)          # replaces gate_proj/up_proj: the bf16 stack must not survive it
+    assert all(getattr(m, "gate_up", None) is None for m in model.modules())
+    fresh = ours_from_hf(hf, raw)
+    quantize_dense_int4(fresh)
+    ids = torch.randint(2, 500, (20,), generator=torch.Generator().manual_seed(1))
+    assert rel_err(Session(model, 32).extend(ids, all_logits=True), Session(fresh, 32).extend(ids, all_logits=True)) < 1e-6

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from flashnext.models import build_model
-from flashnext.models.quantize import (dense_int4_targets, quantize_dense_int4, quantize_experts_int4,
+from flashnext.models.quantize import (dense_int4_targets, int4_expert_keys, quantize_dense_int4, quantize_experts_int4,
                                        use_int4_weights)
 from flashnext.models.layers.rope import RotaryEmbedding
 from flashnext.models.stacked import stack_projections
@@ -147,8 +147,8 @@ def _load_checkpoint_model(name, device, dtype, quantize, parallel, ple_placemen
     cfg = load_config(path)
     model = build_model(cfg, device="meta", dtype=dtype)
     expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
-    # 4-bit dense projections of a GPTQ/AutoRound checkpoint stay packed (docs/int4.md).
-    packed = frozenset(f"{module}.weight" for module in dense_int4_targets(model))
+    # 4-bit dense projections and routed experts of a GPTQ/AutoRound checkpoint stay packed (docs/int4.md).
+    packed = frozenset([f"{module}.weight" for module in dense_int4_targets(model)] + int4_expert_keys(model))
     # TODO(real sizes): the loader reads every tensor onto `device`, a host PLE table too, before it moves.
     weights = load_checkpoint(path, expected, dtype=dtype, device=device, progress=True, packed_int4=packed)
     derived = {k: v for k, v in model.state_dict().items() if v.device.type != "meta"}
@@ -157,7 +157,7 @@ def _load_checkpoint_model(name, device, dtype, quantize, parallel, ple_placemen
             raise ValueError(f"{path}: {key} differs from what config.json derives (ngram settings or seed?)")
     kept_packed = use_int4_weights(model, weights)
     if kept_packed:
-        log.info("keeping %d int4 dense projections of the checkpoint packed", len(kept_packed))
+        log.info("keeping %d int4 projections / expert sets of the checkpoint packed", len(kept_packed))
     model.load_state_dict({**weights, **derived}, strict=True, assign=True)
     # Non-persistent buffers (RoPE frequencies) were built on "meta": rebuild them on the device.
     for module in model.modules():

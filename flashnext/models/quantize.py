@@ -45,10 +45,40 @@ def dense_int4_targets(model: nn.Module) -> list[str]:
     return found
 
 
+def int4_expert_keys(model: nn.Module) -> list[str]:
+    """The state-dict keys of every routed-expert set (fused gate_up_proj and down_proj): loaded packed when the
+    checkpoint stores them as 4-bit GPTQ (docs/int4.md)."""
+    from flashnext.models.layers.moe import Experts
+
+    return [f"{name}.{kind}" for name, m in model.named_modules() if isinstance(m, Experts)
+            for kind in ("gate_up_proj", "down_proj")]
+
+
 def use_int4_weights(model: nn.Module, weights: dict) -> list[str]:
     """Swap in an Int4Linear for every `X.weight` of `weights` that is an Int4Weight (a checkpoint's packed
-    projection), and put its packed tensors into `weights` under the new module's keys; returns the names."""
+    projection), an Int4Experts for every expert set whose two stacked weights are, and put their packed
+    tensors into `weights` under the new modules' keys; returns the names."""
+    from flashnext.models.layers.int4_experts import Int4Experts
+    from flashnext.weights.int4_layout import dequantize
+
     swapped = []
+    for name in {k.rsplit(".", 1)[0] for k in int4_expert_keys(model)}:
+        gate_up, down = weights.get(f"{name}.gate_up_proj"), weights.get(f"{name}.down_proj")
+        if not isinstance(gate_up, Int4Weight) and not isinstance(down, Int4Weight):
+            continue
+        if not (isinstance(gate_up, Int4Weight) and isinstance(down, Int4Weight)):
+            # One half fell back to 16-bit (act-order pieces): the set stays 16-bit, the other half dequantised.
+            plain = down if isinstance(gate_up, Int4Weight) else gate_up
+            for kind in ("gate_up_proj", "down_proj"):
+                if isinstance(weights[f"{name}.{kind}"], Int4Weight):
+                    weights[f"{name}.{kind}"] = dequantize(weights[f"{name}.{kind}"]).to(plain.dtype)
+            continue
+        del weights[f"{name}.gate_up_proj"], weights[f"{name}.down_proj"]
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, Int4Experts(gate_up, down))
+        for prefix, w in (("gate_up", gate_up), ("down", down)):
+            weights.update({f"{name}.{prefix}_{k}": v for k, v in w.tensors().items()})
+        swapped.append(name)
     for key in [k for k, v in weights.items() if isinstance(v, Int4Weight)]:
         name = key.removesuffix(".weight")
         packed = weights.pop(key)
@@ -62,6 +92,9 @@ def use_int4_weights(model: nn.Module, weights: dict) -> list[str]:
 
 def quantize_dense_int4(model: nn.Module, group_size: int = 128) -> list[str]:
     """Replace the dense projections of `model` by Int4Linear (symmetric RTN); returns their names."""
+    from flashnext.models.stacked import unstack_projections
+
+    unstack_projections(model)
     replaced = []
     for full in dense_int4_targets(model):
         parent, _, name = full.rpartition(".")

@@ -47,6 +47,18 @@ class StackedProjection:
         return y.split(self.sizes, dim=-1)
 
 
+STACKED_ATTRIBUTES = ("project_ba", "route_and_gate", "gate_up")
+
+
+def unstack_projections(model: nn.Module) -> None:
+    """Drop every stacked form: whoever replaces a projection module (quantising) calls this first, or the
+    stale stacked weights would keep being used."""
+    for module in model.modules():
+        for name in STACKED_ATTRIBUTES:
+            if getattr(module, name, None) is not None and isinstance(getattr(module, name), StackedProjection):
+                setattr(module, name, None)
+
+
 def stack_projections(model: nn.Module) -> int:
     """Give every module with projections of one input its stacked form; returns how many were stacked."""
     from flashnext.models.layers.gated_delta_net import GatedDeltaNet

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from .fp8 import dequantize_block_fp8
 from .int4 import dequantize_gptq
-from .int4_layout import Int4Weight, from_gptq
+from .int4_layout import Int4Weight, dequantize, from_gptq
 from .quant_config import QuantizationConfig, read_quantization_config
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,8 @@ class _Planner:
         self.packed_int4 = packed_int4
 
     # A 2-D weight `X.weight` stored plain, as int4 (`X.qweight` ...) or as fp8 (+ `X.weight_scale_inv`).
-    def weight(self, name: str, shape: tuple[int, ...]) -> _Recipe | None:
+    def weight(self, name: str, shape: tuple[int, ...], packed: bool | None = None) -> _Recipe | None:
+        """packed: keep a 4-bit GPTQ tensor as an Int4Weight (default: when `name` is in packed_int4)."""
         base = name[: -len(".weight")] if name.endswith(".weight") else None
         t = self.t
         if base is not None and t.has(base + ".qweight"):
@@ -148,7 +149,7 @@ class _Planner:
                 got = (cols, rows * 32 // (self.quant.bits if self.quant.bits < 16 else 4))
                 raise CheckpointError(f"tensor {base} (int4) has the wrong shape: expected {shape}, got {got}")
 
-            keep_packed = name in self.packed_int4 and bits == 4
+            keep_packed = (name in self.packed_int4 if packed is None else packed) and bits == 4
 
             def build() -> torch.Tensor | Int4Weight:
                 packed = {s.rsplit(".", 1)[1]: t.read(s, self.device) for s in parts}
@@ -182,7 +183,8 @@ class _Planner:
             for e, recipes in enumerate(pieces):
                 row = 0
                 for recipe, rows in zip(recipes, split):
-                    out[e, row: row + rows].copy_(recipe.build())
+                    piece = recipe.build()
+                    out[e, row: row + rows].copy_(dequantize(piece) if isinstance(piece, Int4Weight) else piece)
                     row += rows
             return out
 
@@ -204,19 +206,40 @@ class _Planner:
         split = [rows // len(projections)] * len(projections)
         if not t.has(f"{prefix}.0.{projections[0]}.weight") and not t.has(f"{prefix}.0.{projections[0]}.qweight"):
             return None
+        packed = name in self.packed_int4 and t.has(f"{prefix}.0.{projections[0]}.qweight")
         pieces, missing = [], []
         for e in range(num_experts):
             recipes = []
             for proj, piece_rows in zip(projections, split):
                 piece = f"{prefix}.{e}.{proj}.weight"
-                recipe = self.weight(piece, (piece_rows, cols))
+                recipe = self.weight(piece, (piece_rows, cols), packed=packed)
                 if recipe is None:
                     missing.append(piece)
                 recipes.append(recipe)
             pieces.append(recipes)
         if missing:
             raise CheckpointError(f"checkpoint is missing {len(missing)} expert tensor(s): {_listing(missing)}")
-        return self._stacked(shape, pieces, split)
+        return self._stacked_int4(shape, pieces, split) if packed else self._stacked(shape, pieces, split)
+
+    def _stacked_int4(self, shape: tuple[int, ...], pieces: list[list[_Recipe]], split: list[int]) -> _Recipe:
+        """Per-expert 4-bit GPTQ pieces → one stacked Int4Weight (qweight [E, K/8, N], gate rows then up rows, as
+        Int4Experts takes it), never dequantised. Act-order pieces (their own row permutations), pieces of
+        other bit widths or group sizes fall back to the dequantised stack."""
+
+        def build() -> torch.Tensor | Int4Weight:
+            experts = []
+            for recipes in pieces:
+                parts = [r.build() for r in recipes]
+                if not all(isinstance(w, Int4Weight) and w.perm is None and w.group_size == parts[0].group_size
+                           and (w.zeros is None) == (parts[0].zeros is None) for w in parts):
+                    return self._stacked(shape, pieces, split).build()
+                cat = lambda attr: torch.cat([getattr(w, attr) for w in parts], dim=1)  # noqa: E731
+                experts.append((cat("qweight"), cat("scales"), None if parts[0].zeros is None else cat("zeros"),
+                                parts[0].group_size))
+            stack = lambda i: torch.stack([x[i] for x in experts])  # noqa: E731
+            return Int4Weight(stack(0), stack(1), None if experts[0][2] is None else stack(2), None, experts[0][3])
+
+        return _Recipe([s for recipes in pieces for r in recipes for s in r.sources], build)
 
     def ngram_table(self, name: str, shape: tuple[int, ...]) -> _Recipe | None:
         direct = self.weight(name, shape)
@@ -301,7 +324,8 @@ def load_checkpoint(
             out_dtype = dtype if expected_dtype.is_floating_point else expected_dtype
             built = recipe.build()
             if isinstance(built, Int4Weight):
-                assert (built.out_features, built.in_features) == tuple(shape), (name, built.qweight.shape, shape)
+                lead = tuple(built.qweight.shape[:-2])     # the expert dimension of stacked experts
+                assert (*lead, built.out_features, built.in_features) == tuple(shape), (name, built.qweight.shape, shape)
                 result[name] = built
             else:
                 tensor = built.to(out_dtype)
