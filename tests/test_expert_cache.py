@@ -126,3 +126,28 @@ def test_replay_pins_the_step():
     with pytest.raises(ValueError, match="needs 3 experts"):
         replay([[0, 1, 2]], 8, 2)
     assert replay([[0, 1], [2, 3], [0, 1]], 8, 4) == (2, 4)
+
+
+@pytest.mark.parametrize("checkpoint", ["int4", "bf16"])
+def test_load_with_budget_keeps_experts_in_host_memory(checkpoint, tmp_path):
+    """load_model with --expert-vram-gb reads the experts into host memory (an INT4 checkpoint's codes as they
+    are; a 16-bit one quantised chunk by chunk), so the model never has to fit the device whole; outputs equal
+    the same checkpoint loaded all-resident."""
+    from flashnext.models.layers.int4_experts import Int4Experts
+    from flashnext.weights.synth import synthesize
+
+    folder = str(synthesize("tiny-flash-next", tmp_path / "ckpt", dtype=checkpoint, seed=2))
+    quantize = "int4" if checkpoint == "bf16" else None
+    resident = load_model(folder, "cpu", torch.float32, quantize=quantize).model
+    sets = [m for m in resident.modules() if isinstance(m, Int4Experts)]
+    per_expert = sum(b[0].numel() * b.element_size() for b in sets[0].buffers(recurse=False))
+    loaded = load_model(folder, "cpu", torch.float32, quantize=quantize,
+                        expert_vram_gb=3 * len(sets) * per_expert / 2**30)
+    assert loaded.expert_cache.slots_per_layer == 3
+    for layer in loaded.expert_cache.layers:
+        assert layer.host["gate_up_qweight"].device.type == "cpu"
+    want = {n: m.weight_int4("gate_up").qweight for n, m in resident.named_modules() if isinstance(m, Int4Experts)}
+    for name, module in loaded.model.named_modules():
+        if isinstance(module, Int4Experts):
+            assert torch.equal(module.expert_cache.host["gate_up_qweight"], want[name])   # the same codes
+    assert torch.equal(_greedy(loaded.model, _prompt(41)), _greedy(resident, _prompt(41)))

@@ -12,7 +12,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from flashnext.models import build_model
-from flashnext.models.layers.row_table import HOST_TABLE_BYTES, RowTable, choose_placement, host_empty
+from flashnext.models.layers.row_table import HOST_TABLE_BYTES, RowTable, choose_placement
+from flashnext.weights.pinned import host_empty
 from flashnext.ops.host_gather import gather_rows, gather_rows_triton
 from flashnext.weights.config import parse_config
 from flashnext.weights.presets import get_preset

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from flashnext.cache.expert_policy import make_policy
 from flashnext.ops import moe_int4 as moe_ops
 from flashnext.weights.int4_layout import Int4Weight, dequantize
+from flashnext.weights.pinned import host_empty, pin_in_place
 
 log = logging.getLogger("flashnext.expert_cache")
 
@@ -59,9 +60,13 @@ class LayerExpertCache:
         self.names = [n for n, b in module.named_buffers(recurse=False) if b is not None]
         self.host, self.staging = {}, {}
         for name in self.names:
-            full = getattr(module, name)
-            host = full.detach().to("cpu", copy=True)
-            self.host[name] = host.pin_memory() if pin else host
+            full = getattr(module, name).detach()
+            if full.device.type == "cpu":      # loaded into host memory already (load_model with an expert budget)
+                host = pin_in_place(full.contiguous(), "the expert store") if pin else full
+            else:
+                host = host_empty(tuple(full.shape), full.dtype, pin, "the expert store")
+                host.copy_(full)
+            self.host[name] = host
             if pin:
                 self.staging[name] = torch.empty((num_slots, *host.shape[1:]), dtype=host.dtype).pin_memory()
             setattr(module, name, torch.zeros((num_slots, *full.shape[1:]), dtype=full.dtype, device=device))
@@ -158,8 +163,9 @@ class ExpertCache:
 
 
 def install_expert_cache(model: torch.nn.Module, budget_bytes: int | None = None, policy: str = "lfu-decay",
-                         *, slots_per_layer: int | None = None) -> ExpertCache:
-    """Move every Int4Experts of `model` to a host store behind a device slot pool. The slot count comes from
+                         *, slots_per_layer: int | None = None, device=None) -> ExpertCache:
+    """Move every Int4Experts of `model` to a host store behind a pool of slots on `device` (default: where the
+    experts are; experts loaded into host memory stay there, pinned in place). The slot count comes from
     `budget_bytes` (device bytes for all layers' pools) unless `slots_per_layer` is given."""
     from flashnext.models.layers.int4_experts import Int4Experts
     from flashnext.models.layers.moe import Experts
@@ -182,7 +188,7 @@ def install_expert_cache(model: torch.nn.Module, budget_bytes: int | None = None
                          f"layer; each token is routed to {top_k} experts, so the cache needs at least {top_k} slots "
                          f"per layer ({need / gib:.3g} GiB for {len(modules)} layers of {per_expert} bytes per expert)")
     slots_per_layer = min(slots_per_layer, num_experts)
-    device = next(iter(modules[0].buffers())).device
+    device = torch.device(device) if device is not None else next(iter(modules[0].buffers())).device
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     stats = ExpertCacheStats()
     layers = [LayerExpertCache(m, slots_per_layer, policy, stats, device, stream) for m in modules]

@@ -95,13 +95,14 @@ def load_model(name: str, device, dtype: torch.dtype, quantize: str | None = Non
     if name.startswith(MEM_PREFIX):
         model, cfg, path, nbytes = _build_in_memory(name, device, dtype, quantize, parallel, ple_placement)
     else:
-        model, cfg, path, nbytes = _load_checkpoint_model(name, device, dtype, quantize, parallel, ple_placement)
+        model, cfg, path, nbytes = _load_checkpoint_model(name, device, dtype, quantize, parallel, ple_placement,
+                                                          experts_on_host=expert_vram_gb is not None)
     expert_cache = None
     if expert_vram_gb is not None:
-        # TODO(real sizes): the experts are still quantised on the device first, so the whole model must fit once.
         from flashnext.cache.expert_cache import install_expert_cache
 
-        expert_cache = install_expert_cache(model, int(expert_vram_gb * (1 << 30)), expert_cache_policy)
+        expert_cache = install_expert_cache(model, int(expert_vram_gb * (1 << 30)), expert_cache_policy,
+                                            device=device)
         nbytes = _state_bytes(model, device)
     stacked = stack_projections(model)  # last: the weights are where they stay (models/stacked.py)
     log.info("stacked %d groups of projections that share an input", stacked)
@@ -133,6 +134,17 @@ def _build_in_memory(name: str, device, dtype, quantize, parallel, ple_placement
     return model, cfg, path, _state_bytes(model, device)
 
 
+def _move_to(model: torch.nn.Module, device, keep_host_experts: bool) -> None:
+    """model.to(device), except routed experts that an expert cache keeps in host memory."""
+    from flashnext.models.layers.int4_experts import Int4Experts
+    from flashnext.models.layers.moe import Experts
+
+    device = torch.device(device)
+    for module in model.modules():
+        if not (keep_host_experts and isinstance(module, (Experts, Int4Experts))):
+            module._apply(lambda t: t.to(device), recurse=False)
+
+
 def _place_ple_tables(model: torch.nn.Module, ple_placement: str) -> None:
     for name, table in model.named_modules():
         if isinstance(table, RowTable) and choose_placement(ple_placement, table.nbytes) == "host":
@@ -142,15 +154,19 @@ def _place_ple_tables(model: torch.nn.Module, ple_placement: str) -> None:
                      "pinned" if table.weight.is_pinned() else "pageable", time.perf_counter() - t0)
 
 
-def _load_checkpoint_model(name, device, dtype, quantize, parallel, ple_placement):
+def _load_checkpoint_model(name, device, dtype, quantize, parallel, ple_placement, experts_on_host=False):
+    """experts_on_host (an expert cache will hold them): the routed experts are read into host memory and
+    quantised there chunk by chunk on the device, so the model never has to fit the device whole."""
     path = resolve_model(name)
     cfg = load_config(path)
     model = build_model(cfg, device="meta", dtype=dtype)
     expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
     # 4-bit dense projections and routed experts of a GPTQ/AutoRound checkpoint stay packed (docs/int4.md).
     packed = frozenset([f"{module}.weight" for module in dense_int4_targets(model)] + int4_expert_keys(model))
-    # TODO(real sizes): the loader reads every tensor onto `device`, a host PLE table too, before it moves.
-    weights = load_checkpoint(path, expected, dtype=dtype, device=device, progress=True, packed_int4=packed)
+    host = frozenset(int4_expert_keys(model)) if experts_on_host else frozenset()
+    # TODO(real sizes): the loader reads a host PLE table onto `device` before it moves.
+    weights = load_checkpoint(path, expected, dtype=dtype, device=device, progress=True, packed_int4=packed,
+                              host_names=host)
     derived = {k: v for k, v in model.state_dict().items() if v.device.type != "meta"}
     for key, value in derived.items():
         if key in weights and not torch.equal(weights[key].cpu(), value):
@@ -165,7 +181,7 @@ def _load_checkpoint_model(name, device, dtype, quantize, parallel, ple_placemen
             module.inv_freq = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta).inv_freq
     weights = None  # the table's device copy is freed once it moves; the model holds every other tensor
     _place_ple_tables(model, ple_placement)
-    model = model.to(device)
+    _move_to(model, device, keep_host_experts=experts_on_host)
     nbytes = _state_bytes(model, device)
     if parallel is not None and parallel.world > 1:
         from flashnext.parallel.shard import shard_model
@@ -174,7 +190,7 @@ def _load_checkpoint_model(name, device, dtype, quantize, parallel, ple_placemen
         cfg = model.cfg
         nbytes = _state_bytes(model, device)
     if quantize == "int4":
-        dense, experts = quantize_dense_int4(model), quantize_experts_int4(model)
+        dense, experts = quantize_dense_int4(model), quantize_experts_int4(model, compute_device=device)
         log.info("quantised %d dense projections and %d routed-expert sets to int4 (RTN, group 128)", len(dense),
                  len(experts))
         nbytes = _state_bytes(model, device)

@@ -110,9 +110,10 @@ def quantize_dense_int4(model: nn.Module, group_size: int = 128) -> list[str]:
     return replaced
 
 
-def quantize_experts_int4(model: nn.Module, group_size: int = 128) -> list[str]:
+def quantize_experts_int4(model: nn.Module, group_size: int = 128, compute_device=None) -> list[str]:
     """Replace every routed `Experts` of `model` by Int4Experts (symmetric RTN per expert); returns their names.
-    The MoE side of `--quantize int4` (flashnext/models/layers/int4_experts.py)."""
+    The MoE side of `--quantize int4` (flashnext/models/layers/int4_experts.py). compute_device: where to round
+    (chunk by chunk) experts that live elsewhere, e.g. in host memory; the codes stay where the experts were."""
     from flashnext.models.layers.int4_experts import quantize_experts_int4 as replace_experts
 
-    return replace_experts(model, group_size)
+    return replace_experts(model, group_size, compute_device)

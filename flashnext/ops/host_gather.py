@@ -14,7 +14,7 @@ How a host tensor reaches the kernel: Triton's launcher turns each tensor argume
 cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_POINTER) (triton/backends/nvidia/driver.c, extractPointer).
 For page-locked, mapped host memory that returns the address the GPU uses for it; for ordinary pageable memory
 it fails ("Pointer argument cannot be accessed from Triton (cpu tensor?)"). So the table must be pinned
-(flashnext.models.layers.row_table.host_empty) and is passed as is.
+(flashnext.weights.pinned.host_empty) and is passed as is.
 """
 from __future__ import annotations
 

@@ -289,12 +289,14 @@ def load_checkpoint(
     device: str | torch.device = "cpu",
     progress: bool = True,
     packed_int4: frozenset[str] = frozenset(),
+    host_names: frozenset[str] = frozenset(),
 ) -> dict[str, torch.Tensor | Int4Weight]:
     """Read the checkpoint folder `path` into tensors keyed and shaped like `expected` ({name: (shape, dtype)}).
 
     Floating tensors come back in `dtype` (quantised ones dequantised), integer buffers in their expected dtype,
     all on `device`. Names in `packed_int4` that the checkpoint stores as 4-bit GPTQ come back as Int4Weight
-    (the kernel layout; scales keep the checkpoint's dtype) instead. Raises CheckpointError naming the problem for missing, unexpected or misshapen tensors,
+    (the kernel layout; scales keep the checkpoint's dtype) instead. Names in `host_names` are read into CPU
+    memory whatever `device` is (routed experts that an expert cache keeps in host RAM). Raises CheckpointError naming the problem for missing, unexpected or misshapen tensors,
     unreadable files and missing shards.
     """
     folder = Path(path)
@@ -302,10 +304,12 @@ def load_checkpoint(
     config = json.loads(config_file.read_text()) if config_file.exists() else {}
     device = torch.device(device)
     tensors = _Tensors(folder)
-    planner = _Planner(tensors, read_quantization_config(config), config, device, dtype, packed_int4)
+    quant = read_quantization_config(config)
+    planners = {on_host: _Planner(tensors, quant, config, torch.device("cpu") if on_host else device, dtype, packed_int4)
+                for on_host in (False, True)}
     recipes, missing = {}, []
     for name, (shape, _) in expected.items():
-        recipe = planner.plan(name, tuple(shape))
+        recipe = planners[name in host_names].plan(name, tuple(shape))
         if recipe is None:
             missing.append(name)
         else:

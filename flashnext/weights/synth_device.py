@@ -30,7 +30,8 @@ from flashnext.models.layers.int4_experts import Int4Experts, expert_group_size
 from flashnext.models.layers.int4_linear import Int4Linear
 from flashnext.models.layers.moe import Experts
 from flashnext.models.layers.rope import RotaryEmbedding
-from flashnext.models.layers.row_table import RowTable, choose_placement, host_empty
+from flashnext.models.layers.row_table import RowTable, choose_placement
+from flashnext.weights.pinned import host_empty
 from flashnext.models.quantize import dense_int4_targets, group_size_for
 from flashnext.weights.config import ModelConfig
 from flashnext.weights.int4_layout import Int4Weight

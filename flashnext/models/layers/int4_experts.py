@@ -27,8 +27,9 @@ def expert_group_size(in_features: int, group_size: int) -> int:
     return g
 
 
-def quantize_stacked(weight: torch.Tensor, group_size: int) -> Int4Weight:
-    """RTN of stacked expert weights [E, N, K] → a stacked Int4Weight ([E, K/8, N] codes).
+def quantize_stacked(weight: torch.Tensor, group_size: int, compute_device=None) -> Int4Weight:
+    """RTN of stacked expert weights [E, N, K] → a stacked Int4Weight ([E, K/8, N] codes) on weight's device,
+    rounded on `compute_device` (default: the same) chunk by chunk.
 
     quantize_rtn treats output rows independently, so E experts are quantised as one [E*N, K] matrix and the
     expert dimension is split off the packed columns afterwards."""
@@ -36,9 +37,9 @@ def quantize_stacked(weight: torch.Tensor, group_size: int) -> Int4Weight:
     g = expert_group_size(num_in, group_size)
     qweight, scales = [], []
     for chunk in weight.split(_EXPERTS_PER_CHUNK):
-        w = quantize_rtn(chunk.reshape(-1, num_in), g)
-        qweight.append(w.qweight.view(num_in // 8, len(chunk), num_out).transpose(0, 1))
-        scales.append(w.scales.view(num_in // g, len(chunk), num_out).transpose(0, 1))
+        w = quantize_rtn(chunk.to(compute_device or weight.device).reshape(-1, num_in), g)
+        qweight.append(w.qweight.view(num_in // 8, len(chunk), num_out).transpose(0, 1).to(weight.device))
+        scales.append(w.scales.view(num_in // g, len(chunk), num_out).transpose(0, 1).to(weight.device))
     return Int4Weight(torch.cat(qweight).contiguous(), torch.cat(scales).contiguous(), None, None, g)
 
 
@@ -53,9 +54,9 @@ class Int4Experts(nn.Module):
                 self.register_buffer(f"{prefix}_{name}", getattr(w, name))
 
     @classmethod
-    def from_experts(cls, experts: Experts, group_size: int = 128) -> Int4Experts:
-        return cls(quantize_stacked(experts.gate_up_proj.detach(), group_size),
-                   quantize_stacked(experts.down_proj.detach(), group_size))
+    def from_experts(cls, experts: Experts, group_size: int = 128, compute_device=None) -> Int4Experts:
+        return cls(quantize_stacked(experts.gate_up_proj.detach(), group_size, compute_device),
+                   quantize_stacked(experts.down_proj.detach(), group_size, compute_device))
 
     def weight_int4(self, prefix: str) -> Int4Weight:
         """The stacked Int4Weight of "gate_up" ([E, 2I, H]) or "down" ([E, H, I])."""
@@ -78,13 +79,13 @@ class Int4Experts(nn.Module):
                 f"int4 g{self.group_sizes[0]}/g{self.group_sizes[1]}")
 
 
-def quantize_experts_int4(model: nn.Module, group_size: int = 128) -> list[str]:
+def quantize_experts_int4(model: nn.Module, group_size: int = 128, compute_device=None) -> list[str]:
     """Replace every `Experts` of `model` by Int4Experts (symmetric RTN); returns their names."""
     replaced = []
     for name, module in list(model.named_modules()):
         if isinstance(module, Experts):
             owner_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(owner_name) if owner_name else model, child,
-                    Int4Experts.from_experts(module, group_size))
+                    Int4Experts.from_experts(module, group_size, compute_device))
             replaced.append(name)
     return replaced

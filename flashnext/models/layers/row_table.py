@@ -8,14 +8,13 @@ The parameter is called `weight`, so the state_dict key stays `...ple_embedding.
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import nn
 
+from flashnext.weights.pinned import host_empty
+
 PLACEMENTS = ("auto", "device", "host")
 HOST_TABLE_BYTES = 4 << 30  # "auto" puts larger tables in host memory
-_CUDA_HOST_REGISTER_PORTABLE_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
 def choose_placement(placement: str, nbytes: int) -> str:
@@ -25,27 +24,6 @@ def choose_placement(placement: str, nbytes: int) -> str:
     if placement == "auto":
         return "host" if nbytes > HOST_TABLE_BYTES else "device"
     return placement
-
-
-def host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """An uninitialised CPU tensor, page-locked and mapped for the GPU when `pin`.
-
-    Not torch.empty(pin_memory=True): torch's caching host allocator rounds every block up to a power of two,
-    so a 51 GB table would lock 64 GiB and a 102 GB one 128 GiB. Instead the exact range is registered with
-    cudaHostRegister (what torch itself does for shared-memory tensors, torch/cuda/_pin_memory_utils.py) and
-    unregistered when the storage dies. Registering faults every page in: touch them first from all cores."""
-    tensor = torch.empty(shape, dtype=dtype)
-    if pin and tensor.numel():
-        nbytes = tensor.numel() * tensor.element_size()
-        tensor.view(-1).view(torch.uint8)[::4096].zero_()  # one byte per page, in parallel
-        cudart = torch.cuda.cudart()
-        err = int(cudart.cudaHostRegister(tensor.data_ptr(), nbytes, _CUDA_HOST_REGISTER_PORTABLE_MAPPED))
-        if err != 0:
-            raise RuntimeError(f"could not pin {nbytes / 1e9:.1f} GB of host memory for the PLE table "
-                               f"(cudaHostRegister error {err}); is the host short of RAM?")
-        finalizer = weakref.finalize(tensor.untyped_storage(), cudart.cudaHostUnregister, tensor.data_ptr())
-        finalizer.atexit = False  # the process's exit frees it anyway, maybe after the CUDA context
-    return tensor
 
 
 class RowTable(nn.Module):
@@ -80,7 +58,7 @@ class RowTable(nn.Module):
         if src.device.type == "cpu" and (not pin or src.is_pinned()):
             host = src
         else:
-            host = host_empty(tuple(src.shape), src.dtype, pin)
+            host = host_empty(tuple(src.shape), src.dtype, pin, "the PLE table")
             host.copy_(src)
         self.set_weight(host, None if self.scale is None else self.scale.cpu(), "host")
 
