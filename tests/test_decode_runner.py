@@ -7,6 +7,7 @@ import torch
 from flashnext.engine.args import EngineArgs
 from flashnext.engine.cuda_graph import DecodeGraphs
 from flashnext.engine.llm_engine import LLMEngine
+from flashnext.engine.sampler import SamplingBatch
 from flashnext.engine.sampling_params import SamplingParams
 
 
@@ -49,3 +50,34 @@ def test_fixed_shape_runner_equals_eager(model):
     assert got == want
     assert any(seen_mixed), "no step mixed prefill chunks with fixed-shape decodes"
     assert {size for size, _ in runner.graphs.graphs} >= {1, 2, 4}   # several buckets, padded rows included
+
+
+def test_advanced_sampling_batch_equals_rebuilt():
+    """The runner advances last step's sampling batch on the device when the same requests sample again; with
+    penalties, min_tokens, logit bias and seeds that gives the tokens a rebuild every step gives."""
+    from flashnext.engine.llm import LLM
+
+    params = [SamplingParams(temperature=0.9, top_k=40, seed=5, repetition_penalty=1.3, presence_penalty=0.4,
+                             frequency_penalty=0.2, min_tokens=12, max_tokens=20, logit_bias={7: 3.0}),
+              SamplingParams(temperature=0.7, top_p=0.9, seed=9, frequency_penalty=0.5, max_tokens=16)]
+    prompts = [[5, 6, 7, 8], [30, 31]]
+    llm = LLM("tiny-flash-next", device="cpu", dtype="float32", enable_prefix_caching=False)
+    builds = []
+    build = SamplingBatch.build
+    SamplingBatch.build = classmethod(lambda cls, *a, **k: builds.append(1) or build(*a, **k))
+    try:
+        advanced = [c.token_ids for c in llm.generate(prompts, params)]
+    finally:
+        SamplingBatch.build = build
+    assert len(builds) <= 3                    # built when the batch changed, advanced on the device otherwise
+    runner, rebuilds = llm.engine.runner, []
+    original = runner._sampling_batch
+
+    def rebuilt(requests):
+        runner._last_batch = None
+        rebuilds.append(1)
+        return original(requests)
+
+    runner._sampling_batch = rebuilt
+    assert [c.token_ids for c in llm.generate(prompts, params)] == advanced
+    assert len(rebuilds) > 10

@@ -29,6 +29,10 @@ class ModelRunner:
         self.vocab_size = model.cfg.vocab_size
         # Requests without a seed share this generator: a server started with the same --seed replays.
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        # The last step's sampling batch, its requests and their output lengths, and the tokens it sampled: when
+        # the next step samples the same requests one token further, the batch is advanced on the device
+        # (SamplingBatch.append) instead of being rebuilt from Python lists (~10 host→device copies a step).
+        self._last_batch: tuple[list[int], list[int], SamplingBatch, torch.Tensor] | None = None
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> SamplerOutput | None:
@@ -85,13 +89,25 @@ class ModelRunner:
         return self.model.compute_logits(hidden[last]) if last_rows else None
 
     def _sampling_batch(self, requests) -> SamplingBatch:
+        ids, lengths = [id(r) for r in requests], [len(r.output_ids) for r in requests]
+        last = self._last_batch
+        if (last is not None and last[3] is not None and last[0] == ids
+                and all(n == m + 1 for n, m in zip(lengths, last[1]))):
+            batch = last[2]
+            batch.append(last[3])
+            self._last_batch = (ids, lengths, batch, last[3])
+            return batch
         batch = SamplingBatch.build([r.params for r in requests], [r.output_ids for r in requests],
                                     [r.prompt_ids for r in requests], self.vocab_size, self.device,
                                     eos_token_ids=self.eos_token_ids, generators=[r.generator for r in requests])
         for r, g in zip(requests, batch.generators):
             r.generator = g
+        self._last_batch = (ids, lengths, batch, None)
         return batch
 
     def _sample(self, logits: torch.Tensor, requests, batch: SamplingBatch) -> SamplerOutput:
         apply_constraints(logits, [r.constraint for r in requests])
-        return sample(logits, batch, generator=self.generator)
+        out = sample(logits, batch, generator=self.generator)
+        if self._last_batch is not None and self._last_batch[2] is batch:
+            self._last_batch = (*self._last_batch[:3], out.token_ids)
+        return out
