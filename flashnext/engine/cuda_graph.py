@@ -45,6 +45,11 @@ class DecodeGraphs:
         self.positions = torch.zeros(self.max_batch, **long)
         self.slots = torch.full((self.max_batch,), self.scratch_slot, **long)
         self.tables: dict[int, torch.Tensor] = {}
+        # Every slot's KV block table lives on the device and grows by the blocks appended since the last step
+        # (a long context is thousands of block ids: not rebuilt from a Python list every token); the step
+        # gathers its rows' tables from it by slot, inside the graph.
+        self.slot_tables = torch.full((states.num_slots, self.max_width), self.scratch_block, **long)
+        self._slot_blocks: dict[int, tuple[list[int], int]] = {}   # slot → (its request's block list, rows known)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self.pool = None
         self.capture = self.device.type == "cuda"
@@ -63,17 +68,28 @@ class DecodeGraphs:
         pad = size - n
         host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad],
                             dtype=torch.long)
-        table = torch.full((size, width), self.scratch_block, dtype=torch.long)
-        for row, blocks in enumerate(block_tables):
-            table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        for slot, blocks in zip(slots, block_tables):
+            self._update_slot_table(slot, blocks)
         self.input_ids[:size].copy_(host[0], non_blocking=True)
         self.positions[:size].copy_(host[1], non_blocking=True)
         self.slots[:size].copy_(host[2], non_blocking=True)
-        self.tables[width][:size].copy_(table, non_blocking=True)
         if graph is None:
             return self._step(self._batch(size, width))[:n]
         graph.replay()
         return logits[:n]
+
+    def _update_slot_table(self, slot: int, blocks: list[int]) -> None:
+        """Copy the blocks this slot's table lacks. A request's block list is only ever extended, or replaced by a
+        new list (a new request in the slot, a resume): held by reference, so `is` tells them apart."""
+        known, count = self._slot_blocks.get(slot, (None, 0))
+        if known is not blocks:
+            count = 0
+            if known is not None:
+                self.slot_tables[slot].fill_(self.scratch_block)
+        if count < len(blocks):
+            new = torch.tensor(blocks[count:], dtype=torch.long)
+            self.slot_tables[slot, count: len(blocks)].copy_(new, non_blocking=True)
+        self._slot_blocks[slot] = (blocks, len(blocks))
 
     def _batch(self, size: int, width: int) -> DecodeBatch:
         if width not in self.tables:
@@ -83,6 +99,7 @@ class DecodeGraphs:
                            self.kv, self.states)
 
     def _step(self, batch: DecodeBatch) -> torch.Tensor:
+        torch.index_select(self.slot_tables[:, : batch.block_table.shape[1]], 0, batch.slots, out=batch.block_table)
         return self.model.compute_logits(self.model.decode(batch))
 
     @torch.inference_mode()
@@ -97,7 +114,6 @@ class DecodeGraphs:
         self.input_ids.zero_()
         self.positions.zero_()
         self.slots.fill_(self.scratch_slot)
-        self._batch(size, width).block_table.fill_(self.scratch_block)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
