@@ -90,6 +90,8 @@ def test_shard_refuses_uneven_heads():
 
 
 def test_engine_tensor_parallel_same_tokens():
+    """The engine at tensor_parallel=2 equals world 1, with the prefix cache on: a second turn of each
+    conversation resumes from snapshots that every rank took of its own heads (parallel/mirror.py)."""
     from flashnext.engine.args import EngineArgs
     from flashnext.engine.llm_engine import LLMEngine
     from flashnext.engine.sampling_params import SamplingParams
@@ -97,14 +99,21 @@ def test_engine_tensor_parallel_same_tokens():
 
     prompts = [[(7 * i + 3 * j) % 470 + 3 for j in range(n)] for i, n in enumerate((5, 40, 23))]
 
-    def run(engine):
+    def turn(engine, prompts, tag):
         for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-        out = {str(i): [] for i in range(len(prompts))}
+            engine.add_request(f"{tag}{i}", p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        out, cached = {f"{tag}{i}": [] for i in range(len(prompts))}, {}
         while engine.has_work():
             for o in engine.step():
                 out[o.request_id] += o.token_ids
-        return out
+                cached[o.request_id] = o.cached_tokens
+        return [out[f"{tag}{i}"] for i in range(len(prompts))], cached
+
+    def run(engine):
+        first, _ = turn(engine, prompts, "a")
+        second, cached = turn(engine, [p + r + [11, 12, 13] for p, r in zip(prompts, first)], "b")
+        assert sum(cached.values()) > 0, "the second turn should hit the prefix cache"
+        return first, second
 
     args = dict(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=24,
                 max_model_len=256)

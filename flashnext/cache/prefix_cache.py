@@ -72,6 +72,9 @@ class PrefixCache:
         self.root = Node((), ROOT_HASH, -1, None)
         self.lru: OrderedDict[bytes, tuple[Node, tuple[int, ...]]] = OrderedDict()
         self.snapshot_bytes = 0
+        # Several ranks (flashnext/parallel/mirror.py): every snapshot taken, resumed or dropped here is also
+        # done by each rank on its own share of the state; None on one device.
+        self.mirror = None
 
     # ---- lookup and resume ----
     def lookup(self, tokens: list[int], limit: int) -> PrefixHit | None:
@@ -114,6 +117,8 @@ class PrefixCache:
         self.states.restore(slot, hit.snapshot.state)
         if hit.snapshot.tail_kv is not None:
             write_block(self.kv, blocks[len(hit.blocks)], hit.snapshot.tail_kv)
+        if self.mirror is not None:
+            self.mirror.resume(hit.snapshot, slot, blocks[len(hit.blocks)] if hit.snapshot.tail_kv is not None else -1)
 
     # ---- insertion ----
     def insert(self, tokens: list[int], blocks: list[int], slot: int, num_tokens: int, turn_end: bool = False) -> None:
@@ -136,6 +141,8 @@ class PrefixCache:
         if snap is None:
             tail_kv = {k: v.clone() for k, v in read_block(self.kv, blocks[d]).items()} if tail else None
             snap = Snapshot(num_tokens, tail, self.states.snapshot(slot), tail_kv)
+            if self.mirror is not None:
+                self.mirror.take(snap, slot, blocks[d] if tail else -1)
             node.snapshots[tail] = snap
             self.snapshot_bytes += snap.nbytes
         self.lru[key] = (node, tail)
@@ -188,6 +195,8 @@ class PrefixCache:
         node, tail = self.lru.pop(key)
         snap = node.snapshots.pop(tail)
         self.snapshot_bytes -= snap.nbytes
+        if self.mirror is not None:
+            self.mirror.drop(snap)
         if self.lower is not None:
             self._write_down(self.lower, node, key, snap)
         self._prune(node)

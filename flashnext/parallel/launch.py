@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 from flashnext.engine.args import EngineArgs, resolve_dtype
 from flashnext.engine.loading import load_model
+from flashnext.parallel.mirror import SnapshotMirror
 from flashnext.parallel.runtime import (ParallelPlan, attach_broadcaster, free_port, init_process, rank_device,
                                         send_stop, worker_loop, world_size)
 
@@ -50,19 +51,21 @@ def _worker(rank: int, args: EngineArgs, port: int) -> None:
 
 def launch_engine(args: EngineArgs):
     """An LLMEngine whose model spans `max(tensor_parallel, expert_parallel)` devices; world size 1 is the plain
-    engine. The prefix cache is off across ranks (its snapshots would have to be taken on every rank)."""
+    engine. The prefix cache works across ranks in device memory (every rank snapshots its own share,
+    parallel/mirror.py); its host and disk tiers are off there (they would need a store per rank)."""
     from flashnext.engine.llm_engine import LLMEngine
 
     world = world_size(args.tensor_parallel, args.expert_parallel)
     if world == 1:
         return LLMEngine(args)
-    if args.enable_prefix_caching:
-        log.info("prefix caching is not supported across %d ranks yet; running without it", world)
+    if args.enable_prefix_caching and (args.kv_host_gb or args.kv_disk_dir):
+        log.warning("the prefix cache's host and disk tiers do not work across %d ranks yet; device memory only",
+                    world)
     device = rank_device(args.device, 0)
     if device.type == "cuda" and torch.cuda.device_count() < world:
         raise ValueError(f"--tensor-parallel/--expert-parallel {world} needs {world} GPUs; "
                          f"{torch.cuda.device_count()} visible")
-    args = dataclasses.replace(args, enable_prefix_caching=False, device=str(device))
+    args = dataclasses.replace(args, kv_host_gb=0.0, kv_disk_dir=None, device=str(device))
     port = free_port()
     ctx = mp.get_context("spawn")
     workers = [ctx.Process(target=_worker, args=(rank, args, port), daemon=True, name=f"flashnext-rank{rank}")
@@ -70,8 +73,11 @@ def launch_engine(args: EngineArgs):
     for w in workers:
         w.start()
     loaded, device, _ = _load(args, 0, port)
-    attach_broadcaster(loaded.model)
+    mirror = SnapshotMirror()
+    attach_broadcaster(loaded.model, mirror)
     engine = LLMEngine(args, loaded=loaded)
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.mirror = mirror
     _started.append((workers, device))
     atexit.register(shutdown)
     log.info("rank 0 of %d (tensor parallel %d, expert parallel %d); workers %s", world, args.tensor_parallel,

@@ -19,11 +19,12 @@ import torch.distributed as dist
 from flashnext.cache.kv_pool import KVPool
 from flashnext.cache.state_pool import StatePool
 from flashnext.models.context import ForwardContext, Segment
+from flashnext.parallel.mirror import SnapshotMirror, WorkerSnapshots
 
 log = logging.getLogger("flashnext.parallel")
 
 STOP, STEP = 0, 1
-_HEADER = 8        # cmd, tokens, segments, block ids, pool id, pool blocks, block size, pool slots
+_HEADER = 9        # cmd, tokens, segments, block ids, pool id, pool blocks, block size, pool slots, snapshot ops
 _SEGMENT = 5       # slot, start, length, context_len, number of block ids
 _POOLS_KEPT = 4    # pool pairs a worker keeps (an engine has one; tests open a few Sessions)
 
@@ -82,36 +83,40 @@ def send_stop(device: torch.device) -> None:
     _broadcast(header)
 
 
-def broadcast_step(input_ids: torch.Tensor, ctx: ForwardContext) -> None:
-    """Rank 0: tell the workers which forward comes next."""
+def broadcast_step(input_ids: torch.Tensor, ctx: ForwardContext, mirror: SnapshotMirror | None = None) -> None:
+    """Rank 0: tell the workers which forward comes next, and what the prefix cache did since the last one."""
     device = input_ids.device
     segs = ctx.segments
     table = [[s.slot, s.start, s.length, s.context_len, s.blocks.numel()] for s in segs]
     blocks = [s.blocks.to(device=device, dtype=torch.long) for s in segs]
     n_blocks = sum(b.numel() for b in blocks)
+    ops = mirror.flush() if mirror is not None else []
     header = torch.tensor([STEP, input_ids.numel(), len(segs), n_blocks, id(ctx.kv), ctx.kv.num_blocks,
-                           ctx.kv.block_size, ctx.states.num_slots], dtype=torch.long, device=device)
+                           ctx.kv.block_size, ctx.states.num_slots, len(ops)], dtype=torch.long, device=device)
     _broadcast(header)
-    payload = torch.cat([input_ids.long(), torch.tensor(table, dtype=torch.long, device=device).flatten(), *blocks])
+    payload = torch.cat([input_ids.long(), torch.tensor(table, dtype=torch.long, device=device).flatten(), *blocks,
+                         torch.tensor(ops, dtype=torch.long, device=device)])
     _broadcast(payload)
 
 
-def attach_broadcaster(model: torch.nn.Module):
-    """Rank 0: every forward of `model` is announced to the workers first. Returns the hook handle."""
-    return model.register_forward_pre_hook(lambda module, args: broadcast_step(*args))
+def attach_broadcaster(model: torch.nn.Module, mirror: SnapshotMirror | None = None):
+    """Rank 0: every forward of `model` is announced to the workers first (with `mirror`'s snapshot ops, when
+    the engine has a prefix cache). Returns the hook handle."""
+    return model.register_forward_pre_hook(lambda module, args: broadcast_step(*args, mirror=mirror))
 
 
 @torch.inference_mode()
 def worker_loop(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> int:
     """Ranks > 0: run what rank 0 announces until it says stop; returns the number of forwards run."""
     pools: dict[tuple, tuple[KVPool, StatePool]] = {}
+    snapshots = WorkerSnapshots()
     steps = 0
     while True:
-        cmd, n_tok, n_seg, n_blk, pool_id, num_blocks, block_size, num_slots = _broadcast(
+        cmd, n_tok, n_seg, n_blk, pool_id, num_blocks, block_size, num_slots, n_ops = _broadcast(
             torch.empty(_HEADER, dtype=torch.long, device=device)).tolist()
         if cmd == STOP:
             return steps
-        payload = _broadcast(torch.empty(n_tok + _SEGMENT * n_seg + n_blk, dtype=torch.long, device=device))
+        payload = _broadcast(torch.empty(n_tok + _SEGMENT * n_seg + n_blk + n_ops, dtype=torch.long, device=device))
         key = (pool_id, num_blocks, block_size, num_slots)
         if key not in pools:
             # Each pool of rank 0 (the engine's, or a Session's) has its twin here, sized as rank 0 planned it.
@@ -122,7 +127,9 @@ def worker_loop(model: torch.nn.Module, dtype: torch.dtype, device: torch.device
         kv, states = pools[key]
         ids = payload[:n_tok]
         table = payload[n_tok: n_tok + _SEGMENT * n_seg].view(n_seg, _SEGMENT).tolist()
-        blocks = payload[n_tok + _SEGMENT * n_seg:]
+        blocks = payload[n_tok + _SEGMENT * n_seg: n_tok + _SEGMENT * n_seg + n_blk]
+        # The prefix cache's snapshot ops since the last step, before this step's forward (and its slot resets).
+        snapshots.apply(payload[len(payload) - n_ops:].tolist() if n_ops else [], kv, states)
         segments, offset = [], 0
         for slot, start, length, context_len, count in table:
             if context_len == 0:
