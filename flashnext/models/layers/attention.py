@@ -35,6 +35,11 @@ class GatedAttention(nn.Module):
     def token_mask(self, x, cos, sin, ctx: ForwardContext, seg: Segment) -> torch.Tensor | None:
         return None
 
+    def token_lists(self, x, cos, sin, ctx: ForwardContext, seg: Segment) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a long segment, (token_index [T, S], token_valid [T, S]) of what each query attends to, so that
+        attention reads S tokens per query instead of a [T, total] mask; None: use token_mask."""
+        return None
+
     def decode_selection(self, x, cos, sin, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(token_index [B, T], token_valid [B, T]) each row may attend to, or None: every earlier token."""
         return None
@@ -71,11 +76,23 @@ class GatedAttention(nn.Module):
             new_rows = ctx.kv.token_rows(seg.blocks, seg.context_len, seg.total_len)
             k_cache[new_rows] = k[rows]
             v_cache[new_rows] = v[rows]
+            lists = self.token_lists(x[rows], cos[rows], sin[rows], ctx, seg)
+            if lists is not None:
+                out[rows] = self._attend_lists(q[rows], ctx, seg, *lists)
+                continue
             all_rows = ctx.kv.token_rows(seg.blocks, 0, seg.total_len)
             mask = self.token_mask(x[rows], cos[rows], sin[rows], ctx, seg)
             out[rows] = self._attend(q[rows], k_cache[all_rows], v_cache[all_rows], seg, mask)
         out = out.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
         return self.o_proj(out)
+
+    def _attend_lists(self, q, ctx: ForwardContext, seg: Segment, token_index, token_valid) -> torch.Tensor:
+        """Each query of the segment over its own token list, through the paged decode-attention op (one row per
+        query, the segment's block table shared): work and memory O(T · S), nothing O(T · total)."""
+        queries = torch.arange(seg.context_len, seg.total_len, device=q.device)
+        table = seg.blocks[None, :].expand(seg.length, -1)
+        return decode_attention(q, ctx.kv.k[self.layer_idx], ctx.kv.v[self.layer_idx], table, queries + 1,
+                                self.scaling, token_index=token_index, token_valid=token_valid)
 
     def _attend(self, q, k, v, seg: Segment, mask: torch.Tensor | None) -> torch.Tensor:
         """q [T, H, D]; k, v [L, KVH, D] with L = context + T → [T, H, D].

@@ -4,6 +4,12 @@ from flashnext.models.layers.qsa_indexer import QSAIndexer
 from flashnext.weights.config import ModelConfig
 
 
+def lists_pay_off(x, seg, indexer: QSAIndexer) -> bool:
+    """Token lists for long segments on the GPU (the Triton op reads S tokens per query). On a CPU the op's
+    reference reads every page of the table for each query, O(T · total) memory: the mask stays cheaper there."""
+    return x.is_cuda and seg.total_len > indexer.sparse_prefill_min
+
+
 class IndexedAttention(GatedAttention):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rope):
         super().__init__(cfg, layer_idx)
@@ -11,6 +17,9 @@ class IndexedAttention(GatedAttention):
 
     def token_mask(self, x, cos, sin, ctx, seg):
         return self.indexer(x, cos, sin, ctx, seg)
+
+    def token_lists(self, x, cos, sin, ctx, seg):
+        return self.indexer.token_lists(x, cos, sin, ctx, seg) if lists_pay_off(x, seg, self.indexer) else None
 
     def decode_selection(self, x, cos, sin, batch):
         return self.indexer.decode(x, cos, sin, batch)

@@ -22,6 +22,9 @@ from flashnext.ops.norm_rope import norm_rope
 from flashnext.weights.config import ModelConfig
 
 
+SPARSE_PREFILL_BUDGETS = 8  # token lists pay off once the context is several budgets long (16K on Flash-Next)
+
+
 class QSAIndexer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rope):
         super().__init__()
@@ -30,10 +33,50 @@ class QSAIndexer(nn.Module):
         self.head_dim = cfg.indexer_head_dim
         self.ratio = cfg.indexer_compress_ratio
         self.block_topk = cfg.indexer_budget // cfg.indexer_compress_ratio
+        # Above this many tokens of context a prefill segment attends through token lists, not a mask (GPU).
+        self.sparse_prefill_min = SPARSE_PREFILL_BUDGETS * cfg.indexer_budget
         self.index_qk_proj = nn.Linear(cfg.hidden_size, (self.num_heads + 1) * self.head_dim, bias=False)
         self.q_layernorm = ZeroCenteredRMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
         self.k_layernorm = ZeroCenteredRMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
         self._rope = [rope]   # shared with the model, kept out of the module tree (no duplicate buffers)
+
+    def _lists(self, scores: torch.Tensor, pos: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block scores [n, blocks] (blocks not complete before each query at -inf) of queries at positions pos [n]
+        → (token_index, token_valid) [n, top-k · ratio + ratio − 1]: the top blocks' tokens, then the tail tokens
+        of the query's incomplete block. Invalid entries stay below `limit` (a valid position)."""
+        r = self.ratio
+        complete_before = (pos + 1) // r
+        top = scores.topk(min(self.block_topk, scores.shape[1]), dim=-1).indices
+        chosen_valid = top < complete_before[:, None]
+        within = torch.arange(r, device=pos.device)
+        chosen = (top[:, :, None] * r + within).flatten(1)
+        tail = complete_before[:, None] * r + within[None, : r - 1]
+        token_index = torch.cat([chosen, tail.clamp(max=limit - 1)], dim=1)
+        token_valid = torch.cat([chosen_valid[:, :, None].expand(-1, -1, r).flatten(1), tail <= pos[:, None]], dim=1)
+        return token_index, token_valid
+
+    def token_lists(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext,
+                    seg: Segment) -> tuple[torch.Tensor, torch.Tensor]:
+        """The selection of `forward` as token lists ([T, S] positions and validity) instead of a [T, total] mask,
+        for long prompts (IndexedAttention uses it above `sparse_prefill_min` tokens of context)."""
+        q, raw = torch.split(self.index_qk_proj(x), [self.num_heads * self.head_dim, self.head_dim], dim=-1)
+        q = norm_rope(q.view(-1, self.num_heads, self.head_dim), self.q_layernorm.weight, self.q_layernorm.eps, cos, sin)
+        self._append_block_keys(raw, ctx, seg)
+        num_blocks = seg.total_len // self.ratio
+        per_page = ctx.kv.block_size // self.ratio
+        block_ids = torch.arange(num_blocks, device=x.device)
+        rows = seg.blocks[block_ids // per_page] * per_page + block_ids % per_page
+        keys = ctx.kv.index_keys[self.layer_idx].view(-1, self.head_dim)[rows].float()
+        query_pos = torch.arange(seg.context_len, seg.total_len, device=x.device)
+        index, valid = [], []
+        for start in range(0, seg.length, QUERY_BLOCK):
+            end = min(start + QUERY_BLOCK, seg.length)
+            scores = torch.einsum("thd,bd->tbh", q[start:end].float(), keys).relu().sum(-1) / math.sqrt(self.head_dim)
+            visible = block_ids[None, :] < ((query_pos[start:end] + 1) // self.ratio)[:, None]
+            i, v = self._lists(scores.masked_fill(~visible, float("-inf")), query_pos[start:end], seg.total_len)
+            index.append(i)
+            valid.append(v)
+        return torch.cat(index), torch.cat(valid)
 
     def _key(self, pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Pooled raw keys [B, D] → block keys: k_layernorm'ed and RoPE'd at the block's first position."""
@@ -121,11 +164,4 @@ class QSAIndexer(nn.Module):
         complete_before = (pos + 1) // r
         block_ids = torch.arange(capacity, device=x.device)
         scores = scores.masked_fill(block_ids[None, :] >= complete_before[:, None], float("-inf"))
-        top = scores.topk(min(self.block_topk, capacity), dim=-1).indices        # [B, k]
-        chosen_valid = top < complete_before[:, None]
-        within = torch.arange(r, device=x.device)
-        chosen = (top[:, :, None] * r + within).flatten(1)
-        tail = complete_before[:, None] * r + within[None, : r - 1]
-        token_index = torch.cat([chosen, tail.clamp(max=capacity * r - 1)], dim=1)
-        token_valid = torch.cat([chosen_valid[:, :, None].expand(-1, -1, r).flatten(1), tail <= pos[:, None]], dim=1)
-        return token_index, token_valid
+        return self._lists(scores, pos, capacity * r)
