@@ -29,6 +29,7 @@ part hc python3 scripts/gpu_hyper_connection.py
 part moe python3 scripts/gpu_moe.py --quick
 part w4a16 python3 scripts/gpu_w4a16.py --quick
 part sparse_prefill python3 scripts/gpu_sparse_prefill.py
+part gdn_prefill python3 scripts/gpu_gdn_prefill.py
 part decode python3 scripts/gpu_decode.py --fp32-only --model mem:flash-next --quantize int4
 if [ -z "${SKIP_BENCH:-}" ]; then
   for m in flash-next qwen3-next-80b; do

@@ -6,6 +6,9 @@ Value head j reads key head j // (Hv // Hk). Per token, in fp32:
 with q, k l2-normalised and q scaled by Dk^-½. Two equal formulations: `recurrent` (token by token,
 cheap for decode) and `chunked` (UT transform over chunks of 64, matmul-friendly for prefill).
 """
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -82,8 +85,35 @@ def gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size: int = 64):
     return out.transpose(0, 1).to(out_dtype), s
 
 
+@functools.cache
+def _fla_chunk():
+    """fla-core's chunked kernel (Triton, GPU only) when installed and not switched off with
+    FLASHNEXT_GDN_PREFILL=reference; None otherwise."""
+    if os.environ.get("FLASHNEXT_GDN_PREFILL", "fla") == "reference":
+        return None
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
+
+
+def gated_delta_rule_fla(q, k, v, g, beta, state):
+    """The chunked form through fla-core (`pip install fla-core`): same contract as the references. fla
+    l2-normalises q and k in its kernel, scales q by Dk^-½, maps value head j to key head j // (Hv/Hk) (its
+    grouped-value layout) and keeps the state in fp32."""
+    chunk = _fla_chunk()
+    o, final = chunk(q[None], k[None], v[None], g.float()[None], beta[None].to(v.dtype), scale=q.shape[-1] ** -0.5,
+                     initial_state=state.float()[None].contiguous(), output_final_state=True,
+                     use_qk_l2norm_in_kernel=True)
+    return o[0].to(v.dtype), final[0].float()
+
+
 def gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
-    """Picks the form the way fla's layers do: token by token for short inputs, chunked otherwise."""
+    """Picks the form the way fla's layers do: token by token for short inputs, chunked otherwise — on a GPU
+    through fla-core when it is installed (docs/architecture.md), else the torch reference."""
     if v.shape[0] < 16:
         return gated_delta_rule_recurrent(q, k, v, g, beta, state)
+    if v.is_cuda and _fla_chunk() is not None:
+        return gated_delta_rule_fla(q, k, v, g, beta, state)
     return gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size)
