@@ -10,7 +10,8 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before trito
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from flashnext.models.layers.norms import ZeroCenteredRMSNorm
-from flashnext.models.layers.rope import RotaryEmbedding, apply_rotary
+from flashnext.models.layers.rope import RotaryEmbedding
+from flashnext.ops.rope import apply_rotary
 from flashnext.ops.norm_rope import norm_rope_reference
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

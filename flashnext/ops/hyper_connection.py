@@ -20,6 +20,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from flashnext.ops.rms_norm import rms_norm_reference
+
 DECODE_MAX_ROWS = 16
 
 
@@ -27,9 +29,7 @@ def hc_mix_reference(h: torch.Tensor, norm_weight: torch.Tensor, w_down: torch.T
                      w_inject: torch.Tensor | None, hc: int, hidden: int,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """h [N, hc·H] → (block input [N, H], injection weights [N, hc] or None), as HyperConnection.mix."""
-    x = h.float().unflatten(-1, (hc, hidden))
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    normed = (x.flatten(-2) * (1.0 + norm_weight.float())).type_as(h)
+    normed = rms_norm_reference(h, norm_weight, eps, group_size=hidden)
     mix = F.silu(F.linear(normed, w_down) / hc)
     mix = torch.sigmoid(F.linear(mix, w_up)).unflatten(-1, (hc, hidden))
     block_input = (mix * normed.unflatten(-1, (hc, hidden))).mean(dim=-2)

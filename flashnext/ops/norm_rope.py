@@ -13,14 +13,13 @@ import os
 
 import torch
 
-from flashnext.models.layers.rope import apply_rotary
+from flashnext.ops.rms_norm import rms_norm_reference
+from flashnext.ops.rope import apply_rotary
 
 
 def norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                         sin: torch.Tensor) -> torch.Tensor:
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return apply_rotary((h * (1.0 + weight.float())).type_as(x), cos, sin)
+    return apply_rotary(rms_norm_reference(x, weight, eps), cos, sin)
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashnext.ops.rms_norm import rms_norm
+
 
 class ZeroCenteredRMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6, group_size: int | None = None):
@@ -17,14 +19,9 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        if self.group_size is not None:
-            h = h.reshape(*h.shape[:-1], -1, self.group_size)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.group_size is not None:
-            h = h.flatten(-2)
-        # Multiply in fp32, then round once: transformers does the same and bf16 parity depends on it.
-        return (h * (1.0 + self.weight.float())).type_as(x)
+        # fp32 inside, one rounding at the end: transformers does the same and bf16 parity depends on it
+        # (ops/rms_norm.py: the math, and one kernel for it on the GPU).
+        return rms_norm(x, self.weight, self.eps, self.group_size)
 
 
 class GatedRMSNorm(nn.Module):

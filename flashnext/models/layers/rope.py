@@ -1,7 +1,8 @@
 """Partial rotary position embedding (the first `rotary_dim` features of a head rotate).
 
 The Qwen3.5 / Flash-Next configs declare interleaved mRoPE; for text every position component is the
-same, and the interleaving then reduces to plain 1-D RoPE, which is what this computes.
+same, and the interleaving then reduces to plain 1-D RoPE, which is what this computes. Applying the rotation
+to heads is ops/rope.py (fused with the q/k norms in ops/norm_rope.py).
 """
 import torch
 from torch import nn
@@ -18,16 +19,3 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, D]; cos/sin [N, R] with R ≤ D: rotate the first R features of every head."""
-    r = cos.shape[-1]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    x_rot, x_pass = x[..., :r], x[..., r:]
-    return torch.cat([x_rot * cos + rotate_half(x_rot) * sin, x_pass], dim=-1)

@@ -1,0 +1,34 @@
+"""Zero-centred RMSNorm in one kernel, one program per (row, group) (reference: ops/rms_norm.py)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_row, groups, group_size, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0) // groups
+    group = tl.program_id(0) % groups
+    offs = tl.arange(0, BLOCK)
+    ok = offs < group_size
+    col = group * group_size + offs
+    x = tl.load(x_ptr + row * stride_row + col, mask=ok, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / group_size + eps)
+    w = tl.load(w_ptr + col, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * groups * group_size + col, (x * rstd * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int | None = None) -> torch.Tensor:
+    dim = x.shape[-1]
+    group_size = group_size or dim
+    rows = x.reshape(-1, dim) if x.stride(-1) == 1 else x.reshape(-1, dim).contiguous()
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    groups = dim // group_size
+    if rows.shape[0]:
+        block = triton.next_power_of_2(group_size)
+        _rms_norm_kernel[(rows.shape[0] * groups,)](rows, weight, out, rows.stride(0), groups, group_size, eps,
+                                                     BLOCK=block, num_warps=8 if block >= 4096 else 4)
+    return out

@@ -1,0 +1,30 @@
+"""Zero-centred RMSNorm: the op's reference is the module's math, and the Triton kernel (TRITON_INTERPRET=1 on
+CPU) equals it, per row and per group, with strided rows."""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # the interpreter must be chosen before triton decorates the kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from flashnext.ops.rms_norm import rms_norm_reference
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+
+@pytest.mark.parametrize("shape,group", [((3, 64), None), ((2, 5, 48), None), ((4, 4 * 40), 40), ((1, 2048), None),
+                                         ((0, 32), None)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernel_equals_reference(shape, group, dtype):
+    from flashnext.ops.rms_norm_triton import rms_norm_triton
+
+    g = torch.Generator().manual_seed(sum(shape))
+    wide = torch.randn(*shape[:-1], shape[-1] + 8, generator=g).to(dtype)
+    x = wide[..., : shape[-1]]                                   # rows not contiguous with each other
+    weight = (torch.randn(shape[-1], generator=g) * 0.2).to(dtype)
+    got = rms_norm_triton(x, weight, 1e-6, group)
+    want = rms_norm_reference(x, weight, 1e-6, group)
+    assert got.shape == want.shape and got.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 2e-3, atol=1e-5)
