@@ -1,4 +1,4 @@
-"""On the GPU machine: bf16 checks of the small fused ops (norm + RoPE, router top-k) against their references.
+"""On the GPU machine: bf16 checks of the small fused ops (RMSNorm, norm + RoPE, router top-k) against their references.
 Run: python3 scripts/gpu_small_ops.py"""
 import torch, sys
 from flashnext.ops.norm_rope import norm_rope_reference
@@ -21,4 +21,12 @@ for rows in (1, 8, 300):
     err = (wt.float().sort(1).values - wr.float().sort(1).values).abs().max().item()
     ok &= same > 0.99 and err < 1e-2
     print(f"router_topk {rows} rows: same experts {same:.3f}, weight err {err:.1e}")
+from flashnext.ops.rms_norm import rms_norm_reference
+from flashnext.ops.rms_norm_triton import rms_norm_triton
+for rows, dim, group in [(1, 2048, None), (8, 2048, None), (300, 10240, 2560)]:
+    x = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16) * 3
+    w = torch.randn(dim, device="cuda", dtype=torch.bfloat16) * 0.2
+    a = rms_norm_triton(x, w, 1e-6, group).float(); b = rms_norm_reference(x, w, 1e-6, group).float()
+    err = ((a - b).abs().max() / b.abs().max()).item(); ok &= err < 1e-2
+    print(f"rms_norm {rows}x{dim} group {group} bf16 max rel err {err:.1e}")
 print("KERNELS OK" if ok else "KERNEL MISMATCH"); sys.exit(0 if ok else 1)
