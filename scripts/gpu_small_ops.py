@@ -29,4 +29,21 @@ for rows, dim, group in [(1, 2048, None), (8, 2048, None), (300, 10240, 2560)]:
     a = rms_norm_triton(x, w, 1e-6, group).float(); b = rms_norm_reference(x, w, 1e-6, group).float()
     err = ((a - b).abs().max() / b.abs().max()).item(); ok &= err < 1e-2
     print(f"rms_norm {rows}x{dim} group {group} bf16 max rel err {err:.1e}")
+from flashnext.ops.qsa_key_append import qsa_key_append_reference
+from flashnext.ops.qsa_key_append_triton import qsa_key_append_triton
+inv_freq = RotaryEmbedding(64, 1e7).inv_freq.cuda()
+slots = torch.tensor([3, 0, 2, 5], device="cuda"); table = torch.randperm(64, device="cuda").view(4, 16)
+w = torch.randn(128, device="cuda", dtype=torch.bfloat16) * 0.2
+state = {n: (torch.zeros(8, 3, 128, device="cuda", dtype=torch.bfloat16),
+             torch.zeros(64, 4, 128, device="cuda", dtype=torch.bfloat16)) for n in ("k", "r")}
+positions = torch.tensor([0, 7, 30, 61], device="cuda")
+for _ in range(9):
+    raw = torch.randn(4, 5 * 128, device="cuda", dtype=torch.bfloat16)[:, 4 * 128:]
+    for n, fn in (("k", qsa_key_append_triton), ("r", qsa_key_append_reference)):
+        fn(raw, state[n][0], slots, positions, table, state[n][1], w, 1e-6, inv_freq)
+    positions = positions + 1
+err = max(((state["k"][i].float() - state["r"][i].float()).abs().max() / state["r"][i].float().abs().max()).item()
+          for i in (0, 1))
+ok &= err < 2e-2
+print(f"qsa_key_append bf16 9 steps max rel err {err:.1e}")
 print("KERNELS OK" if ok else "KERNEL MISMATCH"); sys.exit(0 if ok else 1)

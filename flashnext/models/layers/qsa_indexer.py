@@ -19,6 +19,7 @@ from flashnext.models.decode_batch import DecodeBatch
 from flashnext.models.layers.attention import QUERY_BLOCK
 from flashnext.models.layers.norms import ZeroCenteredRMSNorm
 from flashnext.ops.norm_rope import norm_rope
+from flashnext.ops.qsa_key_append import qsa_key_append
 from flashnext.weights.config import ModelConfig
 
 
@@ -142,18 +143,10 @@ class QSAIndexer(nn.Module):
         (otherwise into the row of the incomplete block itself, which nothing reads before it completes)."""
         q, raw = torch.split(self.index_qk_proj(x), [self.num_heads * self.head_dim, self.head_dim], dim=-1)
         pos, r = batch.positions, self.ratio
-        offset = pos % r
-        ring = batch.states.index_ring[self.layer_idx]
-        held = ring[batch.slots]                                                   # [B, r-1, D]
-        group = torch.cat([held, raw[:, None, :]], dim=1)
-        start_cos, start_sin = self._rope[0](pos - offset, raw.dtype)
-        key = self._key(group.float().mean(dim=1).to(raw.dtype), start_cos, start_sin)
         keys = batch.kv.index_keys[self.layer_idx]                                 # [blocks, per_page, D]
         per_page = keys.shape[1]
-        keys.view(-1, self.head_dim).index_copy_(0, batch.page_rows(pos // r, per_page), key)
-        keep = torch.where((offset == r - 1)[:, None], held.gather(1, offset.clamp(max=r - 2)[:, None, None]
-                                                                      .expand(-1, 1, self.head_dim))[:, 0], raw)
-        ring[batch.slots, offset.clamp(max=r - 2)] = keep
+        qsa_key_append(raw, batch.states.index_ring[self.layer_idx], batch.slots, pos, batch.block_table, keys,
+                       self.k_layernorm.weight, self.k_layernorm.eps, self._rope[0].inv_freq)
 
         capacity = batch.block_table.shape[1] * per_page                         # block slots of the table
         if capacity <= self.block_topk:

@@ -1,0 +1,50 @@
+"""The QSA indexer's decode-time key bookkeeping: one new raw key per row joins its sequence's current block.
+
+Per row b (position p, slot s, offset o = p mod r, r = compress ratio): the pooled key of the block that starts at
+p − o — the fp32 mean of the r − 1 raw keys held in the slot's ring and the new one, rounded to the keys' dtype,
+zero-centred-RMS-normed and RoPE'd at p − o — is written to that block's row of `index_keys` (through the block
+table); it is final once o = r − 1, and until then the row belongs to an incomplete block nobody reads. The new
+raw key goes into ring[s, o] unless the block is now complete. In place; shapes:
+    raw [B, D]; ring [S, r−1, D]; slots, positions [B]; block_table [B, W]; index_keys [NB, per_page, D];
+    norm_weight [D]; inv_freq [R/2] (RoPE on the first R features).
+`qsa_key_append_reference` is the torch form (the ops of QSAIndexer.decode before this op existed); the Triton
+kernel (ops/qsa_key_append_triton.py) does it in one launch instead of ~25. FLASHNEXT_QSA_KEY=reference forces it.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from flashnext.ops.norm_rope import norm_rope_reference
+
+
+def _rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def qsa_key_append_reference(raw, ring, slots, positions, block_table, index_keys, norm_weight, eps, inv_freq) -> None:
+    r = ring.shape[1] + 1
+    dim = raw.shape[-1]
+    offset = positions % r
+    held = ring[slots]                                                             # [B, r-1, D]
+    pooled = torch.cat([held, raw[:, None, :]], dim=1).float().mean(dim=1).to(raw.dtype)
+    cos, sin = _rope_tables(positions - offset, inv_freq, raw.dtype)
+    key = norm_rope_reference(pooled[:, None, :], norm_weight, eps, cos, sin)[:, 0]
+    per_page = index_keys.shape[1]
+    block = positions // r
+    page = torch.gather(block_table, 1, (block // per_page)[:, None])[:, 0]
+    index_keys.view(-1, dim).index_copy_(0, page * per_page + block % per_page, key)
+    at = offset.clamp(max=r - 2)
+    kept = held.gather(1, at[:, None, None].expand(-1, 1, dim))[:, 0]
+    ring[slots, at] = torch.where((offset == r - 1)[:, None], kept, raw)
+
+
+def qsa_key_append(raw, ring, slots, positions, block_table, index_keys, norm_weight, eps, inv_freq) -> None:
+    if raw.is_cuda and os.environ.get("FLASHNEXT_QSA_KEY", "triton") != "reference":
+        from flashnext.ops.qsa_key_append_triton import qsa_key_append_triton
+
+        return qsa_key_append_triton(raw, ring, slots, positions, block_table, index_keys, norm_weight, eps, inv_freq)
+    return qsa_key_append_reference(raw, ring, slots, positions, block_table, index_keys, norm_weight, eps, inv_freq)

@@ -1,0 +1,42 @@
+"""QSA decode key bookkeeping: the Triton kernel (TRITON_INTERPRET=1 on CPU) leaves the same pooled keys and ring
+as the torch reference, over consecutive steps that complete blocks, with a strided raw key like q_proj's split.
+(The reference itself is held to the eager model by tests/test_decode_step.py.)"""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # the interpreter must be chosen before triton decorates the kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from flashnext.models.layers.rope import RotaryEmbedding
+from flashnext.ops.qsa_key_append import qsa_key_append_reference
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+
+@pytest.mark.parametrize("ratio,dim,rot,per_page", [(4, 32, 8, 4), (3, 48, 16, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernel_equals_reference(ratio, dim, rot, per_page, dtype):
+    from flashnext.ops.qsa_key_append_triton import qsa_key_append_triton
+
+    g = torch.Generator().manual_seed(ratio + dim)
+    slots = torch.tensor([3, 0, 2])
+    table = torch.tensor([[5, 1, 7, 2], [0, 3, 4, 6], [8, 9, 10, 11]])
+    weight = (torch.randn(dim, generator=g) * 0.2).to(dtype)
+    inv_freq = RotaryEmbedding(rot, 10000.0).inv_freq
+    states = {name: (torch.zeros(4, ratio - 1, dim, dtype=dtype), torch.zeros(12, per_page, dim, dtype=dtype))
+              for name in ("kernel", "reference")}
+    positions = torch.tensor([0, 5, 9])
+    for _ in range(2 * ratio + 1):                                   # crosses block boundaries on every row
+        wide = torch.randn(3, dim + 16, generator=g).to(dtype)
+        raw = wide[:, 8: 8 + dim]
+        for name, fn in (("kernel", qsa_key_append_triton), ("reference", qsa_key_append_reference)):
+            ring, keys = states[name]
+            fn(raw, ring, slots, positions, table, keys, weight, 1e-6, inv_freq)
+        positions = positions + 1
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(states["kernel"][0], states["reference"][0], **tol)
+    torch.testing.assert_close(states["kernel"][1], states["reference"][1], **tol)
+    assert states["reference"][1].abs().sum() > 0
