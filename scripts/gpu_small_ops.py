@@ -46,4 +46,15 @@ err = max(((state["k"][i].float() - state["r"][i].float()).abs().max() / state["
           for i in (0, 1))
 ok &= err < 2e-2
 print(f"qsa_key_append bf16 9 steps max rel err {err:.1e}")
+from flashnext.ops.gated_elementwise import gated_add_reference, silu_mul_reference
+from flashnext.ops.gated_elementwise_triton import gated_add_triton, silu_mul_triton
+for rows, n in ((1, 640), (8, 2560)):
+    gate, up = (torch.randn(rows, 2 * n, device="cuda", dtype=torch.bfloat16) * 2).split(n, dim=-1)
+    shared, logit = torch.randn(rows, n + 1, device="cuda", dtype=torch.bfloat16).split([n, 1], dim=-1)
+    routed = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    e1 = ((silu_mul_triton(gate, up).float() - silu_mul_reference(gate, up).float()).abs().max()).item()
+    e2 = ((gated_add_triton(routed, shared, logit).float() - gated_add_reference(routed, shared, logit).float())
+          .abs().max()).item()
+    ok &= e1 < 5e-2 and e2 < 5e-2
+    print(f"silu_mul / gated_add {rows}x{n} bf16 max abs err {e1:.1e} / {e2:.1e}")
 print("KERNELS OK" if ok else "KERNEL MISMATCH"); sys.exit(0 if ok else 1)

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashnext.ops.gated_elementwise import gated_add, silu_mul
 from flashnext.ops.router_topk import router_topk
 from flashnext.weights.config import ModelConfig
 
@@ -18,7 +19,7 @@ class DenseMLP(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(gate, up))
 
     decode = forward  # row-wise already: nothing to change for a captured decode step
 
@@ -70,11 +71,11 @@ class SparseMoe(nn.Module):
 
     def forward(self, x):
         weights, ids, shared_gate = self._route(x)
-        return self.experts(x, weights, ids) + torch.sigmoid(shared_gate) * self.shared_expert(x)
+        return gated_add(self.experts(x, weights, ids), self.shared_expert(x), shared_gate)
 
     def decode(self, x):
         weights, ids, shared_gate = self._route(x)
-        return self.experts.decode(x, weights, ids) + torch.sigmoid(shared_gate) * self.shared_expert(x)
+        return gated_add(self.experts.decode(x, weights, ids), self.shared_expert(x), shared_gate)
 
     def _route(self, x):
         """→ routing weights [N, k], expert ids [N, k], shared-expert gate logit [N, 1]."""

@@ -1,0 +1,44 @@
+"""Two elementwise steps of the MoE block, each one kernel on the GPU instead of two or three torch kernels:
+
+    silu_mul(gate, up)                 = silu(gate) · up                      (the expert MLP's activation)
+    gated_add(routed, shared, logit)   = routed + sigmoid(logit) · shared     (the shared expert joins the routed sum)
+
+gate, up [N, I] (views allowed, last dim contiguous); routed, shared [N, H]; logit [N, 1]. The references are the
+model's torch expressions and round where torch rounds (after each op in 16-bit); `silu_mul` / `gated_add` send
+CUDA tensors to ops/gated_elementwise_triton.py. FLASHNEXT_ELEMENTWISE=reference forces the references.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def gated_add_reference(routed: torch.Tensor, shared: torch.Tensor, logit: torch.Tensor) -> torch.Tensor:
+    return routed + torch.sigmoid(logit) * shared
+
+
+def _triton(*tensors: torch.Tensor) -> bool:
+    return (tensors[0].is_cuda and tensors[0].dim() == 2 and all(t.dtype == tensors[0].dtype for t in tensors)
+            and os.environ.get("FLASHNEXT_ELEMENTWISE", "triton") != "reference")
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if _triton(gate, up):
+        from flashnext.ops.gated_elementwise_triton import silu_mul_triton
+
+        return silu_mul_triton(gate, up)
+    return silu_mul_reference(gate, up)
+
+
+def gated_add(routed: torch.Tensor, shared: torch.Tensor, logit: torch.Tensor) -> torch.Tensor:
+    if _triton(routed, shared, logit):
+        from flashnext.ops.gated_elementwise_triton import gated_add_triton
+
+        return gated_add_triton(routed, shared, logit)
+    return gated_add_reference(routed, shared, logit)
