@@ -57,4 +57,16 @@ for rows, n in ((1, 640), (8, 2560)):
           .abs().max()).item()
     ok &= e1 < 5e-2 and e2 < 5e-2
     print(f"silu_mul / gated_add {rows}x{n} bf16 max abs err {e1:.1e} / {e2:.1e}")
+from flashnext.ops.qsa_scores import qsa_block_scores_reference
+from flashnext.ops.qsa_scores_triton import qsa_block_scores_triton
+for batch, width in ((1, 4096), (8, 1024)):
+    keys = torch.randn(8 * width, 4, 128, device="cuda", dtype=torch.bfloat16)
+    table = torch.stack([torch.randperm(8 * width, device="cuda")[:width] for _ in range(batch)])
+    q = torch.randn(batch, 4, 128, device="cuda", dtype=torch.bfloat16)
+    before = torch.randint(1, width * 4, (batch,), device="cuda")
+    a = qsa_block_scores_triton(q, keys, table, before); b = qsa_block_scores_reference(q, keys, table, before)
+    fin = ~torch.isinf(b)
+    err = ((a[fin] - b[fin]).abs().max() / b[fin].abs().max()).item()
+    ok &= err < 1e-3 and torch.equal(torch.isinf(a), torch.isinf(b))
+    print(f"qsa_block_scores {batch}x{width * 4} blocks bf16 max rel err {err:.1e}")
 print("KERNELS OK" if ok else "KERNEL MISMATCH"); sys.exit(0 if ok else 1)

@@ -20,6 +20,7 @@ from flashnext.models.layers.attention import QUERY_BLOCK
 from flashnext.models.layers.norms import ZeroCenteredRMSNorm
 from flashnext.ops.norm_rope import norm_rope
 from flashnext.ops.qsa_key_append import qsa_key_append
+from flashnext.ops.qsa_scores import qsa_block_scores
 from flashnext.weights.config import ModelConfig
 
 
@@ -152,9 +153,5 @@ class QSAIndexer(nn.Module):
         if capacity <= self.block_topk:
             return None
         q = norm_rope(q.view(-1, self.num_heads, self.head_dim), self.q_layernorm.weight, self.q_layernorm.eps, cos, sin)
-        block_keys = keys[batch.block_table].view(batch.size, capacity, self.head_dim).float()
-        scores = torch.einsum("bhd,bnd->bhn", q.float(), block_keys).relu().sum(1) / math.sqrt(self.head_dim)
-        complete_before = (pos + 1) // r
-        block_ids = torch.arange(capacity, device=x.device)
-        scores = scores.masked_fill(block_ids[None, :] >= complete_before[:, None], float("-inf"))
+        scores = qsa_block_scores(q, keys, batch.block_table, (pos + 1) // r)
         return self._lists(scores, pos, capacity * r)

@@ -1,0 +1,48 @@
+"""QSA block scores in one kernel: programs over (row, tile of block slots), each key read once through the block
+table, the index heads summed in registers (reference: ops/qsa_scores.py)."""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64
+
+
+@triton.jit
+def _qsa_scores_kernel(q_ptr, keys_ptr, table_ptr, before_ptr, out_ptr, stride_qb, stride_qh, stride_table,
+                       capacity, D, scale, HEADS: tl.constexpr, PER_PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = n < capacity
+    d_ok = offs_d < D
+    page = tl.load(table_ptr + b * stride_table + n // PER_PAGE, mask=n_ok, other=0).to(tl.int64)
+    rows = page * PER_PAGE + n % PER_PAGE
+    keys = tl.load(keys_ptr + rows[:, None] * D + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                   other=0.0).to(tl.float32)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for h in tl.static_range(HEADS):
+        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        total += tl.maximum(tl.sum(keys * q[None, :], axis=1), 0.0)
+    before = tl.load(before_ptr + b)
+    scores = tl.where(n < before, total * scale, float("-inf"))
+    tl.store(out_ptr + b * capacity + n, scores, mask=n_ok)
+
+
+def qsa_block_scores_triton(q: torch.Tensor, index_keys: torch.Tensor, block_table: torch.Tensor,
+                            complete_before: torch.Tensor) -> torch.Tensor:
+    batch, heads, dim = q.shape
+    per_page = index_keys.shape[1]
+    capacity = block_table.shape[1] * per_page
+    assert q.stride(-1) == 1 and index_keys.is_contiguous() and block_table.stride(-1) == 1
+    out = torch.empty(batch, capacity, dtype=torch.float32, device=q.device)
+    if batch:
+        _qsa_scores_kernel[(batch, triton.cdiv(capacity, BLOCK_N))](
+            q, index_keys, block_table, complete_before, out, q.stride(0), q.stride(1), block_table.stride(0),
+            capacity, dim, 1.0 / math.sqrt(dim), HEADS=heads, PER_PAGE=per_page, BLOCK_N=BLOCK_N,
+            BLOCK_D=triton.next_power_of_2(dim), num_warps=4)
+    return out
