@@ -3,8 +3,9 @@
 # (fp32 tokens), the full-size decode step timed and profiled, and the decode benchmark through the server.
 # Writes each part's output under $OUT (when set) and exits non-zero if any check failed.
 #
-#   bash scripts/gpu_validate.sh            # ~6–8 minutes on a fresh H200 (carry .whl/ for the server part)
-#   SKIP_BENCH=1 bash scripts/gpu_validate.sh
+#   SKIP_BENCH=1 bash scripts/gpu_validate.sh   # the checks and the step profile, ~6 minutes (carry .whl/)
+#   ONLY_BENCH=1 bash scripts/gpu_validate.sh   # the decode bench of both models, ~4 minutes (a second call:
+#                                               # one device call may run 10 minutes at most)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
@@ -22,15 +23,17 @@ part() {  # part NAME COMMAND...
     failed+=("$name")
   fi
 }
-part small_ops python3 scripts/gpu_small_ops.py
-part gdn python3 scripts/gpu_gdn_decode.py
-part attention python3 scripts/gpu_decode_attention.py
-part hc python3 scripts/gpu_hyper_connection.py
-part moe python3 scripts/gpu_moe.py --quick
-part w4a16 python3 scripts/gpu_w4a16.py --quick
-part sparse_prefill python3 scripts/gpu_sparse_prefill.py
-part gdn_prefill python3 scripts/gpu_gdn_prefill.py
-part decode python3 scripts/gpu_decode.py --fp32-only --model mem:flash-next --quantize int4
+if [ -z "${ONLY_BENCH:-}" ]; then
+  part small_ops python3 scripts/gpu_small_ops.py
+  part gdn python3 scripts/gpu_gdn_decode.py
+  part attention python3 scripts/gpu_decode_attention.py
+  part hc python3 scripts/gpu_hyper_connection.py
+  part moe python3 scripts/gpu_moe.py --quick
+  part w4a16 python3 scripts/gpu_w4a16.py --quick
+  part sparse_prefill python3 scripts/gpu_sparse_prefill.py
+  part gdn_prefill python3 scripts/gpu_gdn_prefill.py
+  part decode python3 scripts/gpu_decode.py --fp32-only --model mem:flash-next --quantize int4
+fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   for m in flash-next qwen3-next-80b; do
     part "bench-$m" python3 -m flashnext.bench decode --model "mem:$m" --server-args "--quantize int4 --kv-cache-gb 16 \
