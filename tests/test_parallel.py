@@ -125,6 +125,43 @@ def test_engine_tensor_parallel_same_tokens():
     assert got == want
 
 
+def test_engine_expert_parallel_with_expert_cache():
+    """Each rank caches its own INT4 experts in a few device slots (--expert-vram-gb per GPU): EP=2 generates
+    world 1's all-resident tokens."""
+    from flashnext.engine.args import EngineArgs
+    from flashnext.engine.llm_engine import LLMEngine
+    from flashnext.engine.sampling_params import SamplingParams
+    from flashnext.models.layers.int4_experts import Int4Experts
+    from flashnext.parallel import launch_engine, shutdown
+
+    prompts = [[(5 * i + 7 * j) % 470 + 3 for j in range(n)] for i, n in enumerate((9, 31))]
+
+    def run(engine):
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+        out = {str(i): [] for i in range(len(prompts))}
+        while engine.has_work():
+            for o in engine.step():
+                out[o.request_id] += o.token_ids
+        return out
+
+    args = dict(model="tiny-qwen3-next", device="cpu", dtype="float32", quantize="int4", max_num_seqs=4,
+                max_num_batched_tokens=32, max_model_len=128)
+    resident = LLMEngine(EngineArgs(**args))
+    sets = [m for m in resident.loaded.model.modules() if isinstance(m, Int4Experts)]
+    per_expert = sum(b[0].numel() * b.element_size() for b in sets[0].buffers(recurse=False))
+    want = run(resident)
+    try:
+        engine = launch_engine(EngineArgs(**args, expert_parallel=2,
+                                          expert_vram_gb=2 * len(sets) * per_expert / 2**30))
+        assert engine.loaded.expert_cache is not None and engine.loaded.expert_cache.slots_per_layer == 2
+        got = run(engine)
+        assert engine.loaded.expert_cache.stats.misses > 0
+    finally:
+        shutdown()
+    assert got == want
+
+
 def _rank_int4(rank, world, out_path):
     from flashnext.parallel.runtime import ParallelPlan, attach_broadcaster, send_stop, worker_loop
 

@@ -1,6 +1,6 @@
 """The decode step as captured CUDA graphs: one graph per (batch bucket, block-table width bucket).
 
-A decode step of Flash-Next is ~1,000 small kernels; launched from Python each costs ~8–24 µs, replayed
+A decode step of Flash-Next is ~1,700 kernels (BENCHMARKS.md); launched from Python each costs ~8–24 µs, replayed
 from a graph ~1.25 µs (../shared/PERF.md). So decode-only steps replay a graph of `model.decode` +
 `compute_logits` over static input tensors (models/decode_batch.py); prefill chunks stay eager.
 

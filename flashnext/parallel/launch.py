@@ -36,8 +36,10 @@ def _load(args: EngineArgs, rank: int, port: int):
     device = rank_device(args.device, rank)
     init_process(rank, plan.world, port, device)
     dtype = resolve_dtype(args.dtype, device, args.model)
-    return (load_model(args.model, device, dtype, quantize=args.quantize, parallel=plan, ple_placement=args.ple_placement),
-            device, dtype)
+    # --expert-vram-gb is per GPU: each rank caches its own experts (all of them with tensor parallel alone).
+    loaded = load_model(args.model, device, dtype, quantize=args.quantize, parallel=plan, ple_placement=args.ple_placement,
+                        expert_vram_gb=args.expert_vram_gb, expert_cache_policy=args.expert_cache_policy)
+    return loaded, device, dtype
 
 
 def _worker(rank: int, args: EngineArgs, port: int) -> None:
