@@ -77,6 +77,12 @@ class LLMEngine:
                                            ple_placement=args.ple_placement)
         cfg = self.config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
+        if args.routing_trace and not any(getattr(m, "trace", None) for m in self.loaded.model.modules()):
+            from flashnext.cache.routing_trace import install_routing_trace
+
+            count = install_routing_trace(self.loaded.model, args.routing_trace, args.seed)
+            log.warning("--routing-trace %s: %d routers pick experts from a trace of stated locality; outputs are "
+                        "not the model's (a benchmark mode)", args.routing_trace, count)
         self.max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         block_size = KVPool.fit_block_size(cfg, args.block_size)
         slot_bytes = StatePool.bytes_per_slot(cfg, self.dtype)
@@ -106,10 +112,11 @@ class LLMEngine:
 
     def _use_cuda_graphs(self) -> bool:
         """Decode replays CUDA graphs on a GPU unless --enforce-eager; the expert cache copies misses from the host
-        inside a layer and several GPUs all-reduce through torch.distributed, so those stay eager for now."""
+        inside a layer, a routing trace draws on the host, and several GPUs all-reduce through torch.distributed,
+        so those stay eager for now."""
         args = self.args
         return (self.device.type == "cuda" and not args.enforce_eager and self.loaded.expert_cache is None
-                and args.tensor_parallel == 1 and args.expert_parallel == 1)
+                and not args.routing_trace and args.tensor_parallel == 1 and args.expert_parallel == 1)
 
     def _build_prefix_cache(self, block_size: int) -> PrefixCache | None:
         args = self.args

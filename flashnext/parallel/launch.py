@@ -46,6 +46,10 @@ def _worker(rank: int, args: EngineArgs, port: int) -> None:
     # Ctrl-C reaches the whole process group: rank 0 alone handles it and then tells the workers to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     loaded, device, dtype = _load(args, rank, port)
+    if args.routing_trace:  # the same seeds as rank 0's: every rank routes alike
+        from flashnext.cache.routing_trace import install_routing_trace
+
+        install_routing_trace(loaded.model, args.routing_trace, args.seed)
     steps = worker_loop(loaded.model, dtype, device)
     log.debug("rank %d: %d forwards, stopping", rank, steps)
     dist.destroy_process_group()

@@ -79,6 +79,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
               "every expert resident)")
     _add(parser, "--expert-cache-policy", choices=["lfu-decay", "lru"],
          help="which cached expert to evict: decayed hit count or least recently used (default lfu-decay)")
+    _add(parser, "--routing-trace", choices=["calibrated"],
+         help="benchmark mode: routers pick experts from a trace with Flash-Next's published locality (LRU-64 hits "
+              "~67%%, LRU-128 ~81%%) instead of their own top-k; outputs are not the model's (default: off)")
     _add(parser, "--tensor-parallel", type=int,
          help="GPUs of this host to split attention and GatedDeltaNet heads over; starts one worker process per "
               "extra GPU (docs/parallel.md; default 1)")
@@ -112,7 +115,7 @@ _ENGINE_FLAGS = {"model": "model", "device": "device", "max_num_batched_tokens":
                  "kv_host_gb": "kv_host_gb", "kv_host_write_through": "kv_host_write_through",
                  "kv_disk_dir": "kv_disk_dir", "kv_disk_gb": "kv_disk_gb", "tensor_parallel": "tensor_parallel",
                  "expert_parallel": "expert_parallel", "expert_vram_gb": "expert_vram_gb",
-                 "expert_cache_policy": "expert_cache_policy"}
+                 "expert_cache_policy": "expert_cache_policy", "routing_trace": "routing_trace"}
 
 
 def engine_args_from(args: argparse.Namespace):

@@ -30,10 +30,22 @@ class Router(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.normalize = cfg.norm_topk_prob
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+        self.trace = None  # a CalibratedRouting (cache/routing_trace.py): benchmarks' stated-locality routing
 
     def forward(self, x):
         """→ (weights [N, k] in x's dtype, expert ids [N, k])."""
-        return router_topk(F.linear(x, self.weight), self.top_k, self.normalize)
+        return self.select(F.linear(x, self.weight))
+
+    def select(self, logits):
+        """Routing from the logits: the top-k of their softmax — or, with a trace installed, the trace's experts
+        with their softmax weights (renormalised the same way)."""
+        if self.trace is None:
+            return router_topk(logits, self.top_k, self.normalize)
+        ids = self.trace.ids(logits.shape[0], logits.device)
+        top = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, ids)
+        if self.normalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top.to(logits.dtype), ids
 
 
 class Experts(nn.Module):
@@ -82,4 +94,4 @@ class SparseMoe(nn.Module):
         if self.route_and_gate is None:
             return *self.gate(x), self.shared_expert_gate(x)
         logits, shared_gate = self.route_and_gate(x)
-        return *router_topk(logits, self.gate.top_k, self.gate.normalize), shared_gate
+        return *self.gate.select(logits), shared_gate
