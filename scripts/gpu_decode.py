@@ -44,7 +44,30 @@ def exactness(dtypes=("float32", "bfloat16")) -> bool:
                 ok &= captured > 0 and (same == total or not exact)
                 print(f"{name:18} {quantize or 'bf16':7} {dtype:8} {captured:6} {same:>6}/{total:<6}"
                       f"{'' if same == total else ('  MISMATCH' if exact else '  (bf16: informational)')}")
+    for name in PRESETS:
+        equal = staggered(name, eager=False) == staggered(name, eager=True)
+        ok &= equal
+        print(f"{name:18} staggered arrivals (mixed graph/eager steps), fp32: {'equal' if equal else 'MISMATCH'}")
     return ok
+
+
+def staggered(model: str, eager: bool) -> dict:
+    """Requests arriving while others decode: steps mix graph decodes with eager prefill chunks."""
+    from flashnext.engine.args import EngineArgs
+    from flashnext.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineArgs(model=model, dtype="float32", enforce_eager=eager, max_num_seqs=6,
+                                  max_num_batched_tokens=16, kv_cache_gb=1.0, enable_prefix_caching=False))
+    prompts = [list(range(10 + i, 10 + i + n)) for i, n in enumerate((9, 30, 5, 17, 2))]
+    arrivals, out, step = [0, 0, 3, 7, 8], {str(i): [] for i in range(5)}, 0
+    while step <= max(arrivals) or engine.has_work():
+        for i, at in enumerate(arrivals):
+            if at == step:
+                engine.add_request(str(i), prompts[i], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+        for o in engine.step():
+            out[o.request_id] += o.token_ids
+        step += 1
+    return out
 
 
 def timing(model_name: str, quantize: str | None, steps: int = 200):
