@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -163,10 +164,14 @@ def _load_checkpoint_model(name, device, dtype, quantize, parallel, ple_placemen
     expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
     # 4-bit dense projections and routed experts of a GPTQ/AutoRound checkpoint stay packed (docs/int4.md).
     packed = frozenset([f"{module}.weight" for module in dense_int4_targets(model)] + int4_expert_keys(model))
-    host = frozenset(int4_expert_keys(model)) if experts_on_host else frozenset()
-    # TODO(real sizes): the loader reads a host PLE table onto `device` before it moves.
+    host = set(int4_expert_keys(model)) if experts_on_host else set()
+    # A PLE table bound for host memory is read there directly (102 GB in bf16: it could not pass through the GPU).
+    for key, (shape, _) in expected.items():
+        if key.endswith("ngram_embedding.weight"):
+            if choose_placement(ple_placement, math.prod(shape) * dtype.itemsize) == "host":
+                host.add(key)
     weights = load_checkpoint(path, expected, dtype=dtype, device=device, progress=True, packed_int4=packed,
-                              host_names=host)
+                              host_names=frozenset(host))
     derived = {k: v for k, v in model.state_dict().items() if v.device.type != "meta"}
     for key, value in derived.items():
         if key in weights and not torch.equal(weights[key].cpu(), value):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flashnext.weights.pinned import host_empty
+from flashnext.weights.pinned import host_empty, pin_in_place
 
 PLACEMENTS = ("auto", "device", "host")
 HOST_TABLE_BYTES = 4 << 30  # "auto" puts larger tables in host memory
@@ -57,6 +57,8 @@ class RowTable(nn.Module):
         src = self.weight.detach()
         if src.device.type == "cpu" and (not pin or src.is_pinned()):
             host = src
+        elif src.device.type == "cpu" and src.is_contiguous():
+            host = pin_in_place(src, "the PLE table")   # read into host memory already: lock it where it is
         else:
             host = host_empty(tuple(src.shape), src.dtype, pin, "the PLE table")
             host.copy_(src)
