@@ -15,7 +15,6 @@ import torch
 
 from flashnext.engine.llm import LLM
 from flashnext.engine.sampling_params import SamplingParams
-from flashnext.models.decode_batch import DecodeBatch
 
 PRESETS = ["tiny-flash-next", "tiny-qwen3-next", "tiny-qwen3.5-moe"]
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 60)), list(range(100, 111))]
@@ -101,8 +100,7 @@ def timing(model_name: str, quantize: str | None, steps: int = 200):
         graph.replay()
     torch.cuda.synchronize()
     replay_ms = (time.perf_counter() - t0) / 50 * 1e3
-    batch = DecodeBatch(graphs.input_ids[:1], graphs.positions[:1], graphs.slots[:1], graphs.tables[16][:1],
-                        engine.kv, engine.states)
+    batch = graphs.batch(1, 16)
     with torch.inference_mode():
         for _ in range(2):
             engine.loaded.model.compute_logits(engine.loaded.model.decode(batch))

@@ -41,10 +41,10 @@ class DecodeGraphs:
         self.scratch_slot = states.allocate()
         self.scratch_block = kv.allocate(1)[0]
         long = dict(dtype=torch.long, device=self.device)
-        self.input_ids = torch.zeros(self.max_batch, **long)
-        self.positions = torch.zeros(self.max_batch, **long)
-        self.slots = torch.full((self.max_batch,), self.scratch_slot, **long)
-        self.tables: dict[int, torch.Tensor] = {}
+        # The static inputs, one row each (token, position, slot), filled by one host→device copy per step.
+        self.inputs = torch.zeros(3, self.max_batch, **long)
+        self.input_ids, self.positions, self.slots = self.inputs
+        self.slots.fill_(self.scratch_slot)
         # Every slot's KV block table lives on the device and grows by the blocks appended since the last step
         # (a long context is thousands of block ids: not rebuilt from a Python list every token); the step
         # gathers its rows' tables from it by slot, inside the graph.
@@ -70,11 +70,9 @@ class DecodeGraphs:
                             dtype=torch.long)
         for slot, blocks in zip(slots, block_tables):
             self._update_slot_table(slot, blocks)
-        self.input_ids[:size].copy_(host[0], non_blocking=True)
-        self.positions[:size].copy_(host[1], non_blocking=True)
-        self.slots[:size].copy_(host[2], non_blocking=True)
+        self.inputs[:, :size].copy_(host, non_blocking=True)
         if graph is None:
-            return self._step(self._batch(size, width))[:n]
+            return self._step(size, width)[:n]
         graph.replay()
         return logits[:n]
 
@@ -91,26 +89,24 @@ class DecodeGraphs:
             self.slot_tables[slot, count: len(blocks)].copy_(new, non_blocking=True)
         self._slot_blocks[slot] = (blocks, len(blocks))
 
-    def _batch(self, size: int, width: int) -> DecodeBatch:
-        if width not in self.tables:
-            self.tables[width] = torch.full((self.max_batch, width), self.scratch_block, dtype=torch.long,
-                                            device=self.device)
-        return DecodeBatch(self.input_ids[:size], self.positions[:size], self.slots[:size], self.tables[width][:size],
-                           self.kv, self.states)
+    def batch(self, size: int, width: int) -> DecodeBatch:
+        """The first `size` rows of the static inputs, their block tables gathered by slot. A new DecodeBatch per
+        call: inside a capture, whatever it caches (its token rows) is computed in the graph from the inputs."""
+        slots = self.slots[:size]
+        table = self.slot_tables[:, :width].index_select(0, slots)
+        return DecodeBatch(self.input_ids[:size], self.positions[:size], slots, table, self.kv, self.states)
 
-    def _step(self, batch: DecodeBatch) -> torch.Tensor:
-        torch.index_select(self.slot_tables[:, : batch.block_table.shape[1]], 0, batch.slots, out=batch.block_table)
-        return self.model.compute_logits(self.model.decode(batch))
+    def _step(self, size: int, width: int) -> torch.Tensor:
+        return self.model.compute_logits(self.model.decode(self.batch(size, width)))
 
     @torch.inference_mode()
     def _capture(self, size: int, width: int) -> None:
         if not self.capture:
-            self._batch(size, width)
             self.graphs[(size, width)] = (None, None)
             return
         start = time.perf_counter()
-        # Warm-up and capture read the static inputs: point every row at the scratch slot and block first, so the
-        # warm-up runs (which do execute) write only there.
+        # Warm-up and capture read the static inputs: point every row at the scratch slot (whose table is all the
+        # scratch block) first, so the warm-up runs (which do execute) write only there.
         self.input_ids.zero_()
         self.positions.zero_()
         self.slots.fill_(self.scratch_slot)
@@ -118,13 +114,11 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):  # compiles and autotunes the Triton kernels outside the capture
-                self._step(self._batch(size, width))
+                self._step(size, width)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # A fresh DecodeBatch: values it caches (its token rows) must be computed inside the capture, from the
-        # static inputs, not carried over from a warm-up run.
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._step(self._batch(size, width))
+            logits = self._step(size, width)
         self.pool = graph.pool()
         self.graphs[(size, width)] = (graph, logits)
         log.info("captured the decode step for batch %d, %d KV blocks wide, in %.2f s", size, width,
