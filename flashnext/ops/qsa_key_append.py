@@ -17,12 +17,7 @@ import os
 import torch
 
 from flashnext.ops.norm_rope import norm_rope_reference
-
-
-def _rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+from flashnext.ops.rope import rope_tables
 
 
 def qsa_key_append_reference(raw, ring, slots, positions, block_table, index_keys, norm_weight, eps, inv_freq) -> None:
@@ -31,7 +26,7 @@ def qsa_key_append_reference(raw, ring, slots, positions, block_table, index_key
     offset = positions % r
     held = ring[slots]                                                             # [B, r-1, D]
     pooled = torch.cat([held, raw[:, None, :]], dim=1).float().mean(dim=1).to(raw.dtype)
-    cos, sin = _rope_tables(positions - offset, inv_freq, raw.dtype)
+    cos, sin = rope_tables(positions - offset, inv_freq, raw.dtype)
     key = norm_rope_reference(pooled[:, None, :], norm_weight, eps, cos, sin)[:, 0]
     per_page = index_keys.shape[1]
     block = positions // r

@@ -2,6 +2,13 @@
 import torch
 
 
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [N] → cos, sin [N, 2·len(inv_freq)] in `dtype`: fp32 angles, rounded once as transformers does."""
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)

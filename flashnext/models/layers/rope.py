@@ -7,6 +7,8 @@ to heads is ops/rope.py (fused with the q/k norms in ops/norm_rope.py).
 import torch
 from torch import nn
 
+from flashnext.ops.rope import rope_tables
+
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, theta: float):
@@ -16,6 +18,4 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N] → cos, sin [N, rotary_dim] in `dtype` (rounded like transformers does)."""
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return rope_tables(positions, self.inv_freq, dtype)
