@@ -8,8 +8,8 @@ Shapes (B rows, S state slots, C = 2·Hk·Dk + Hv·Dv conv channels):
 It is GatedDeltaNet.forward for B one-token segments: causal conv with the carried tail (silu), l2-normalised
 q and k (q scaled by Dk^-½), the gated delta rule (ops/gated_delta_rule.py) and GatedRMSNorm(o, z).
 
-`gdn_decode_reference` is the specification and rounds where the layer rounds: the conv output and o to x's
-dtype, β = sigmoid(b) in x's dtype, and the norm's `weight * h.to(dtype)`. `gdn_decode` dispatches: CUDA
+`gdn_decode_reference` is the specification: the layer's own torch references, so it rounds where the layer
+rounds (the conv output and o to x's dtype, β = sigmoid(b) in x's dtype, the norm's `weight * h.to(dtype)`). `gdn_decode` dispatches: CUDA
 tensors → the Triton kernels (ops/gdn_decode_triton.py), anything else → the reference.
 FLASHNEXT_GDN_DECODE=reference forces the reference (to bisect a wrong answer on the GPU).
 """
@@ -20,45 +20,30 @@ import os
 import torch
 import torch.nn.functional as F
 
-from flashnext.ops.gated_delta_rule import l2norm
+from flashnext.ops.causal_conv1d import causal_conv1d
+from flashnext.ops.gated_delta_rule import gated_delta_rule_recurrent
+from flashnext.ops.rms_norm import gated_rms_norm
 
 
 def gdn_decode_reference(mixed_qkv, z, b, a, conv_state, conv_weight, ssm_state, slots, A_log, dt_bias,
                          norm_weight, *, num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int,
                          eps: float, activation: str) -> torch.Tensor:
-    dtype = mixed_qkv.dtype
+    """The layer's own references on B one-token sequences: causal_conv1d, gated_delta_rule_recurrent row by
+    row (a Python loop over rows, no host sync), gated_rms_norm."""
     rows = mixed_qkv.shape[0]
     key_dim = num_k_heads * head_k_dim
-
-    # Causal conv of one token: the tail and the new input are the whole receptive field.
-    full = torch.cat([conv_state[slots].to(dtype), mixed_qkv[:, None]], dim=1)          # [B, K, C]
-    qkv = F.conv1d(full.transpose(1, 2).to(conv_weight.dtype), conv_weight.unsqueeze(1), groups=full.shape[2])
-    qkv = F.silu(qkv[..., 0]).to(dtype)                                                 # [B, C]
-    conv_state[slots] = full[:, 1:].to(conv_state.dtype)
-
-    q, k, v = torch.split(qkv.float(), [key_dim, key_dim, num_v_heads * head_v_dim], dim=-1)
-    groups = num_v_heads // num_k_heads
-    q = q.reshape(rows, num_k_heads, head_k_dim).repeat_interleave(groups, dim=1)       # [B, Hv, Dk]
-    k = k.reshape(rows, num_k_heads, head_k_dim).repeat_interleave(groups, dim=1)
-    v = v.reshape(rows, num_v_heads, head_v_dim)
-    q = l2norm(q) * head_k_dim ** -0.5
-    k = l2norm(k)
-    beta = b.sigmoid().float()
+    qkv, conv_state[slots] = causal_conv1d(mixed_qkv[:, None], conv_weight, conv_state[slots])
+    q, k, v = torch.split(qkv[:, 0], [key_dim, key_dim, num_v_heads * head_v_dim], dim=-1)
+    beta = b.sigmoid()
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
-
-    s = ssm_state[slots].float() * g.exp()[..., None, None]                              # [B, Hv, Dk, Dv]
-    delta = (v - (s * k[..., None]).sum(dim=-2)) * beta[..., None]
-    s = s + k[..., None] * delta[..., None, :]
-    o = (s * q[..., None]).sum(dim=-2).to(dtype)                                         # [B, Hv, Dv]
-    ssm_state[slots] = s
-
-    # GatedRMSNorm, step for step (models/layers/norms.py).
-    h = o.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    h = norm_weight * h.to(dtype)
-    gate = z.float()
-    gate = F.silu(gate) if activation == "silu" else torch.sigmoid(gate)
-    return (h * gate).to(dtype).reshape(rows, num_v_heads * head_v_dim)
+    states = ssm_state[slots]
+    o = torch.empty(rows, num_v_heads, head_v_dim, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+    for row in range(rows):
+        o[row: row + 1], states[row] = gated_delta_rule_recurrent(
+            q[row: row + 1].view(1, num_k_heads, head_k_dim), k[row: row + 1].view(1, num_k_heads, head_k_dim),
+            v[row: row + 1].view(1, num_v_heads, head_v_dim), g[row: row + 1], beta[row: row + 1], states[row])
+    ssm_state[slots] = states
+    return gated_rms_norm(o, z, norm_weight, eps, activation).reshape(rows, num_v_heads * head_v_dim)
 
 
 def _use_triton(mixed_qkv: torch.Tensor, head_k_dim: int, head_v_dim: int) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int | None = None) -> torch.Tensor:
@@ -21,6 +22,18 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, group_
     if group_size is not None:
         h = h.flatten(-2)
     return (h * (1.0 + weight.float())).type_as(x)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, activation: str) -> torch.Tensor:
+    """GatedDeltaNet's output norm over the last dim: a plain weight (no +1) times the normed x rounded to its
+    dtype, times silu or sigmoid of the gate (models/layers/norms.py GatedRMSNorm)."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(dtype)
+    g = gate.float()
+    g = F.silu(g) if activation == "silu" else torch.sigmoid(g)
+    return (h * g).to(dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int | None = None) -> torch.Tensor:

@@ -5,10 +5,9 @@ of `group_size` features separately (the hyper-connection streams). `GatedRMSNor
 output norm: a plain weight (no +1) times an activated gate.
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from flashnext.ops.rms_norm import rms_norm
+from flashnext.ops.rms_norm import gated_rms_norm, rms_norm
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -32,10 +31,4 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(dtype)
-        g = gate.float()
-        g = F.silu(g) if self.activation == "silu" else torch.sigmoid(g)
-        return (h * g).to(dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps, self.activation)

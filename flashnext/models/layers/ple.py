@@ -10,7 +10,6 @@ local context. State per sequence: the last ngram_size-1 ids and the conv tail.
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flashnext.models.context import ForwardContext
@@ -156,7 +155,6 @@ class PLELayer(nn.Module):
         ids_state[batch.slots] = history[:, 1:]
         emb = self.ple_embedding(history, 1)[:, 0].to(h.dtype)
         gated = self._gated(h, emb)
-        full = torch.cat([conv_state[batch.slots], self.norm_conv(gated)[:, None, :]], dim=1)  # [B, span + 1, W]
-        conv_state[batch.slots] = full[:, 1:]
-        taps = full[:, :: self.dilation].float() * self.conv1d.weight.squeeze(1).t().float()
-        return gated + F.silu(taps.sum(dim=1)).to(h.dtype)
+        conv, conv_state[batch.slots] = causal_conv1d(self.norm_conv(gated)[:, None, :], self.conv1d.weight.squeeze(1),
+                                                      conv_state[batch.slots], self.dilation)
+        return gated + conv[:, 0]
