@@ -22,35 +22,41 @@ import torch
 import torch.nn.functional as F
 
 
-def visible_positions(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
-                      token_index: torch.Tensor | None = None, token_valid: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, W * BS] bool: which positions of each sequence its query attends to."""
-    span = block_table.shape[1] * block_size
-    pos = torch.arange(span, device=block_table.device)
-    visible = pos[None, :] < seq_lens.to(block_table.device)[:, None]
-    if token_index is None:
-        return visible
-    valid = torch.ones_like(token_index, dtype=torch.bool) if token_valid is None else token_valid
-    # Adding (not scattering) the flags: an invalid entry may repeat a valid entry's position.
-    hits = torch.zeros(visible.shape, dtype=torch.int32, device=visible.device)
-    hits.scatter_add_(1, token_index.long(), valid.int())
-    return visible & (hits > 0)
-
-
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                                token_index: torch.Tensor | None = None,
                                token_valid: torch.Tensor | None = None) -> torch.Tensor:
-    """See the module docstring for shapes. Reads every page of the table (unused entries must still be
-    valid page ids); memory is O(B · W · BS · KVH · D) in fp32."""
+    """See the module docstring for shapes. Dense: reads every page of the table (unused entries must still be
+    valid page ids). Sparse: reads only the listed tokens, ROW_BLOCK rows at a time, so a long prefill that
+    attends one row per query (IndexedAttention) holds O(ROW_BLOCK · T) keys, not O(B · W · BS)."""
+    batch = q.shape[0]
+    block_size = k_cache.shape[1]
+    if token_index is None:
+        span = block_table.shape[1] * block_size
+        positions = torch.arange(span, device=q.device).expand(batch, span)
+        visible = positions < seq_lens.to(q.device)[:, None]
+        return _attend(q, k_cache, v_cache, block_table, positions, visible, scale)
+    valid = torch.ones_like(token_index, dtype=torch.bool) if token_valid is None else token_valid
+    out = torch.empty_like(q)
+    for start in range(0, batch, ROW_BLOCK):
+        rows = slice(start, start + ROW_BLOCK)
+        positions = token_index[rows].long()
+        visible = valid[rows] & (positions < seq_lens[rows].to(q.device)[:, None])
+        out[rows] = _attend(q[rows], k_cache, v_cache, block_table[rows], positions, visible, scale)
+    return out
+
+
+ROW_BLOCK = 64
+
+
+def _attend(q, k_cache, v_cache, block_table, positions, visible, scale) -> torch.Tensor:
+    """Each row's query over the keys at `positions` [B, L] of its own pages, where `visible` [B, L]; fp32."""
     batch, heads, _ = q.shape
     _, block_size, kv_heads, head_dim = k_cache.shape
-    span = block_table.shape[1] * block_size
-    pos = torch.arange(span, device=q.device)
-    rows = block_table.long()[:, pos // block_size] * block_size + pos % block_size           # [B, L]
+    page = torch.gather(block_table.long(), 1, positions // block_size)
+    rows = page * block_size + positions % block_size                                        # [B, L]
     k = k_cache.reshape(-1, kv_heads, head_dim)[rows].float().transpose(1, 2)                # [B, KVH, L, D]
     v = v_cache.reshape(-1, kv_heads, head_dim)[rows].float().transpose(1, 2)
-    visible = visible_positions(block_table, seq_lens, block_size, token_index, token_valid)  # [B, L]
     # GQA as G = H / KVH query rows per kv head (= SDPA's enable_gqa, without repeating K/V G times).
     groups = q.float().reshape(batch, kv_heads, heads // kv_heads, head_dim)
     out = F.scaled_dot_product_attention(groups, k, v, attn_mask=visible[:, None, None], scale=scale)

@@ -5,9 +5,8 @@ from flashnext.weights.config import ModelConfig
 
 
 def lists_pay_off(x, seg, indexer: QSAIndexer) -> bool:
-    """Token lists for long segments on the GPU (the Triton op reads S tokens per query). On a CPU the op's
-    reference reads every page of the table for each query, O(T · total) memory: the mask stays cheaper there."""
-    return x.is_cuda and seg.total_len > indexer.sparse_prefill_min
+    """Token lists for long segments: the attention op then reads ≤ top-k · ratio + ratio − 1 tokens per query."""
+    return seg.total_len > indexer.sparse_prefill_min
 
 
 class IndexedAttention(GatedAttention):

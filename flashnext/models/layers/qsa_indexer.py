@@ -35,7 +35,7 @@ class QSAIndexer(nn.Module):
         self.head_dim = cfg.indexer_head_dim
         self.ratio = cfg.indexer_compress_ratio
         self.block_topk = cfg.indexer_budget // cfg.indexer_compress_ratio
-        # Above this many tokens of context a prefill segment attends through token lists, not a mask (GPU).
+        # Above this many tokens of context a prefill segment attends through token lists, not a mask.
         self.sparse_prefill_min = SPARSE_PREFILL_BUDGETS * cfg.indexer_budget
         self.index_qk_proj = nn.Linear(cfg.hidden_size, (self.num_heads + 1) * self.head_dim, bias=False)
         self.q_layernorm = ZeroCenteredRMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
