@@ -22,7 +22,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_row, groups, group_size, eps,
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int | None = None) -> torch.Tensor:
     dim = x.shape[-1]
     group_size = group_size or dim
-    rows = x.reshape(-1, dim) if x.stride(-1) == 1 else x.reshape(-1, dim).contiguous()
+    rows = x.reshape(-1, dim)              # a view when the leading dims allow, with any row stride
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
