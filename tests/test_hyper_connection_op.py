@@ -42,10 +42,18 @@ def mix_args(layer):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hc,with_injection", [(2, True), (4, True), (4, False)])
 def test_reference_equals_module(hc, with_injection, dtype):
+    """Against transformers' own hyper-connection (the oracle): our HyperConnection.mix now calls this op."""
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextGatedResidual
+    from oracle import hf_config
+
     layer = make_layer(hc, 64, 16, with_injection, dtype)
+    config, _ = hf_config("qwen4_exp", hidden_size=64, hc_count=hc, hc_lowrank=16)
+    oracle = Qwen4ExpTextGatedResidual(config, use_combine=with_injection).to(dtype)
+    oracle.load_state_dict(layer.state_dict())
     h = (torch.randn(5, hc * 64) * 3).to(dtype)
     with torch.no_grad():
-        want_input, want_weights = layer.mix(h)
+        want = oracle(h)
+        want_input, want_weights = (want[0], want[2]) if with_injection else (want, None)
         got_input, got_weights = hc_mix_reference(h, *mix_args(layer))
     assert got_input.dtype == dtype and torch.equal(got_input, want_input)
     if with_injection:
@@ -54,7 +62,8 @@ def test_reference_equals_module(hc, with_injection, dtype):
         assert got_weights is None and want_weights is None
     block_output = torch.randn(5, 64).to(dtype)
     weights = (torch.rand(5, hc) * 2).to(dtype)
-    assert torch.equal(hc_inject_reference(h, block_output, weights), HyperConnection.inject(h, block_output, weights))
+    stream_by_stream = torch.cat([h[:, i * 64:(i + 1) * 64] + weights[:, i:i + 1] * block_output for i in range(hc)], dim=1)
+    assert torch.equal(hc_inject_reference(h, block_output, weights), stream_by_stream)
 
 
 def test_dispatch_off_cuda_is_the_reference():
