@@ -99,10 +99,13 @@ def test_qsa_selection_is_active():
     hf, raw = hf_model("qwen4_exp")
     ours = ours_from_hf(hf, raw)
     indexer = [m for m in ours.modules() if m.__class__.__name__ == "QSAIndexer"][0]
-    masks = []
-    indexer.register_forward_hook(lambda mod, args, out: masks.append(out))
+    seen = []
+    indexer.register_forward_hook(lambda mod, args, out: seen.append(out))     # the mask path
+    lists = indexer.token_lists                                                # long prompts: token lists
+    indexer.token_lists = lambda *args: seen.append(lists(*args)) or seen[-1]
     Session(ours, 256).extend(_prompt(100))
-    visible = masks[0][-1]                                 # the last query's visible tokens
+    last = seen[0]
+    visible = last[-1] if isinstance(last, torch.Tensor) else last[1][-1]   # the last query's visible tokens
     assert visible.sum() < 100 and visible.sum() <= indexer.block_topk * indexer.ratio + indexer.ratio - 1
 
 
