@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# On the GPU machine, one call: every kernel against its reference in bf16, the decode graph against eager
-# (fp32 tokens), the full-size decode step timed and profiled, and the decode benchmark through the server.
+# On the GPU machine: every kernel against its reference in bf16 and the decode graph against eager (fp32
+# tokens) — "checks"; the full-size decode step and prefill timed and profiled by kernel — "profile"; the
+# decode benchmark of both models through the server — "bench". PARTS picks them (default: all three; one
+# device call may run 10 minutes at most, so give each its own call). Carry .whl/.
 # Writes each part's output under $OUT (when set) and exits non-zero if any check failed.
 #
-#   SKIP_BENCH=1 bash scripts/gpu_validate.sh   # the checks and the step profile, ~6 minutes (carry .whl/)
-#   ONLY_BENCH=1 bash scripts/gpu_validate.sh   # the decode bench of both models, ~4 minutes (a second call:
-#                                               # one device call may run 10 minutes at most)
+#   PARTS=checks bash scripts/gpu_validate.sh    # ~5 minutes
+#   PARTS=profile bash scripts/gpu_validate.sh   # ~4 minutes
+#   PARTS=bench bash scripts/gpu_validate.sh     # ~4 minutes
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
@@ -23,7 +25,8 @@ part() {  # part NAME COMMAND...
     failed+=("$name")
   fi
 }
-if [ -z "${ONLY_BENCH:-}" ]; then
+parts=" ${PARTS:-checks profile bench} "
+if [[ $parts == *" checks "* ]]; then
   part small_ops python3 scripts/gpu_small_ops.py
   part gdn python3 scripts/gpu_gdn_decode.py
   part attention python3 scripts/gpu_decode_attention.py
@@ -31,10 +34,15 @@ if [ -z "${ONLY_BENCH:-}" ]; then
   part moe python3 scripts/gpu_moe.py --quick
   part w4a16 python3 scripts/gpu_w4a16.py --quick
   part sparse_prefill python3 scripts/gpu_sparse_prefill.py
+  part prefill_attention python3 scripts/gpu_prefill_attention.py
   part gdn_prefill python3 scripts/gpu_gdn_prefill.py
-  part decode python3 scripts/gpu_decode.py --fp32-only --model mem:flash-next --quantize int4
+  part decode python3 scripts/gpu_decode.py --fp32-only
 fi
-if [ -z "${SKIP_BENCH:-}" ]; then
+if [[ $parts == *" profile "* ]]; then
+  part decode_step python3 scripts/gpu_decode.py --skip-exactness --model mem:flash-next --quantize int4
+  part prefill python3 scripts/gpu_prefill.py --model mem:flash-next --quantize int4 --tokens 10000 --chunk 2048 --chunk 8192
+fi
+if [[ $parts == *" bench "* ]]; then
   for m in flash-next qwen3-next-80b; do
     part "bench-$m" python3 -m flashnext.bench decode --model "mem:$m" --server-args "--quantize int4 --kv-cache-gb 16 \
 --max-num-seqs 4" --depths 0,10000 --warmups 1 --runs 3 --max-tokens 256 --floor "$m" --out-dir "$out" --no-plots

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from flashnext.models.session import Session
+from flashnext.ops.prefill_attention import selection_mask
 from oracle import hf_model, ours_from_hf, rel_err
 
 TOL = 1e-5
@@ -105,16 +106,19 @@ def test_qsa_selection_is_active():
     indexer.token_lists = lambda *args: seen.append(lists(*args)) or seen[-1]
     Session(ours, 256).extend(_prompt(100))
     last = seen[0]
-    visible = last[-1] if isinstance(last, torch.Tensor) else last[1][-1]   # the last query's visible tokens
+    if isinstance(last, torch.Tensor):     # chosen blocks [T, blocks] → the last query's visible tokens
+        visible = selection_mask(last[-1:], torch.tensor([99]), 100, indexer.ratio)[0]
+    else:
+        visible = last[1][-1]
     assert visible.sum() < 100 and visible.sum() <= indexer.block_topk * indexer.ratio + indexer.ratio - 1
 
 
 def test_query_blocks_do_not_change_logits(pair, reference, monkeypatch):
     """Long prefills run attention and the indexer in query blocks; an odd small block must give the same."""
-    import flashnext.models.layers.attention as attention
     import flashnext.models.layers.qsa_indexer as qsa_indexer
+    import flashnext.ops.prefill_attention as prefill_attention
 
-    monkeypatch.setattr(attention, "QUERY_BLOCK", 7)
+    monkeypatch.setattr(prefill_attention, "QUERY_BLOCK", 7)
     monkeypatch.setattr(qsa_indexer, "QUERY_BLOCK", 7)
     _, ours = pair
     ids, ref = reference

@@ -1,6 +1,7 @@
 """Tensor and expert parallel on 2 CPU processes (gloo) equal one process: logits of a 100-token prompt and of
 16 greedy decode steps (fp32, rel 1e-5, same tokens), and the engine at tensor_parallel=2 generates the
-same greedy tokens as at world size 1."""
+same greedy tokens as at world size 1 — also when later turns come back from the prefix cache's device, host
+or disk tier, which every rank keeps its own share of."""
 import os
 
 import pytest
@@ -185,3 +186,145 @@ def test_expert_parallel_int4_experts(tmp_path):
         _prompt(), all_logits=True)
     spawn_ranks(_rank_int4, 2, str(tmp_path / "out.pt"))
     assert rel_err(torch.load(tmp_path / "out.pt"), want) < TOL
+
+
+# ---- the prefix cache's host and disk tiers across ranks (parallel/mirror.py) ----
+
+def _tier_args(**kw):
+    """16 KV blocks of 16 tokens (the floor of max_model_len 256): two 150-token conversations do not fit, so
+    each one's admission moves the other's snapshots down a tier."""
+    from flashnext.cache.kv_pool import KVPool
+    from flashnext.engine.loading import resolve_model
+    from flashnext.weights.config import load_config
+
+    per_block = KVPool.bytes_per_block(load_config(resolve_model("tiny-flash-next")), 16, torch.float32)
+    return dict(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=2, max_num_batched_tokens=64,
+                max_model_len=256, kv_cache_gb=per_block / 2**30, **kw)
+
+
+def _turns(engine, convs, tag, tier_loads=None):
+    """One turn of each conversation, one after the other: (replies, cached tokens); counts the loads from
+    rank 0's tier `tier_loads` names ("host", "disk")."""
+    from flashnext.engine.sampling_params import SamplingParams
+
+    loads = []
+    tier = engine.prefix_cache.lower
+    while tier is not None and tier_loads is not None:
+        if tier.name == tier_loads:
+            load = tier.load
+            tier.load = lambda key: loads.append(key) or load(key)
+        tier = tier.lower
+    replies, cached = [], []
+    for i, prompt in enumerate(convs):
+        engine.add_request(f"{tag}{i}", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        out = []
+        while engine.has_work():
+            out += engine.step()
+        replies.append([t for o in out for t in o.token_ids])
+        cached.append(out[-1].cached_tokens)
+    return replies, cached, len(loads)
+
+
+def _conversations():
+    return [[(11 * i + 5 * j) % 470 + 3 for j in range(150)] for i in range(2)]
+
+
+def _next_turn(convs, replies):
+    return [c + r + [21, 22, 23] for c, r in zip(convs, replies)]
+
+
+def test_engine_host_tier_across_ranks():
+    """TP=2 with a KV pool too small for two conversations: their snapshots go to host RAM and come back for
+    turn 2 on every rank (each rank its own heads) — the same tokens and cached tokens as world 1."""
+    from flashnext.engine.args import EngineArgs
+    from flashnext.engine.llm_engine import LLMEngine
+    from flashnext.parallel import launch_engine, shutdown
+
+    def run(engine):
+        convs = _conversations()
+        first, _, _ = _turns(engine, convs, "a")
+        second, cached, host_loads = _turns(engine, _next_turn(convs, first), "b", "host")
+        assert host_loads == 2 and cached == [150 + 8 - 1] * 2, (host_loads, cached)
+        return first, second
+
+    args = _tier_args(kv_host_gb=0.05)
+    want = run(LLMEngine(EngineArgs(**args)))
+    try:
+        got = run(launch_engine(EngineArgs(**args, tensor_parallel=2)))
+    finally:
+        shutdown()
+    assert got == want
+
+
+def test_engine_disk_tier_across_ranks_survives_restart(tmp_path, caplog):
+    """TP=2 with host and disk tiers: the first engine spills through a tiny host tier to disk and persists the
+    rest at shutdown, every rank under its own rank<r>/; a new engine on the same directory resumes turn 2
+    from disk exactly as world 1 does. A rank's damaged share is caught by that rank (the entry is dropped
+    everywhere, the turn is computed), and rank 0 ignores entries whose other shares are missing or were
+    written by another parallel layout."""
+    import logging
+    import shutil
+
+    from flashnext.cache.cache_entry import chain_hashes, snapshot_key
+    from flashnext.cache.disk_tier import DiskTier, disk_stores, model_identity
+    from flashnext.engine.args import EngineArgs
+    from flashnext.engine.llm_engine import LLMEngine
+    from flashnext.parallel import launch_engine, shutdown
+
+    def deepest_key(tokens, n):
+        """The name of the snapshot after tokens[:n]."""
+        return snapshot_key(chain_hashes(tokens, 16, n // 16)[-1], tokens[n // 16 * 16:n])
+
+    def first_engine(engine):
+        convs = _conversations()
+        first, _, _ = _turns(engine, convs, "a")
+        engine.shutdown()                # persist: what the device and host tiers hold goes to disk
+        return convs, first
+
+    def second_engine(engine, convs, first):
+        second, cached, disk_loads = _turns(engine, _next_turn(convs, first), "b", "disk")
+        return second, cached, disk_loads
+
+    one, two = tmp_path / "world1", tmp_path / "world2"
+    host = 0.00005                       # about one snapshot: the other one spills on to disk
+    convs, first = first_engine(LLMEngine(EngineArgs(**_tier_args(kv_host_gb=host, kv_disk_dir=str(one)))))
+    want, cached, _ = second_engine(LLMEngine(EngineArgs(**_tier_args(kv_disk_dir=str(one)))), convs, first)
+    assert cached == [150 + 8 - 1] * 2
+
+    try:
+        engine = launch_engine(EngineArgs(**_tier_args(kv_host_gb=host, kv_disk_dir=str(two), tensor_parallel=2)))
+        identity = model_identity(engine.loaded.path, torch.float32, 16)
+        assert first_engine(engine) == (convs, first)
+    finally:
+        shutdown()
+    names = [sorted(p.name for p in (two / f"rank{r}" / sub).iterdir()) for r in range(2)
+             for sub in ("blocks", "snapshots")]
+    assert names[0] and names[1] and names[:2] == names[2:], "rank 1 must hold a share of every entry of rank 0"
+
+    # Rank 0 checks every rank's share at start: another layout's files, or one rank's missing file, are ignored.
+    copy = tmp_path / "copy"
+    shutil.copytree(two, copy)
+    (copy / "rank1" / "snapshots" / f"{deepest_key(convs[0] + first[0], 157).hex()}.safetensors").unlink()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="flashnext.cache"):
+        stores = disk_stores(copy, identity, 2, 1)
+        assert len(DiskTier(stores[0], 1 << 30, 16, peers=stores[1:]).snaps) == len(names[1]) - 1
+        assert "another rank's share is not there" in caplog.text
+        assert not DiskTier(disk_stores(copy, identity, 1, 2)[0], 1 << 30, 16).snaps
+        assert "another model, layout or format version" in caplog.text
+
+    # Rank 1's share of conversation 1's deepest snapshot is damaged: only rank 1 can tell.
+    damaged = two / "rank1" / "snapshots" / f"{deepest_key(convs[1] + first[1], 157).hex()}.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-8:] = bytes(8 - i for i in range(8))
+    damaged.write_bytes(bytes(data))
+    caplog.clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="flashnext.cache"):
+            got, cached, disk_loads = second_engine(launch_engine(EngineArgs(**_tier_args(
+                kv_disk_dir=str(two), tensor_parallel=2))), convs, first)
+    finally:
+        shutdown()
+    assert got == want
+    assert cached == [157, 0] and disk_loads == 2
+    assert "another rank cannot read its share" in caplog.text

@@ -6,6 +6,11 @@ Each file's safetensors header carries the format version, the model identity (a
 the weights index or first shard header, dtype and block size) and a sha256 of its tensors. At start the
 snapshot headers are indexed; a foreign or unreadable file is skipped with a warning, and a payload whose
 checksum fails is never loaded (its entry is dropped, the request is computed from scratch).
+
+On several ranks each rank keeps its share of every entry under `<dir>/rank<r>/` (same layout), and the
+identity also names the rank and the parallel layout, so files of another layout are ignored with a
+warning. Only rank 0's snapshot headers carry the index (blocks, tail, position); an entry is indexed only
+when every rank's share of it is there (the ranks share one host, so rank 0 can look).
 """
 from __future__ import annotations
 
@@ -19,8 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from flashnext.cache.cache_entry import Snapshot
-from flashnext.cache.tier_index import BlockData, CorruptEntry, SnapshotMeta, TierIndex
+from flashnext.cache.tier_index import BlockData, CorruptEntry, SnapshotData, SnapshotMeta, TierIndex, TierStore
 
 log = logging.getLogger("flashnext.cache")
 
@@ -52,53 +56,37 @@ def checksum(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-class DiskTier(TierIndex):
+class DiskStore(TierStore):
     name = "disk"
 
-    def __init__(self, directory, capacity_bytes: int, block_size: int, identity: str):
-        super().__init__(capacity_bytes, block_size, None)
+    def __init__(self, directory, identity: str):
         self.dir = Path(directory)
         self.identity = identity
         self.block_dir = self.dir / "blocks"
         self.snapshot_dir = self.dir / "snapshots"
         self.block_dir.mkdir(parents=True, exist_ok=True)
         self.snapshot_dir.mkdir(parents=True, exist_ok=True)
-        self._scan()
 
-    def _block_path(self, h: bytes) -> Path:
+    def block_path(self, h: bytes) -> Path:
         return self.block_dir / f"{h.hex()}.safetensors"
 
-    def _snapshot_path(self, key: bytes) -> Path:
+    def snapshot_path(self, key: bytes) -> Path:
         return self.snapshot_dir / f"{key.hex()}.safetensors"
 
-    def _scan(self) -> None:
-        paths = sorted(self.snapshot_dir.glob("*.safetensors"), key=lambda p: p.stat().st_mtime)
-        for path in paths:
-            try:
-                with safe_open(str(path), "pt") as f:
-                    meta = f.metadata() or {}
-                key = bytes.fromhex(path.stem)
-                if meta.get("format") != FORMAT or meta.get("model") != self.identity:
-                    log.warning("disk cache: ignoring %s: written by another model or format version", path)
-                    continue
-                blocks = [bytes.fromhex(h) for h in json.loads(meta["blocks"])]
-                missing = [h for h in blocks if not self._block_path(h).exists()]
-                if missing:
-                    log.warning("disk cache: ignoring %s: %d of its KV block files are missing", path, len(missing))
-                    continue
-                tail, num_tokens = tuple(json.loads(meta["tail"])), int(meta["num_tokens"])
-            except Exception as e:   # noqa: BLE001 - any unreadable header means: not ours to load
-                log.warning("disk cache: ignoring unreadable %s: %s", path, e)
-                continue
-            for h in blocks:
-                if h not in self.block_refs:
-                    self.block_refs[h], self.block_bytes[h] = 0, self._block_path(h).stat().st_size
-                    self.bytes += self.block_bytes[h]
-                self.block_refs[h] += 1
-            self._index(key, SnapshotMeta(blocks, tail, num_tokens, path.stat().st_size))
-        if self.snaps:
-            log.info("disk cache: %d snapshots (%.2f GiB) in %s", len(self.snaps), self.bytes / (1 << 30), self.dir)
-        self._fit()
+    def ours(self, meta: dict) -> bool:
+        return meta.get("format") == FORMAT and meta.get("model") == self.identity
+
+    def missing(self, key: bytes, blocks: list[bytes]) -> str | None:
+        """Why this store cannot serve an entry from its headers and file names alone (None: it can)."""
+        path = self.snapshot_path(key)
+        try:
+            with safe_open(str(path), "pt") as f:
+                if not self.ours(f.metadata() or {}):
+                    return f"{path} was written by another model, layout or format version"
+        except Exception as e:   # noqa: BLE001 - a missing or unreadable header alike: not there to load
+            return f"{path} is unreadable: {e}"
+        absent = sum(not self.block_path(h).exists() for h in blocks)
+        return f"{absent} of its KV block files are missing in {self.dir}" if absent else None
 
     def _write(self, path: Path, tensors: dict[str, torch.Tensor], extra: dict[str, str]) -> int:
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
@@ -117,36 +105,90 @@ class DiskTier(TierIndex):
             raise
         except Exception as e:   # noqa: BLE001 - safetensors raises its own error types for damaged files
             raise CorruptEntry(f"{path} is unreadable: {e}") from None
-        if meta.get("format") != FORMAT or meta.get("model") != self.identity:
-            raise CorruptEntry(f"{path} was written by another model or format version")
+        if not self.ours(meta):
+            raise CorruptEntry(f"{path} was written by another model, layout or format version")
         if meta.get("checksum") != checksum(tensors):
             raise CorruptEntry(f"{path} fails its checksum")
         return tensors
 
-    def _store_block(self, h: bytes, data: BlockData) -> int:
-        path = self._block_path(h)
+    def store_block(self, h: bytes, data: BlockData) -> int:
+        path = self.block_path(h)
         return path.stat().st_size if path.exists() else self._write(path, data, {"kind": "block"})
 
-    def _store_snapshot(self, key: bytes, meta: SnapshotMeta, snap: Snapshot) -> int:
-        tensors = {f"state.{k}": v for k, v in snap.state.items()}
-        tensors.update({f"tail.{k}": v for k, v in (snap.tail_kv or {}).items()})
-        extra = {"kind": "snapshot", "blocks": json.dumps([h.hex() for h in meta.blocks]),
-                 "tail": json.dumps(list(snap.tail)), "num_tokens": str(snap.num_tokens)}
-        return self._write(self._snapshot_path(key), tensors, extra)
+    def store_snapshot(self, key: bytes, snap: SnapshotData, meta: SnapshotMeta | None) -> int:
+        state, tail_kv = snap
+        tensors = {f"state.{k}": v for k, v in state.items()}
+        tensors.update({f"tail.{k}": v for k, v in (tail_kv or {}).items()})
+        extra = {"kind": "snapshot"}
+        if meta is not None:
+            extra.update(blocks=json.dumps([h.hex() for h in meta.blocks]), tail=json.dumps(list(meta.tail)),
+                         num_tokens=str(meta.num_tokens))
+        return self._write(self.snapshot_path(key), tensors, extra)
 
-    def _load_block(self, h: bytes) -> BlockData:
-        return self._read(self._block_path(h))
+    def load_block(self, h: bytes) -> BlockData:
+        return self._read(self.block_path(h))
 
-    def _load_snapshot(self, key: bytes, meta: SnapshotMeta) -> Snapshot:
-        path = self._snapshot_path(key)
+    def load_snapshot(self, key: bytes) -> SnapshotData:
+        path = self.snapshot_path(key)
         tensors = self._read(path)
         state = {k[len("state."):]: v for k, v in tensors.items() if k.startswith("state.")}
         tail_kv = {k[len("tail."):]: v for k, v in tensors.items() if k.startswith("tail.")} or None
         os.utime(path)   # LRU order survives a restart
-        return Snapshot(meta.num_tokens, meta.tail, state, tail_kv)
+        return state, tail_kv
 
-    def _drop_block(self, h: bytes) -> None:
-        self._block_path(h).unlink(missing_ok=True)
+    def drop_block(self, h: bytes) -> None:
+        self.block_path(h).unlink(missing_ok=True)
 
-    def _drop_snapshot(self, key: bytes) -> None:
-        self._snapshot_path(key).unlink(missing_ok=True)
+    def drop_snapshot(self, key: bytes) -> None:
+        self.snapshot_path(key).unlink(missing_ok=True)
+
+
+def disk_stores(directory, identity: str, tp: int = 1, ep: int = 1) -> list[DiskStore]:
+    """Every rank's store, by rank: the directory itself on one process; `rank<r>/` under it on several."""
+    world = max(tp, ep)
+    if world == 1:
+        return [DiskStore(directory, identity)]
+    layout = f"{identity}|world {world} tensor parallel {tp} expert parallel {ep}"
+    return [DiskStore(Path(directory) / f"rank{r}", hashlib.sha256(f"{layout}|rank {r}".encode()).hexdigest())
+            for r in range(world)]
+
+
+class DiskTier(TierIndex):
+    def __init__(self, store: DiskStore, capacity_bytes: int, block_size: int, peers: list[DiskStore] = ()):
+        super().__init__(store, capacity_bytes, block_size, None)
+        self.peers = list(peers)      # the other ranks' stores: an entry counts only when all of them hold it
+        self._scan()
+
+    def _scan(self) -> None:
+        store = self.store
+        paths = sorted(store.snapshot_dir.glob("*.safetensors"), key=lambda p: p.stat().st_mtime)
+        for path in paths:
+            try:
+                with safe_open(str(path), "pt") as f:
+                    meta = f.metadata() or {}
+                key = bytes.fromhex(path.stem)
+                if not store.ours(meta):
+                    log.warning("disk cache: ignoring %s: written by another model, layout or format version", path)
+                    continue
+                blocks = [bytes.fromhex(h) for h in json.loads(meta["blocks"])]
+                missing = [h for h in blocks if not store.block_path(h).exists()]
+                if missing:
+                    log.warning("disk cache: ignoring %s: %d of its KV block files are missing", path, len(missing))
+                    continue
+                tail, num_tokens = tuple(json.loads(meta["tail"])), int(meta["num_tokens"])
+            except Exception as e:   # noqa: BLE001 - any unreadable header means: not ours to load
+                log.warning("disk cache: ignoring unreadable %s: %s", path, e)
+                continue
+            why = [w for w in (peer.missing(key, blocks) for peer in self.peers) if w]
+            if why:
+                log.warning("disk cache: ignoring %s: another rank's share is not there (%s)", path, why[0])
+                continue
+            for h in blocks:
+                if h not in self.block_refs:
+                    self.block_refs[h], self.block_bytes[h] = 0, store.block_path(h).stat().st_size
+                    self.bytes += self.block_bytes[h]
+                self.block_refs[h] += 1
+            self._index(key, SnapshotMeta(blocks, tail, num_tokens, path.stat().st_size))
+        if self.snaps:
+            log.info("disk cache: %d snapshots (%.2f GiB) in %s", len(self.snaps), self.bytes / (1 << 30), store.dir)
+        self._fit()

@@ -72,8 +72,8 @@ class PrefixCache:
         self.root = Node((), ROOT_HASH, -1, None)
         self.lru: OrderedDict[bytes, tuple[Node, tuple[int, ...]]] = OrderedDict()
         self.snapshot_bytes = 0
-        # Several ranks (flashnext/parallel/mirror.py): every snapshot taken, resumed or dropped here is also
-        # done by each rank on its own share of the state; None on one device.
+        # Several ranks (flashnext/parallel/mirror.py): every snapshot taken, resumed or dropped here, and every
+        # entry copied in from a lower tier, is also done by each rank on its own share; None on one device.
         self.mirror = None
 
     # ---- lookup and resume ----
@@ -86,6 +86,11 @@ class PrefixCache:
             entry = tier.match(tokens, limit, deeper_than=depth)
             if entry is not None:
                 loaded = tier.load(entry[0])
+                if loaded is not None and self.mirror is not None and not self.mirror.fetch(tier, *entry):
+                    log.warning("%s cache: dropping entry %s: another rank cannot read its share", tier.name,
+                                entry[0].hex())
+                    tier.remove(entry[0])
+                    loaded = None
                 if loaded is not None and self._install(tokens, *loaded):
                     found = self._match(tokens, limit)
                     break
@@ -168,14 +173,19 @@ class PrefixCache:
                 block = self.kv.allocate(1)[0]
                 write_block(self.kv, block, data)
                 child = node.children[key] = Node(key, block_hash(node.hash, key), block, node)
+                if self.mirror is not None:
+                    self.mirror.install_block(child.hash, block)
             child.pins += 1
             pinned.append(child)
             node = child
         if ok:
             device_snap = snap.to(self.kv.device)
+            snap_key = snapshot_key(node.hash, snap.tail)
+            if self.mirror is not None:
+                self.mirror.install_snapshot(snap_key, device_snap)
             node.snapshots[snap.tail] = device_snap
             self.snapshot_bytes += device_snap.nbytes
-            self.lru[snapshot_key(node.hash, snap.tail)] = (node, snap.tail)
+            self.lru[snap_key] = (node, snap.tail)
         for n in pinned:
             n.pins -= 1
         if pinned:
@@ -195,15 +205,16 @@ class PrefixCache:
         node, tail = self.lru.pop(key)
         snap = node.snapshots.pop(tail)
         self.snapshot_bytes -= snap.nbytes
-        if self.mirror is not None:
-            self.mirror.drop(snap)
         if self.lower is not None:
             self._write_down(self.lower, node, key, snap)
+        if self.mirror is not None:      # after the write-down, which the other ranks copy from their snapshot
+            self.mirror.drop(snap)
         self._prune(node)
 
     def _write_down(self, tier: TierIndex, node: Node, key: bytes, snap: Snapshot) -> None:
         path = node.path()
-        tier.put([n.hash for n in path], lambda i: read_block(self.kv, path[i].block), key, snap)
+        blocks = [n.block for n in path]
+        tier.put([n.hash for n in path], lambda i: read_block(self.kv, blocks[i]), key, snap, blocks)
 
     def _prune(self, node: Node) -> None:
         while node.parent is not None and not node.snapshots and not node.children and not node.pins:

@@ -2,8 +2,12 @@
 under a byte budget, least recently used out first.
 
 A snapshot names the blocks of its prefix by hash; a block is kept while some snapshot names it, so the
-common prefix of a conversation's turns is stored once. Subclasses keep the payloads; an evicted
+common prefix of a conversation's turns is stored once. The payloads live in a `TierStore`; an evicted
 snapshot moves to the next tier down (`lower`) when there is one, else it is dropped.
+
+The index and its store are apart because on several ranks only rank 0 has the index (it decides what is
+kept), while every rank has a store of its own for its share of each entry (flashnext/parallel/mirror.py):
+each payload this index stores or drops is then logged to the mirror, for the other ranks to do the same.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from flashnext.cache.cache_entry import ROOT_HASH, Snapshot, chain_hashes
 log = logging.getLogger("flashnext.cache")
 
 BlockData = dict[str, torch.Tensor]
+SnapshotData = tuple[dict[str, torch.Tensor], BlockData | None]     # state, KV of the partial block (or None)
 
 
 class CorruptEntry(RuntimeError):
@@ -33,10 +38,33 @@ class SnapshotMeta:
     nbytes: int
 
 
-class TierIndex:
+class TierStore:
+    """Payloads of one tier by name; returns the bytes each stored payload takes."""
     name = "tier"
 
-    def __init__(self, capacity_bytes: int, block_size: int, lower: TierIndex | None = None):
+    def store_block(self, h: bytes, data: BlockData) -> int:
+        raise NotImplementedError
+
+    def store_snapshot(self, key: bytes, snap: SnapshotData, meta: SnapshotMeta | None) -> int:
+        """`meta` is what the index knows of the entry (the disk keeps it for a restart); None on ranks > 0."""
+        raise NotImplementedError
+
+    def load_block(self, h: bytes) -> BlockData:
+        raise NotImplementedError
+
+    def load_snapshot(self, key: bytes) -> SnapshotData:
+        raise NotImplementedError
+
+    def drop_block(self, h: bytes) -> None:
+        raise NotImplementedError
+
+    def drop_snapshot(self, key: bytes) -> None:
+        raise NotImplementedError
+
+
+class TierIndex:
+    def __init__(self, store: TierStore, capacity_bytes: int, block_size: int, lower: TierIndex | None = None):
+        self.store = store
         self.capacity = capacity_bytes
         self.block_size = block_size
         self.lower = lower
@@ -45,27 +73,12 @@ class TierIndex:
         self.snaps: OrderedDict[bytes, SnapshotMeta] = OrderedDict()
         self.by_last_block: dict[bytes, dict[tuple[int, ...], bytes]] = {}
         self.bytes = 0
+        self.mirror = None      # several ranks: parallel/mirror.SnapshotMirror; None on one device
 
-    # ---- payloads, kept by subclasses ----
-    def _store_block(self, h: bytes, data: BlockData) -> int:
-        raise NotImplementedError
+    @property
+    def name(self) -> str:
+        return self.store.name
 
-    def _store_snapshot(self, key: bytes, meta: SnapshotMeta, snap: Snapshot) -> int:
-        raise NotImplementedError
-
-    def _load_block(self, h: bytes) -> BlockData:
-        raise NotImplementedError
-
-    def _load_snapshot(self, key: bytes, meta: SnapshotMeta) -> Snapshot:
-        raise NotImplementedError
-
-    def _drop_block(self, h: bytes) -> None:
-        raise NotImplementedError
-
-    def _drop_snapshot(self, key: bytes) -> None:
-        raise NotImplementedError
-
-    # ---- the index ----
     def __contains__(self, key: bytes) -> bool:
         return key in self.snaps
 
@@ -87,19 +100,27 @@ class TierIndex:
                 return best
         return None
 
-    def put(self, hashes: list[bytes], get_block: Callable[[int], BlockData], key: bytes, snap: Snapshot) -> None:
-        """Store a snapshot and whichever of its prefix blocks are missing (get_block(i) reads block i)."""
+    def put(self, hashes: list[bytes], get_block: Callable[[int], BlockData], key: bytes, snap: Snapshot,
+            device_blocks: list[int] | None = None) -> None:
+        """Store a snapshot and whichever of its prefix blocks are missing (get_block(i) reads block i).
+        `device_blocks` names the device KV block of each hash when the entry comes down from the device (a
+        snapshot of the device cache); None when it comes from the tier above. Other ranks copy their share
+        from the same place."""
         if key in self.snaps:
             self.snaps.move_to_end(key)
             return
         for i, h in enumerate(hashes):
             if h not in self.block_refs:
-                nbytes = self._store_block(h, get_block(i))
+                nbytes = self.store.store_block(h, get_block(i))
+                if self.mirror is not None:
+                    self.mirror.store_block(self, h, device_blocks[i] if device_blocks is not None else None)
                 self.block_refs[h], self.block_bytes[h] = 0, nbytes
                 self.bytes += nbytes
             self.block_refs[h] += 1
         meta = SnapshotMeta(list(hashes), tuple(snap.tail), snap.num_tokens, 0)
-        meta.nbytes = self._store_snapshot(key, meta, snap)
+        meta.nbytes = self.store.store_snapshot(key, (snap.state, snap.tail_kv), meta)
+        if self.mirror is not None:
+            self.mirror.store_snapshot(self, key, snap if device_blocks is not None else None)
         self._index(key, meta)
         self._fit()
 
@@ -112,14 +133,14 @@ class TierIndex:
         """The blocks and snapshot of an entry, or None (with a warning) when it cannot be read back."""
         meta = self.snaps[key]
         try:
-            blocks = [self._load_block(h) for h in meta.blocks]
-            snap = self._load_snapshot(key, meta)
+            blocks = [self.store.load_block(h) for h in meta.blocks]
+            state, tail_kv = self.store.load_snapshot(key)
         except (CorruptEntry, OSError) as e:
             log.warning("%s cache: ignoring entry %s: %s", self.name, key.hex(), e)
-            self._remove(key)
+            self.remove(key)
             return None
         self.snaps.move_to_end(key)
-        return blocks, snap
+        return blocks, Snapshot(meta.num_tokens, meta.tail, state, tail_kv)
 
     def _fit(self) -> None:
         while self.bytes > self.capacity and self.snaps:
@@ -133,9 +154,10 @@ class TierIndex:
                 return
             blocks, snap = entry
             self.lower.put(meta.blocks, lambda i: blocks[i], key, snap)
-        self._remove(key)
+        self.remove(key)
 
-    def _remove(self, key: bytes) -> None:
+    def remove(self, key: bytes) -> None:
+        """Forget an entry here, with the blocks no other entry names."""
         meta = self.snaps.pop(key)
         last = meta.blocks[-1] if meta.blocks else ROOT_HASH
         tails = self.by_last_block[last]
@@ -143,15 +165,19 @@ class TierIndex:
         if not tails:
             del self.by_last_block[last]
         self.bytes -= meta.nbytes
-        self._drop_snapshot(key)
+        self.store.drop_snapshot(key)
+        if self.mirror is not None:
+            self.mirror.drop_snapshot(self, key)
         for h in meta.blocks:
             self.block_refs[h] -= 1
             if self.block_refs[h] == 0:
                 del self.block_refs[h]
                 self.bytes -= self.block_bytes.pop(h)
-                self._drop_block(h)
+                self.store.drop_block(h)
+                if self.mirror is not None:
+                    self.mirror.drop_block(self, h)
 
     def clear(self) -> None:
         """Forget every entry without moving it down."""
         while self.snaps:
-            self._remove(next(iter(self.snaps)))
+            self.remove(next(iter(self.snaps)))

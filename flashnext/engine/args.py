@@ -33,10 +33,10 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     prefix_snapshot_interval: int = 1024  # tokens between state snapshots in a prefill (multiple of block_size; 0: none)
     prefix_cache_gb: float = 1.0          # device memory for state snapshots
-    kv_host_gb: float = 0.0               # host-RAM tier for evicted entries (0: none)
+    kv_host_gb: float = 0.0               # host-RAM tier for evicted entries (0: none); per rank on several GPUs
     kv_host_write_through: bool = False   # write every finished turn down to the lower tiers at once
-    kv_disk_dir: str | None = None        # disk tier: entries survive a restart
-    kv_disk_gb: float = 16.0
+    kv_disk_dir: str | None = None        # disk tier: entries survive a restart (several GPUs: rank<r>/ under it)
+    kv_disk_gb: float = 16.0              # per rank on several GPUs
 
 
 def resolve_dtype(name: str, device, model: str | None = None) -> "torch.dtype":  # noqa: F821

@@ -128,14 +128,17 @@ class LLMEngine:
         gib = 1 << 30
         lower = None
         if args.kv_disk_dir:
-            from flashnext.cache.disk_tier import DiskTier, model_identity
+            from flashnext.cache.disk_tier import DiskTier, disk_stores, model_identity
 
+            # Several ranks: this is rank 0, whose index covers every rank's share (parallel/mirror.py).
             identity = model_identity(self.loaded.path, self.dtype, block_size)
-            lower = DiskTier(args.kv_disk_dir, int(args.kv_disk_gb * gib), block_size, identity)
+            stores = disk_stores(args.kv_disk_dir, identity, args.tensor_parallel, args.expert_parallel)
+            lower = DiskTier(stores[0], int(args.kv_disk_gb * gib), block_size, peers=stores[1:])
         if args.kv_host_gb > 0:
-            from flashnext.cache.host_tier import HostTier
+            from flashnext.cache.host_tier import HostStore
+            from flashnext.cache.tier_index import TierIndex
 
-            lower = HostTier(int(args.kv_host_gb * gib), block_size, lower)
+            lower = TierIndex(HostStore(), int(args.kv_host_gb * gib), block_size, lower)
         return PrefixCache(self.kv, self.states, int(args.prefix_cache_gb * gib), lower, args.kv_host_write_through)
 
     def _plan_kv_blocks(self, block_size: int, slot_bytes: int) -> int:

@@ -16,14 +16,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from flashnext.cache.kv_pool import KVPool
+from flashnext.cache.tier_index import TierStore
 from flashnext.engine.args import EngineArgs, resolve_dtype
 from flashnext.engine.loading import load_model
-from flashnext.parallel.mirror import SnapshotMirror
+from flashnext.parallel.mirror import SnapshotMirror, WorkerCache
 from flashnext.parallel.runtime import (ParallelPlan, attach_broadcaster, free_port, init_process, rank_device,
-                                        send_stop, worker_loop, world_size)
+                                        send_ops, send_stop, worker_loop, world_size)
 
 log = logging.getLogger("flashnext.parallel")
-_started: list = []   # (worker processes, rank 0's device) of the engine this process launched
+_started: list = []   # (worker processes, rank 0's device, its SnapshotMirror) of the engine this process launched
 
 
 def _plan(args: EngineArgs, rank: int) -> ParallelPlan:
@@ -42,6 +44,24 @@ def _load(args: EngineArgs, rank: int, port: int):
     return loaded, device, dtype
 
 
+def _tier_stores(args: EngineArgs, loaded, dtype, rank: int) -> list[TierStore]:
+    """This rank's stores for the prefix cache's lower tiers, in the order of rank 0's tiers
+    (LLMEngine._build_prefix_cache: host above disk)."""
+    if not args.enable_prefix_caching:
+        return []
+    stores = []
+    if args.kv_host_gb > 0:
+        from flashnext.cache.host_tier import HostStore
+
+        stores.append(HostStore())
+    if args.kv_disk_dir:
+        from flashnext.cache.disk_tier import disk_stores, model_identity
+
+        identity = model_identity(loaded.path, dtype, KVPool.fit_block_size(loaded.config, args.block_size))
+        stores.append(disk_stores(args.kv_disk_dir, identity, args.tensor_parallel, args.expert_parallel)[rank])
+    return stores
+
+
 def _worker(rank: int, args: EngineArgs, port: int) -> None:
     # Ctrl-C reaches the whole process group: rank 0 alone handles it and then tells the workers to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -50,28 +70,25 @@ def _worker(rank: int, args: EngineArgs, port: int) -> None:
         from flashnext.cache.routing_trace import install_routing_trace
 
         install_routing_trace(loaded.model, args.routing_trace, args.seed)
-    steps = worker_loop(loaded.model, dtype, device)
+    steps = worker_loop(loaded.model, dtype, device, WorkerCache(_tier_stores(args, loaded, dtype, rank)))
     log.debug("rank %d: %d forwards, stopping", rank, steps)
     dist.destroy_process_group()
 
 
 def launch_engine(args: EngineArgs):
     """An LLMEngine whose model spans `max(tensor_parallel, expert_parallel)` devices; world size 1 is the plain
-    engine. The prefix cache works across ranks in device memory (every rank snapshots its own share,
-    parallel/mirror.py); its host and disk tiers are off there (they would need a store per rank)."""
+    engine. The prefix cache works across ranks, its host and disk tiers included: rank 0's cache decides and
+    every rank keeps its own share of each entry (parallel/mirror.py)."""
     from flashnext.engine.llm_engine import LLMEngine
 
     world = world_size(args.tensor_parallel, args.expert_parallel)
     if world == 1:
         return LLMEngine(args)
-    if args.enable_prefix_caching and (args.kv_host_gb or args.kv_disk_dir):
-        log.warning("the prefix cache's host and disk tiers do not work across %d ranks yet; device memory only",
-                    world)
     device = rank_device(args.device, 0)
     if device.type == "cuda" and torch.cuda.device_count() < world:
         raise ValueError(f"--tensor-parallel/--expert-parallel {world} needs {world} GPUs; "
                          f"{torch.cuda.device_count()} visible")
-    args = dataclasses.replace(args, kv_host_gb=0.0, kv_disk_dir=None, device=str(device))
+    args = dataclasses.replace(args, device=str(device))
     port = free_port()
     ctx = mp.get_context("spawn")
     workers = [ctx.Process(target=_worker, args=(rank, args, port), daemon=True, name=f"flashnext-rank{rank}")
@@ -79,12 +96,12 @@ def launch_engine(args: EngineArgs):
     for w in workers:
         w.start()
     loaded, device, _ = _load(args, 0, port)
-    mirror = SnapshotMirror()
+    mirror = SnapshotMirror(send_ops)
     attach_broadcaster(loaded.model, mirror)
     engine = LLMEngine(args, loaded=loaded)
     if engine.prefix_cache is not None:
-        engine.prefix_cache.mirror = mirror
-    _started.append((workers, device))
+        mirror.attach(engine.prefix_cache)
+    _started.append((workers, device, mirror))
     atexit.register(shutdown)
     log.info("rank 0 of %d (tensor parallel %d, expert parallel %d); workers %s", world, args.tensor_parallel,
              args.expert_parallel, [w.pid for w in workers])
@@ -94,8 +111,9 @@ def launch_engine(args: EngineArgs):
 def shutdown(timeout: float = 30.0) -> None:
     """Rank 0: tell the workers to leave their loop, wait for them, leave the group (also run at exit)."""
     while _started:
-        workers, device = _started.pop()
+        workers, device, mirror = _started.pop()
         if dist.is_initialized():
+            mirror.sync()    # e.g. what LLMEngine.shutdown just wrote down to disk: the workers write theirs
             send_stop(device)
         for w in workers:
             w.join(timeout)

@@ -4,7 +4,9 @@ Rank 0 owns the scheduler and the pools' bookkeeping. A forward pre-hook on its 
 forward's tokens and segments (slot, rows, computed length, KV block ids) before running it; the other ranks
 sit in `worker_loop`, rebuild the same ForwardContext over their own pools (same block and slot numbers, local
 heads only) and run the same forward, so every collective inside the model meets its partner. Sampling
-happens on rank 0 alone: logits are whole there (lm_head is replicated).
+happens on rank 0 alone: logits are whole there (lm_head is replicated). The prefix cache's ops ride on the
+step message; the few that rank 0 needs done and answered before it goes on (parallel/mirror.py) go alone,
+followed by one all-reduce of "did it work".
 """
 from __future__ import annotations
 
@@ -19,12 +21,12 @@ import torch.distributed as dist
 from flashnext.cache.kv_pool import KVPool
 from flashnext.cache.state_pool import StatePool
 from flashnext.models.context import ForwardContext, Segment
-from flashnext.parallel.mirror import SnapshotMirror, WorkerSnapshots
+from flashnext.parallel.mirror import SnapshotMirror, WorkerCache
 
 log = logging.getLogger("flashnext.parallel")
 
-STOP, STEP = 0, 1
-_HEADER = 9        # cmd, tokens, segments, block ids, pool id, pool blocks, block size, pool slots, snapshot ops
+STOP, STEP, OPS = 0, 1, 2
+_HEADER = 9        # cmd, tokens, segments, block ids, pool id, pool blocks, block size, pool slots, cache ops
 _SEGMENT = 5       # slot, start, length, context_len, number of block ids
 _POOLS_KEPT = 4    # pool pairs a worker keeps (an engine has one; tests open a few Sessions)
 
@@ -83,6 +85,20 @@ def send_stop(device: torch.device) -> None:
     _broadcast(header)
 
 
+def _pool_key(kv: KVPool, states: StatePool) -> list[int]:
+    return [id(kv), kv.num_blocks, kv.block_size, states.num_slots]
+
+
+def send_ops(ops: list[int], kv: KVPool, states: StatePool) -> bool:
+    """Rank 0: every rank replays these prefix cache ops on its twin of (kv, states) now; True when all could."""
+    device = kv.device
+    _broadcast(torch.tensor([OPS, 0, 0, 0, *_pool_key(kv, states), len(ops)], dtype=torch.long, device=device))
+    _broadcast(torch.tensor(ops, dtype=torch.long, device=device))
+    ok = torch.ones(1, dtype=torch.long, device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
 def broadcast_step(input_ids: torch.Tensor, ctx: ForwardContext, mirror: SnapshotMirror | None = None) -> None:
     """Rank 0: tell the workers which forward comes next, and what the prefix cache did since the last one."""
     device = input_ids.device
@@ -91,8 +107,8 @@ def broadcast_step(input_ids: torch.Tensor, ctx: ForwardContext, mirror: Snapsho
     blocks = [s.blocks.to(device=device, dtype=torch.long) for s in segs]
     n_blocks = sum(b.numel() for b in blocks)
     ops = mirror.flush() if mirror is not None else []
-    header = torch.tensor([STEP, input_ids.numel(), len(segs), n_blocks, id(ctx.kv), ctx.kv.num_blocks,
-                           ctx.kv.block_size, ctx.states.num_slots, len(ops)], dtype=torch.long, device=device)
+    header = torch.tensor([STEP, input_ids.numel(), len(segs), n_blocks, *_pool_key(ctx.kv, ctx.states), len(ops)],
+                          dtype=torch.long, device=device)
     _broadcast(header)
     payload = torch.cat([input_ids.long(), torch.tensor(table, dtype=torch.long, device=device).flatten(), *blocks,
                          torch.tensor(ops, dtype=torch.long, device=device)])
@@ -106,10 +122,12 @@ def attach_broadcaster(model: torch.nn.Module, mirror: SnapshotMirror | None = N
 
 
 @torch.inference_mode()
-def worker_loop(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> int:
-    """Ranks > 0: run what rank 0 announces until it says stop; returns the number of forwards run."""
+def worker_loop(model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
+                cache: WorkerCache | None = None) -> int:
+    """Ranks > 0: run what rank 0 announces until it says stop; returns the number of forwards run. `cache` holds
+    this rank's stores of the prefix cache's lower tiers, when rank 0's cache has any."""
     pools: dict[tuple, tuple[KVPool, StatePool]] = {}
-    snapshots = WorkerSnapshots()
+    cache = cache or WorkerCache()
     steps = 0
     while True:
         cmd, n_tok, n_seg, n_blk, pool_id, num_blocks, block_size, num_slots, n_ops = _broadcast(
@@ -117,6 +135,7 @@ def worker_loop(model: torch.nn.Module, dtype: torch.dtype, device: torch.device
         if cmd == STOP:
             return steps
         payload = _broadcast(torch.empty(n_tok + _SEGMENT * n_seg + n_blk + n_ops, dtype=torch.long, device=device))
+        ops = payload[len(payload) - n_ops:].tolist() if n_ops else []
         key = (pool_id, num_blocks, block_size, num_slots)
         if key not in pools:
             # Each pool of rank 0 (the engine's, or a Session's) has its twin here, sized as rank 0 planned it.
@@ -125,11 +144,15 @@ def worker_loop(model: torch.nn.Module, dtype: torch.dtype, device: torch.device
             pools[key] = (KVPool(model.cfg, num_blocks, block_size, dtype, device),
                           StatePool(model.cfg, num_slots, dtype, device))
         kv, states = pools[key]
+        if cmd == OPS:
+            ok = torch.tensor([int(cache.apply(ops, kv, states))], dtype=torch.long, device=device)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            continue
         ids = payload[:n_tok]
         table = payload[n_tok: n_tok + _SEGMENT * n_seg].view(n_seg, _SEGMENT).tolist()
         blocks = payload[n_tok + _SEGMENT * n_seg: n_tok + _SEGMENT * n_seg + n_blk]
-        # The prefix cache's snapshot ops since the last step, before this step's forward (and its slot resets).
-        snapshots.apply(payload[len(payload) - n_ops:].tolist() if n_ops else [], kv, states)
+        # The prefix cache's ops since the last step, before this step's forward (and its slot resets).
+        cache.apply(ops, kv, states)
         segments, offset = [], 0
         for slot, start, length, context_len, count in table:
             if context_len == 0:

@@ -1,9 +1,8 @@
 """Gated attention over paged KV: per head q_proj gives [query | gate]; zero-centred q/k norms; partial
-RoPE; GQA; output × sigmoid(gate) → o_proj. `token_mask` lets indexed attention restrict each query to
-the tokens its indexer selected (None: plain causal attention).
+RoPE; GQA; output × sigmoid(gate) → o_proj. `block_selection` / `token_lists` / `decode_selection` let indexed
+attention restrict each query to the tokens its indexer selected (None: plain causal attention).
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flashnext.models.context import ForwardContext, Segment
@@ -11,9 +10,8 @@ from flashnext.models.decode_batch import DecodeBatch
 from flashnext.models.layers.norms import ZeroCenteredRMSNorm
 from flashnext.ops.decode_attention import decode_attention
 from flashnext.ops.norm_rope import norm_rope
+from flashnext.ops.prefill_attention import prefill_attention
 from flashnext.weights.config import ModelConfig
-
-QUERY_BLOCK = 1024
 
 
 class GatedAttention(nn.Module):
@@ -32,12 +30,14 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
 
-    def token_mask(self, x, cos, sin, ctx: ForwardContext, seg: Segment) -> torch.Tensor | None:
+    def block_selection(self, x, cos, sin, ctx: ForwardContext, seg: Segment) -> tuple[torch.Tensor, int] | None:
+        """(chosen [T, blocks] bool, tokens per block): the complete blocks each query of the segment attends to
+        besides its own incomplete block (ops/prefill_attention); None: every earlier token."""
         return None
 
     def token_lists(self, x, cos, sin, ctx: ForwardContext, seg: Segment) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For a long segment, (token_index [T, S], token_valid [T, S]) of what each query attends to, so that
-        attention reads S tokens per query instead of a [T, total] mask; None: use token_mask."""
+        attention reads S tokens per query instead of walking every earlier key; None: use block_selection."""
         return None
 
     def decode_selection(self, x, cos, sin, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -68,8 +68,9 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n = x.shape[0]
         q, gate, k, v = self._qkv(x, cos, sin)
-        k_cache = ctx.kv.k[self.layer_idx].view(-1, self.num_kv_heads, self.head_dim)
-        v_cache = ctx.kv.v[self.layer_idx].view(-1, self.num_kv_heads, self.head_dim)
+        k_pages, v_pages = ctx.kv.k[self.layer_idx], ctx.kv.v[self.layer_idx]
+        k_cache = k_pages.view(-1, self.num_kv_heads, self.head_dim)
+        v_cache = v_pages.view(-1, self.num_kv_heads, self.head_dim)
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         for seg in ctx.segments:
             rows = slice(seg.start, seg.end)
@@ -80,9 +81,10 @@ class GatedAttention(nn.Module):
             if lists is not None:
                 out[rows] = self._attend_lists(q[rows], ctx, seg, *lists)
                 continue
-            all_rows = ctx.kv.token_rows(seg.blocks, 0, seg.total_len)
-            mask = self.token_mask(x[rows], cos[rows], sin[rows], ctx, seg)
-            out[rows] = self._attend(q[rows], k_cache[all_rows], v_cache[all_rows], seg, mask)
+            selection = self.block_selection(x[rows], cos[rows], sin[rows], ctx, seg)
+            chosen, ratio = selection if selection is not None else (None, 1)
+            out[rows] = prefill_attention(q[rows], k_pages, v_pages, seg.blocks, seg.context_len, self.scaling,
+                                          chosen, ratio)
         out = out.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
         return self.o_proj(out)
 
@@ -93,23 +95,3 @@ class GatedAttention(nn.Module):
         table = seg.blocks[None, :].expand(seg.length, -1)
         return decode_attention(q, ctx.kv.k[self.layer_idx], ctx.kv.v[self.layer_idx], table, queries + 1,
                                 self.scaling, token_index=token_index, token_valid=token_valid)
-
-    def _attend(self, q, k, v, seg: Segment, mask: torch.Tensor | None) -> torch.Tensor:
-        """q [T, H, D]; k, v [L, KVH, D] with L = context + T → [T, H, D].
-
-        Queries go in blocks so a long prefill holds at most QUERY_BLOCK × L of mask (and, where SDPA falls back
-        to its math kernel, of scores) at a time instead of T × L.
-        """
-        k, v = k.transpose(0, 1), v.transpose(0, 1)            # [KVH, L, D]
-        token = torch.arange(seg.total_len, device=q.device)
-        out = torch.empty_like(q)
-        for start in range(0, seg.length, QUERY_BLOCK):
-            end = min(start + QUERY_BLOCK, seg.length)
-            query_pos = seg.context_len + torch.arange(start, end, device=q.device)
-            visible = token[None, :] <= query_pos[:, None]
-            if mask is not None:
-                visible = visible & mask[start:end]
-            o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k, v, attn_mask=visible,
-                                               scale=self.scaling, enable_gqa=True)
-            out[start:end] = o.transpose(0, 1)
-        return out

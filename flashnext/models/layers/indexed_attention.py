@@ -14,8 +14,8 @@ class IndexedAttention(GatedAttention):
         super().__init__(cfg, layer_idx)
         self.indexer = QSAIndexer(cfg, layer_idx, rope)
 
-    def token_mask(self, x, cos, sin, ctx, seg):
-        return self.indexer(x, cos, sin, ctx, seg)
+    def block_selection(self, x, cos, sin, ctx, seg):
+        return self.indexer(x, cos, sin, ctx, seg), self.indexer.ratio
 
     def token_lists(self, x, cos, sin, ctx, seg):
         return self.indexer.token_lists(x, cos, sin, ctx, seg) if lists_pay_off(x, seg, self.indexer) else None

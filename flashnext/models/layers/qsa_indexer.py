@@ -16,9 +16,9 @@ from torch import nn
 
 from flashnext.models.context import ForwardContext, Segment
 from flashnext.models.decode_batch import DecodeBatch
-from flashnext.models.layers.attention import QUERY_BLOCK
 from flashnext.models.layers.norms import ZeroCenteredRMSNorm
 from flashnext.ops.norm_rope import norm_rope
+from flashnext.ops.prefill_attention import QUERY_BLOCK
 from flashnext.ops.qsa_key_append import qsa_key_append
 from flashnext.ops.qsa_scores import qsa_block_scores
 from flashnext.weights.config import ModelConfig
@@ -104,19 +104,19 @@ class QSAIndexer(nn.Module):
         ring[: rest.shape[0]] = rest
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext, seg: Segment) -> torch.Tensor:
-        """x [T, hidden] of one segment → visibility mask [T, total_len] (before the causal mask)."""
+        """x [T, hidden] of one segment → chosen [T, total_len // ratio] bool: the complete blocks each query attends
+        to (ops/prefill_attention adds the tail of its incomplete block and the causal limit)."""
         q, raw = torch.split(self.index_qk_proj(x), [self.num_heads * self.head_dim, self.head_dim], dim=-1)
         q = norm_rope(q.view(-1, self.num_heads, self.head_dim), self.q_layernorm.weight, self.q_layernorm.eps, cos, sin)
         self._append_block_keys(raw, ctx, seg)
 
-        total = seg.total_len
-        num_blocks = total // self.ratio
-        query_pos = torch.arange(seg.context_len, total, device=x.device)
-        complete_before = (query_pos + 1) // self.ratio          # complete blocks each query can see
-        mask = torch.zeros(seg.length, total, dtype=torch.bool, device=x.device)
+        num_blocks = seg.total_len // self.ratio
+        chosen = torch.zeros(seg.length, num_blocks, dtype=torch.bool, device=x.device)
         if num_blocks:
+            query_pos = torch.arange(seg.context_len, seg.total_len, device=x.device)
             per_page = ctx.kv.block_size // self.ratio
             block_ids = torch.arange(num_blocks, device=x.device)
+            visible = block_ids[None, :] < ((query_pos + 1) // self.ratio)[:, None]
             rows = seg.blocks[block_ids // per_page] * per_page + block_ids % per_page
             keys = ctx.kv.index_keys[self.layer_idx].view(-1, self.head_dim)[rows].float()
             k = min(self.block_topk, num_blocks)
@@ -124,15 +124,10 @@ class QSAIndexer(nn.Module):
             for start in range(0, seg.length, QUERY_BLOCK):
                 end = min(start + QUERY_BLOCK, seg.length)
                 scores = torch.einsum("thd,bd->tbh", q[start:end].float(), keys).relu().sum(-1) / math.sqrt(self.head_dim)
-                visible_block = block_ids[None, :] < complete_before[start:end, None]
-                top = scores.masked_fill(~visible_block, float("-inf")).topk(k, dim=-1).indices
-                chosen = torch.zeros(end - start, num_blocks, dtype=torch.bool, device=x.device)
-                chosen.scatter_(1, top, True)
-                chosen &= visible_block
-                mask[start:end, : num_blocks * self.ratio] = chosen.repeat_interleave(self.ratio, dim=1)
-        token = torch.arange(total, device=x.device)
-        tail = (token[None, :] >= complete_before[:, None] * self.ratio) & (token[None, :] <= query_pos[:, None])
-        return mask | tail
+                top = scores.masked_fill(~visible[start:end], float("-inf")).topk(k, dim=-1).indices
+                chosen[start:end].scatter_(1, top, True)
+            chosen &= visible
+        return chosen
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: DecodeBatch):
         """One token per row → (token_index [B, T], token_valid [B, T]) with T = top-k blocks × ratio + ratio - 1,
