@@ -189,17 +189,19 @@ def test_expert_parallel_int4_experts(tmp_path):
 
 
 # ---- the prefix cache's host and disk tiers across ranks (parallel/mirror.py) ----
+PROMPT, REPLY = 70, 8
+TURN2_HIT = PROMPT + REPLY - 1      # turn 2 resumes after all but the last reply token
 
 def _tier_args(**kw):
-    """16 KV blocks of 16 tokens (the floor of max_model_len 256): two 150-token conversations do not fit, so
-    each one's admission moves the other's snapshots down a tier."""
+    """8 KV blocks of 16 tokens (the floor for max_model_len 128): two conversations of PROMPT tokens do not
+    fit, so each one's admission moves the other's snapshots down a tier."""
     from flashnext.cache.kv_pool import KVPool
     from flashnext.engine.loading import resolve_model
     from flashnext.weights.config import load_config
 
     per_block = KVPool.bytes_per_block(load_config(resolve_model("tiny-flash-next")), 16, torch.float32)
     return dict(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=2, max_num_batched_tokens=64,
-                max_model_len=256, kv_cache_gb=per_block / 2**30, **kw)
+                max_model_len=128, kv_cache_gb=per_block / 2**30, **kw)
 
 
 def _turns(engine, convs, tag, tier_loads=None):
@@ -216,7 +218,7 @@ def _turns(engine, convs, tag, tier_loads=None):
         tier = tier.lower
     replies, cached = [], []
     for i, prompt in enumerate(convs):
-        engine.add_request(f"{tag}{i}", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        engine.add_request(f"{tag}{i}", prompt, SamplingParams(max_tokens=REPLY, temperature=0, ignore_eos=True))
         out = []
         while engine.has_work():
             out += engine.step()
@@ -226,7 +228,7 @@ def _turns(engine, convs, tag, tier_loads=None):
 
 
 def _conversations():
-    return [[(11 * i + 5 * j) % 470 + 3 for j in range(150)] for i in range(2)]
+    return [[(11 * i + 5 * j) % 470 + 3 for j in range(PROMPT)] for i in range(2)]
 
 
 def _next_turn(convs, replies):
@@ -244,7 +246,7 @@ def test_engine_host_tier_across_ranks():
         convs = _conversations()
         first, _, _ = _turns(engine, convs, "a")
         second, cached, host_loads = _turns(engine, _next_turn(convs, first), "b", "host")
-        assert host_loads == 2 and cached == [150 + 8 - 1] * 2, (host_loads, cached)
+        assert host_loads == 2 and cached == [TURN2_HIT] * 2, (host_loads, cached)
         return first, second
 
     args = _tier_args(kv_host_gb=0.05)
@@ -289,7 +291,7 @@ def test_engine_disk_tier_across_ranks_survives_restart(tmp_path, caplog):
     host = 0.00005                       # about one snapshot: the other one spills on to disk
     convs, first = first_engine(LLMEngine(EngineArgs(**_tier_args(kv_host_gb=host, kv_disk_dir=str(one)))))
     want, cached, _ = second_engine(LLMEngine(EngineArgs(**_tier_args(kv_disk_dir=str(one)))), convs, first)
-    assert cached == [150 + 8 - 1] * 2
+    assert cached == [TURN2_HIT] * 2
 
     try:
         engine = launch_engine(EngineArgs(**_tier_args(kv_host_gb=host, kv_disk_dir=str(two), tensor_parallel=2)))
@@ -304,7 +306,7 @@ def test_engine_disk_tier_across_ranks_survives_restart(tmp_path, caplog):
     # Rank 0 checks every rank's share at start: another layout's files, or one rank's missing file, are ignored.
     copy = tmp_path / "copy"
     shutil.copytree(two, copy)
-    (copy / "rank1" / "snapshots" / f"{deepest_key(convs[0] + first[0], 157).hex()}.safetensors").unlink()
+    (copy / "rank1" / "snapshots" / f"{deepest_key(convs[0] + first[0], TURN2_HIT).hex()}.safetensors").unlink()
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="flashnext.cache"):
         stores = disk_stores(copy, identity, 2, 1)
@@ -314,7 +316,7 @@ def test_engine_disk_tier_across_ranks_survives_restart(tmp_path, caplog):
         assert "another model, layout or format version" in caplog.text
 
     # Rank 1's share of conversation 1's deepest snapshot is damaged: only rank 1 can tell.
-    damaged = two / "rank1" / "snapshots" / f"{deepest_key(convs[1] + first[1], 157).hex()}.safetensors"
+    damaged = two / "rank1" / "snapshots" / f"{deepest_key(convs[1] + first[1], TURN2_HIT).hex()}.safetensors"
     data = bytearray(damaged.read_bytes())
     data[-8:] = bytes(8 - i for i in range(8))
     damaged.write_bytes(bytes(data))
@@ -326,5 +328,5 @@ def test_engine_disk_tier_across_ranks_survives_restart(tmp_path, caplog):
     finally:
         shutdown()
     assert got == want
-    assert cached == [157, 0] and disk_loads == 2
+    assert cached == [TURN2_HIT, 0] and disk_loads == 2
     assert "another rank cannot read its share" in caplog.text

@@ -1,0 +1,86 @@
+"""On the GPU machine: the INT4 GEMMs of prefill at Flash-Next shapes — the dense W4A16 kernel (w4a16_triton
+`_w4a16_kernel`) and the grouped MoE kernels (moe_int4_triton) — over tile configurations and both ways of
+unpacking nibbles (reshape vs one load per row), checked against the torch reference and timed against bf16
+cuBLAS on the dequantised weight (dense) or the matmul FLOPs (MoE). Prints the best config per shape.
+Run: python3 scripts/gpu_prefill_gemm.py [--m 8192]"""
+import argparse
+import itertools
+import sys
+
+import torch
+from triton.testing import do_bench
+
+from flashnext.ops.moe_int4 import moe_int4_reference
+from flashnext.ops.moe_int4_triton import PREFILL, MoeConfig, moe_int4_triton
+from flashnext.ops.w4a16 import w4a16_linear_reference
+from flashnext.ops.w4a16_triton import LaunchConfig, default_config, w4a16_matmul
+from flashnext.weights.int4_layout import quantize_rtn
+from gpu_moe import random_experts, rel, routing
+
+DENSE = [(10240, 2560), (2560, 6144), (12288, 2560), (6144, 2560)]
+TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 128, 8, 3),
+         (64, 256, 64, 8, 3), (128, 64, 64, 4, 4), (256, 128, 64, 8, 3)]
+
+
+def dense(m):
+    print(f"dense W4A16, M={m}, bf16, g128 sym")
+    print(f"{'N':>6} {'K':>6} {'cuBLAS bf16 us':>14} {'default us':>10} {'best us':>8} {'best TFLOP/s':>12}  best config")
+    for n, k in DENSE:
+        w = quantize_rtn(torch.randn(n, k, device="cuda") / k ** 0.5)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        dense_w = w4a16_linear_reference(torch.eye(k, device="cuda", dtype=torch.bfloat16), w).t().contiguous()
+        ref = x @ dense_w.t()
+        cublas = do_bench(lambda: x @ dense_w.t()) * 1e3
+        default = default_config(m, n, k, 128, x.device)
+        times = {}
+        for (bm, bn, bk, warps, stages), by_row in itertools.product(TILES, (False, True)):
+            cfg = LaunchConfig(bm, bn, bk, 1, warps, stages, by_row)
+            try:
+                got = w4a16_matmul(x, w, cfg)
+                assert rel(got, ref) < 1e-2, rel(got, ref)
+                times[cfg] = do_bench(lambda: w4a16_matmul(x, w, cfg)) * 1e3
+            except Exception as exc:  # shared memory or registers exceeded
+                print(f"    skip {cfg}: {type(exc).__name__} {str(exc)[:80]}")
+        t_default = do_bench(lambda: w4a16_matmul(x, w)) * 1e3
+        best = min(times, key=times.get)
+        print(f"{n:6} {k:6} {cublas:14.1f} {t_default:10.1f} {times[best]:8.1f} {2 * m * n * k / times[best] / 1e6:12.1f}"
+              f"  {best}")
+        for cfg, t in sorted(times.items(), key=lambda kv: kv[1])[:4]:
+            print(f"        {t:8.1f} us  {cfg}")
+
+
+def moe(m):
+    h, i = 2560, 640
+    print(f"\nMoE grouped INT4, M={m} tokens, top-10 of 512, H={h} I={i}, bf16")
+    wgu, wd = random_experts(2 * i, h, seed=0), random_experts(h, i, seed=1)
+    x, ids, w = routing(m, h, seed=3)
+    ref = moe_int4_reference(x.float(), ids, w, wgu, wd)
+    flops = 2 * m * 10 * 3 * h * i
+    times = {}
+    for (bm, bn, bk, warps, stages), by_row in itertools.product(
+            [(64, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 128, 128, 8, 3), (128, 64, 64, 4, 4),
+             (64, 256, 64, 8, 3), (32, 128, 64, 4, 4)], (False, True)):
+        cfg = MoeConfig(bm, bn, bk, warps, stages, by_row)
+        try:
+            got = moe_int4_triton(x, ids, w, wgu, wd, cfg)
+            assert rel(got, ref) < 2e-2, rel(got, ref)
+            times[cfg] = do_bench(lambda: moe_int4_triton(x, ids, w, wgu, wd, cfg)) * 1e3
+        except Exception as exc:
+            print(f"    skip {cfg}: {type(exc).__name__} {str(exc)[:80]}")
+    for cfg, t in sorted(times.items(), key=lambda kv: kv[1])[:6]:
+        print(f"  {t:9.1f} us {flops / t / 1e6:7.1f} TFLOP/s  {cfg}{'  (default)' if cfg == PREFILL else ''}")
+    print(f"  default {PREFILL}: {times.get(PREFILL, float('nan')):.1f} us")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--m", type=int, action="append", default=[])
+    args = ap.parse_args()
+    for m in args.m or [8192]:
+        dense(m)
+        moe(m)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
