@@ -189,8 +189,9 @@ def test_expert_parallel_int4_experts(tmp_path):
 
 
 # ---- the prefix cache's host and disk tiers across ranks (parallel/mirror.py) ----
-PROMPT, REPLY = 70, 8
+PROMPT, REPLY = 70, 4
 TURN2_HIT = PROMPT + REPLY - 1      # turn 2 resumes after all but the last reply token
+
 
 def _tier_args(**kw):
     """8 KV blocks of 16 tokens (the floor for max_model_len 128): two conversations of PROMPT tokens do not
@@ -200,7 +201,7 @@ def _tier_args(**kw):
     from flashnext.weights.config import load_config
 
     per_block = KVPool.bytes_per_block(load_config(resolve_model("tiny-flash-next")), 16, torch.float32)
-    return dict(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=2, max_num_batched_tokens=64,
+    return dict(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=2, max_num_batched_tokens=128,
                 max_model_len=128, kv_cache_gb=per_block / 2**30, **kw)
 
 
@@ -213,8 +214,7 @@ def _turns(engine, convs, tag, tier_loads=None):
     tier = engine.prefix_cache.lower
     while tier is not None and tier_loads is not None:
         if tier.name == tier_loads:
-            load = tier.load
-            tier.load = lambda key: loads.append(key) or load(key)
+            tier.load = lambda key, load=tier.load: loads.append(key) or load(key)
         tier = tier.lower
     replies, cached = [], []
     for i, prompt in enumerate(convs):
@@ -283,14 +283,10 @@ def test_engine_disk_tier_across_ranks_survives_restart(tmp_path, caplog):
         engine.shutdown()                # persist: what the device and host tiers hold goes to disk
         return convs, first
 
-    def second_engine(engine, convs, first):
-        second, cached, disk_loads = _turns(engine, _next_turn(convs, first), "b", "disk")
-        return second, cached, disk_loads
-
     one, two = tmp_path / "world1", tmp_path / "world2"
     host = 0.00005                       # about one snapshot: the other one spills on to disk
     convs, first = first_engine(LLMEngine(EngineArgs(**_tier_args(kv_host_gb=host, kv_disk_dir=str(one)))))
-    want, cached, _ = second_engine(LLMEngine(EngineArgs(**_tier_args(kv_disk_dir=str(one)))), convs, first)
+    want, cached, _ = _turns(LLMEngine(EngineArgs(**_tier_args(kv_disk_dir=str(one)))), _next_turn(convs, first), "b")
     assert cached == [TURN2_HIT] * 2
 
     try:
@@ -323,8 +319,8 @@ def test_engine_disk_tier_across_ranks_survives_restart(tmp_path, caplog):
     caplog.clear()
     try:
         with caplog.at_level(logging.WARNING, logger="flashnext.cache"):
-            got, cached, disk_loads = second_engine(launch_engine(EngineArgs(**_tier_args(
-                kv_disk_dir=str(two), tensor_parallel=2))), convs, first)
+            engine = launch_engine(EngineArgs(**_tier_args(kv_disk_dir=str(two), tensor_parallel=2)))
+            got, cached, disk_loads = _turns(engine, _next_turn(convs, first), "b", "disk")
     finally:
         shutdown()
     assert got == want

@@ -145,7 +145,7 @@ class WorkerCache:
             elif kind == INSTALL_BLOCK:
                 write_block(kv, d, self.fetched[ints_name(b, c)])
             else:   # INSTALL_SNAPSHOT: the last op of an install
-                state, tail_kv = self.fetched.pop(ints_name(b, c))
+                state, tail_kv = self.fetched[ints_name(b, c)]
                 self.snaps[d] = (copy_tensors(state, kv.device),
                                  copy_tensors(tail_kv, kv.device) if tail_kv is not None else None)
                 self.fetched.clear()
