@@ -36,7 +36,7 @@ def main() -> int:
     print(f"{'chunk':>6} {'tokens':>7} {'seconds':>8} {'tok/s':>8}")
     for chunk in chunks:
         llm.engine.scheduler.token_budget = chunk
-        llm.generate([prompt()[:chunk]], params)  # warm-up: compiles every kernel at this chunk size
+        llm.generate([prompt()], params)  # warm-up: compiles and autotunes (fla) every kernel at these shapes
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         llm.generate([prompt()], params)

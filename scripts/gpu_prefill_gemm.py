@@ -1,10 +1,8 @@
 """On the GPU machine: the INT4 GEMMs of prefill at Flash-Next shapes — the dense W4A16 kernel (w4a16_triton
-`_w4a16_kernel`) and the grouped MoE kernels (moe_int4_triton) — over tile configurations and both ways of
-unpacking nibbles (reshape vs one load per row), checked against the torch reference and timed against bf16
+`_w4a16_kernel`) and the grouped MoE kernels (moe_int4_triton) — over tile configurations, checked against the torch reference and timed against bf16
 cuBLAS on the dequantised weight (dense) or the matmul FLOPs (MoE). Prints the best config per shape.
 Run: python3 scripts/gpu_prefill_gemm.py [--m 8192]"""
 import argparse
-import itertools
 import sys
 
 import torch
@@ -33,8 +31,8 @@ def dense(m):
         cublas = do_bench(lambda: x @ dense_w.t()) * 1e3
         default = default_config(m, n, k, 128, x.device)
         times = {}
-        for (bm, bn, bk, warps, stages), by_row in itertools.product(TILES, (False, True)):
-            cfg = LaunchConfig(bm, bn, bk, 1, warps, stages, by_row)
+        for bm, bn, bk, warps, stages in TILES:
+            cfg = LaunchConfig(bm, bn, bk, 1, warps, stages)
             try:
                 got = w4a16_matmul(x, w, cfg)
                 assert rel(got, ref) < 1e-2, rel(got, ref)
@@ -57,10 +55,10 @@ def moe(m):
     ref = moe_int4_reference(x.float(), ids, w, wgu, wd)
     flops = 2 * m * 10 * 3 * h * i
     times = {}
-    for (bm, bn, bk, warps, stages), by_row in itertools.product(
-            [(64, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 128, 128, 8, 3), (128, 64, 64, 4, 4),
-             (64, 256, 64, 8, 3), (32, 128, 64, 4, 4)], (False, True)):
-        cfg = MoeConfig(bm, bn, bk, warps, stages, by_row)
+    for bm, bn, bk, warps, stages in [(64, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3),
+                                      (64, 128, 128, 8, 3), (128, 64, 64, 4, 4), (64, 256, 64, 8, 3),
+                                      (32, 128, 64, 4, 4), (64, 64, 128, 4, 4), (64, 64, 64, 4, 5)]:
+        cfg = MoeConfig(bm, bn, bk, warps, stages)
         try:
             got = moe_int4_triton(x, ids, w, wgu, wd, cfg)
             assert rel(got, ref) < 2e-2, rel(got, ref)

@@ -36,27 +36,20 @@ class MoeConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 2
-    unpack_by_row: bool = False   # see _int4_tile
 
 
-# Decode: many narrow N tiles so 10 experts still fill 132 SMs; prefill: tensor-core-sized tiles.
-# scripts/gpu_moe.py sweeps alternatives on the GPU.
+# Decode: many narrow N tiles so 10 experts still fill 132 SMs; prefill: tensor-core-sized tiles (the best of
+# scripts/gpu_prefill_gemm.py's H200 sweep at 8192 tokens: 5.9 ms per Flash-Next layer, 137 TFLOP/s, vs 6.5 ms
+# for 64×128×64). scripts/gpu_moe.py sweeps alternatives on the GPU.
 DECODE = MoeConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=3)
-PREFILL = MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+PREFILL = MoeConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4)
 
 
 @triton.jit
-def _int4_tile(qweight_ptr, k0, offs_n, n_ok, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-               UNPACK_BY_ROW: tl.constexpr):
+def _int4_tile(qweight_ptr, k0, offs_n, n_ok, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """Rows k0 .. k0+BLOCK_K of one expert's [K, N] nibbles as int32 [BLOCK_K, BLOCK_N] (values 0..15).
 
-    Row 8i+j is nibble j of word i. Either each packed word is loaded once and split in registers (a reshape,
-    which Triton may route through shared memory), or UNPACK_BY_ROW: every row loads its word (8 loads of one
-    address, served by L1) and shifts it in place — no reshape."""
-    if UNPACK_BY_ROW:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        packed = tl.load(qweight_ptr + (offs_k // 8)[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
-        return (packed >> ((offs_k % 8) * 4)[:, None]) & 0xF
+    Each packed word is loaded once and split in registers (row 8i+j is nibble j of word i)."""
     words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     packed = tl.load(qweight_ptr + words[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
     shifts = tl.arange(0, 8) * 4
@@ -67,10 +60,10 @@ def _int4_tile(qweight_ptr, k0, offs_n, n_ok, N, BLOCK_K: tl.constexpr, BLOCK_N:
 @triton.jit
 def _dequant_dot(acc, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, N,
                  HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PRECISION: tl.constexpr, UNPACK_BY_ROW: tl.constexpr):
+                 PRECISION: tl.constexpr):
     """acc + a @ W[k0:k0+BLOCK_K, offs_n] for one expert, the tile inside one quantisation group."""
     group = k0 // group_size
-    q = _int4_tile(qweight_ptr, k0, offs_n, n_ok, N, BLOCK_K, BLOCK_N, UNPACK_BY_ROW)
+    q = _int4_tile(qweight_ptr, k0, offs_n, n_ok, N, BLOCK_K, BLOCK_N)
     if HAS_ZEROS:
         zero = tl.load(zeros_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.int32)
     else:
@@ -104,7 +97,7 @@ def _block_rows(start, sorted_ids_ptr, order_ptr, n_pairs, BLOCK_M: tl.constexpr
 def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr,
                     qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, n_pairs, H, I, group_size,
                     TOP_K: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, PRECISION: tl.constexpr,
-                    UNPACK_BY_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     start = tl.load(block_start_ptr + tl.program_id(0))
     if start < 0:  # a spare entry of the block table
         return
@@ -124,9 +117,9 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr,
         cols = _columns(perm_ptr, k0, offs_k, HAS_PERM)
         a = tl.load(x_ptr + token[:, None] * H + cols[None, :], mask=ok[:, None], other=0)
         gate = _dequant_dot(gate, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, N,
-                            HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, UNPACK_BY_ROW)
+                            HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION)
         up = _dequant_dot(up, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, I + offs_n, n_ok, N,
-                          HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, UNPACK_BY_ROW)
+                          HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION)
     h = gate * tl.sigmoid(gate) * up
     tl.store(h_ptr + rows[:, None] * I + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=ok[:, None] & n_ok[None, :])
@@ -136,7 +129,7 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr,
 def _down_kernel(h_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, order_ptr, block_start_ptr,
                  qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, n_pairs, H, I, group_size,
                  HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, PRECISION: tl.constexpr,
-                 UNPACK_BY_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     start = tl.load(block_start_ptr + tl.program_id(0))
     if start < 0:  # a spare entry of the block table
         return
@@ -153,7 +146,7 @@ def _down_kernel(h_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, order_ptr, bloc
         cols = _columns(perm_ptr, k0, offs_k, HAS_PERM)
         a = tl.load(h_ptr + rows[:, None] * I + cols[None, :], mask=ok[:, None], other=0)
         acc = _dequant_dot(acc, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, H,
-                           HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, UNPACK_BY_ROW)
+                           HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION)
     weight = tl.load(topk_weights_ptr + pair, mask=ok, other=0).to(tl.float32)
     tl.store(y_ptr + pair[:, None] * H + offs_n[None, :], acc * weight[:, None], mask=ok[:, None] & n_ok[None, :])
 
@@ -213,7 +206,7 @@ def moe_int4_triton(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: In
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     h = torch.empty(n_pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(n_pairs, hidden, dtype=torch.float32, device=x.device)
-    common = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, PRECISION=precision, UNPACK_BY_ROW=config.unpack_by_row,
+    common = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, PRECISION=precision,
                   num_warps=config.num_warps, num_stages=config.num_stages)
 
     def optional(w):  # zeros and perm, or a dummy pointer never read (HAS_ZEROS/HAS_PERM are constexprs)
