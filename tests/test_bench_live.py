@@ -149,8 +149,9 @@ def test_idle_conversations_are_judged_by_their_cached_history(run):
 
 def test_concurrency_runs_each_stream_count(run):
     samples = run[0]["concurrency"]["samples"]
+    assert sorted(s["stream"] for s in samples if s["phase"] == "warmup") == list(range(max(STREAMS)))
     for n in STREAMS:
-        batch = [s for s in samples if s["streams"] == n]
+        batch = [s for s in samples if s["streams"] == n and s["phase"] == "run"]
         assert sorted(s["stream"] for s in batch) == list(range(n))
         assert all(s["completion_tokens"] == GEN_TOKENS for s in batch)
 

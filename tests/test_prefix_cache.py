@@ -60,8 +60,9 @@ def test_hits_equal_cold_run(engine):
     prompt = tokens(1, 100)
     reply, cached = run(engine, prompt)
     assert cached == 0 and reply == cold(engine, prompt, 6)
-    # The same prompt again: the deepest snapshot at most len-1 deep is the interval one at 96.
-    assert run(engine, prompt) == (reply, 96)
+    # The same prompt again: the deepest snapshot at most len-1 deep is the end of the first 64-token chunk
+    # (which crossed the 32 and 64 marks; chunks are never cut for snapshots).
+    assert run(engine, prompt) == (reply, 64)
     # A shared prefix that diverges at 70: the snapshot at 64.
     other = prompt[:70] + tokens(2, 9)
     assert run(engine, other) == (cold(engine, other, 6), 64)
@@ -74,17 +75,25 @@ def test_hits_equal_cold_run(engine):
     assert run(engine, edited) == (cold(engine, edited, 6), 100)
     stats = engine.stats()
     assert stats.prefix_queries - before.prefix_queries == 100 + 100 + 79 + len(turn2) + 105
-    assert stats.prefix_hits - before.prefix_hits == 96 + 64 + len(turn2) - 8 + 100
+    assert stats.prefix_hits - before.prefix_hits == 64 + 64 + len(turn2) - 8 + 100
     pools_idle(engine)
 
 
-def test_chunks_stop_at_snapshot_positions(flash):
+def snapshot_depths(engine):
+    return sorted(node.snapshots[tail].num_tokens for node, tail in engine.prefix_cache.lru.values())
+
+
+def test_snapshots_at_chunk_ends_past_each_interval_mark(flash):
+    """Chunks stay full (64 tokens here); a snapshot follows the first chunk end at or past each multiple of the
+    interval, and one the end of the prompt."""
     flash.prefix_cache.clear()
-    run(flash, tokens(5, 100), n=1)
-    depths = sorted(node_snap.num_tokens for node, tail in flash.prefix_cache.lru.values()
-                    for node_snap in [node.snapshots[tail]])
-    assert depths == [32, 64, 96, 100]
+    run(flash, tokens(5, 100), n=1)                 # interval 32: the 64-token chunk passes 32 and 64
+    assert snapshot_depths(flash) == [64, 100]
     pools_idle(flash)
+    engine = make(loaded=flash.loaded, prefix_snapshot_interval=96)
+    run(engine, tokens(5, 200), n=1)                # chunk ends 64, 128 (past 96), 192 (past 192), 200
+    assert snapshot_depths(engine) == [128, 192, 200]
+    pools_idle(engine)
 
 
 def test_host_tier_restore(flash):

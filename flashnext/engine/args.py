@@ -31,7 +31,7 @@ class EngineArgs:
     expert_parallel: int = 1              # routed experts split across GPUs (whole experts)
     # Prefix cache (docs/prefix_cache.md)
     enable_prefix_caching: bool = True
-    prefix_snapshot_interval: int = 1024  # tokens between state snapshots in a prefill (multiple of block_size; 0: none)
+    prefix_snapshot_interval: int = 1024  # a snapshot at the first chunk end past each multiple (0: none)
     prefix_cache_gb: float = 1.0          # device memory for state snapshots
     kv_host_gb: float = 0.0               # host-RAM tier for evicted entries (0: none); per rank on several GPUs
     kv_host_write_through: bool = False   # write every finished turn down to the lower tiers at once

@@ -98,13 +98,10 @@ class Scheduler:
         return chunks
 
     def _chunk_len(self, request: Request, start: int, budget: int) -> int:
-        """Tokens of the next chunk: the budget's worth, never crossing a snapshot position in the prompt."""
-        n = min(request.num_tokens - start, budget)
-        if self.snapshot_interval:
-            boundary = (start // self.snapshot_interval + 1) * self.snapshot_interval
-            if boundary < len(request.prompt_ids):
-                n = min(n, boundary - start)
-        return n
+        """Tokens of the next chunk: the budget's worth. Snapshots never cut a chunk short (computed() takes them
+        at the first chunk end past each interval): a prefill of 1024-token chunks ran the MoE GEMMs at half the
+        speed of 8192-token ones on the H200 (10K Flash-Next prompt: 4.1K vs 7.9K tok/s)."""
+        return min(request.num_tokens - start, budget)
 
     def _reserve_blocks(self, request: Request, n: int, chunks: list[ScheduledChunk]) -> bool:
         need = self.kv.blocks_for(request.num_computed + n) - len(request.blocks)
@@ -130,12 +127,15 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def computed(self, chunks: list[ScheduledChunk]) -> None:
-        """After a step: advance each request and snapshot those that reached a snapshot position."""
+        """After a step: advance each request; snapshot those that finished their prompt or whose chunk reached or
+        crossed a multiple of the snapshot interval."""
         for c in chunks:
             r = c.request
+            before = r.num_computed
             r.num_computed += c.num_tokens
             n, prompt = r.num_computed, len(r.prompt_ids)
-            if n == prompt or (self.snapshot_interval and n < prompt and n % self.snapshot_interval == 0):
+            crossed = self.snapshot_interval and before // self.snapshot_interval < n // self.snapshot_interval
+            if n == prompt or (crossed and n < prompt):
                 self.snapshot(r)
 
     def snapshot(self, request: Request, turn_end: bool = False) -> None:

@@ -96,7 +96,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--enable-prefix-caching", type=_bool,
          help="reuse cached prefixes (KV blocks + recurrent-state snapshots) across requests (default true)")
     _add(parser, "--prefix-snapshot-interval", type=int,
-         help="tokens between state snapshots inside a prompt, a multiple of the KV block size; 0: none (default 1024)")
+         help="a state snapshot at the first prefill chunk end past every multiple of this many prompt tokens "
+              "(chunks are never cut for it); 0: none (default 1024)")
     _add(parser, "--prefix-cache-gb", type=float, help="device memory for prefix-cache state snapshots (default 1)")
     _add(parser, "--kv-host-gb", type=float, help="host-RAM tier for evicted prefix-cache entries (default 0: off)")
     _add(parser, "--kv-host-write-through", type=_bool,
