@@ -59,6 +59,41 @@ def test_batched_chunked_equals_alone(engine):
     pools_idle(engine)
 
 
+def test_prefill_budget_shrinks_while_others_decode():
+    """A long prompt arriving while another request decodes enters 7 tokens per step (the decodes keep flowing);
+    alone it takes the full 40-token budget; outputs equal each request alone."""
+    engine = LLMEngine(EngineArgs(model="tiny-qwen3-next", device="cpu", dtype="float32", max_num_seqs=4,
+                                  max_num_batched_tokens=40, prefill_budget_while_decoding=7, max_model_len=512))
+    steps = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        chunks = schedule()
+        steps.append([(c.request.request_id, c.num_tokens, c.request.num_tokens - c.request.num_computed == 1)
+                      for c in chunks])
+        return chunks
+
+    engine.scheduler.schedule = recording
+    rng = random.Random(1)
+    first, second = [rng.randrange(3, 480) for _ in range(90)], [rng.randrange(3, 480) for _ in range(60)]
+    engine.add_request("first", first, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    outputs = {}
+    for step in range(200):
+        if step == 4:
+            engine.add_request("second", second, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.token_ids)
+        if not engine.has_work():
+            break
+    assert [n for _, n, _ in steps[0]] == [40]          # alone: the full budget
+    mixed = [s for s in steps if any(decode for _, _, decode in s) and any(not d for _, _, d in s)]
+    assert mixed and all(sum(n for _, n, decode in s if not decode) <= 7 for s in mixed)
+    assert sum(n for s in mixed for rid, n, decode in s if rid == "second" and not decode) >= 50
+    assert outputs["first"] == greedy_alone(engine, first, 30)
+    assert outputs["second"] == greedy_alone(engine, second, 3)
+    pools_idle(engine)
+
+
 def test_same_seed_same_text(engine):
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
     engine.add_request("a", [5, 6, 7], params)

@@ -13,7 +13,8 @@ class EngineArgs:
     device: str = "auto"                  # auto: cuda if available
     max_model_len: int | None = None      # default: the model's max_position_embeddings
     max_num_seqs: int = 16
-    max_num_batched_tokens: int = 2048    # token budget of one step (prefill chunks + decodes)
+    max_num_batched_tokens: int = 8192    # token budget of one step (prefill chunks + decodes)
+    prefill_budget_while_decoding: int = 2048  # prefill tokens per step while any sequence decodes
     max_queued_requests: int = 256
     gpu_memory_fraction: float = 0.9
     kv_cache_gb: float | None = None      # explicit KV pool size; default: from free memory

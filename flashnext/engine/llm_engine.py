@@ -96,7 +96,7 @@ class LLMEngine:
                                       args.max_num_seqs, args.max_num_seqs * slot_bytes)
         self.prefix_cache = self._build_prefix_cache(block_size)
         self.scheduler = Scheduler(self.kv, self.states, args.max_num_seqs, args.max_num_batched_tokens,
-                                   self.prefix_cache, args.prefix_snapshot_interval)
+                                   self.prefix_cache, args.prefix_snapshot_interval, args.prefill_budget_while_decoding)
         eos = set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(e for e in eos if e < cfg.vocab_size)
         graphs = None
@@ -141,6 +141,16 @@ class LLMEngine:
             lower = TierIndex(HostStore(), int(args.kv_host_gb * gib), block_size, lower)
         return PrefixCache(self.kv, self.states, int(args.prefix_cache_gb * gib), lower, args.kv_host_write_through)
 
+    def _chunk_activation_bytes(self) -> int:
+        """The largest tensors one prefill chunk of max_num_batched_tokens holds at once, per token: the routed
+        experts' fp32 outputs before their sum (top-k × hidden × 4) and gate·up rows (top-k × intermediate),
+        the hyper-connection streams (hc × hidden) and their mix, doubled for torch's temporaries around them
+        (the 1 GiB beside it covers logits, sampling and the allocator's slack)."""
+        cfg, item = self.config, self.dtype.itemsize
+        per_token = cfg.num_experts_per_tok * (cfg.hidden_size * 4 + cfg.moe_intermediate_size * item)
+        per_token += 2 * cfg.hc_hidden_size * item
+        return 2 * per_token * self.args.max_num_batched_tokens
+
     def _plan_kv_blocks(self, block_size: int, slot_bytes: int) -> int:
         per_block = KVPool.bytes_per_block(self.config, block_size, self.dtype)
         if self.args.kv_cache_gb is not None:
@@ -148,7 +158,7 @@ class LLMEngine:
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             reserve = total * (1 - self.args.gpu_memory_fraction)
-            activations = 2 << 30   # prefill chunk activations, logits and sampling scratch
+            activations = (1 << 30) + self._chunk_activation_bytes()
             snapshots = self.args.prefix_cache_gb * (1 << 30) if self.args.enable_prefix_caching else 0
             budget = int(free - reserve - activations - self.args.max_num_seqs * slot_bytes - snapshots)
         else:

@@ -7,10 +7,14 @@ When blocks run out, the prefix cache gives back least recently used entries fir
 running request is preempted: it is snapshotted into the prefix cache (when there is one), its slot and
 blocks are freed, and it waits again, to resume from that snapshot or be recomputed from its tokens.
 
+While any running sequence decodes, prefill chunks (of running and newly admitted requests together) share
+a smaller budget, `prefill_budget_while_decoding`: a step with a long prefill chunk stalls every decoding
+stream for as long as the chunk takes, while a prefill alone runs at the full budget (larger chunks run the
+MoE GEMMs faster).
+
 With a prefix cache, an admitted request first resumes from the deepest cached snapshot of its tokens
-(never all of them: the last token must run to give logits), and prefill chunks are cut at snapshot
-positions (multiples of the snapshot interval inside the prompt) so the state after such a chunk is the
-snapshot.
+(never all of them: the last token must run to give logits); a snapshot is taken at the end of the first
+prefill chunk that reaches or crosses each multiple of the snapshot interval inside the prompt.
 """
 from __future__ import annotations
 
@@ -36,11 +40,13 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, kv: KVPool, states: StatePool, max_num_seqs: int, token_budget: int,
-                 prefix_cache: PrefixCache | None = None, snapshot_interval: int = 0):
+                 prefix_cache: PrefixCache | None = None, snapshot_interval: int = 0,
+                 prefill_budget_while_decoding: int | None = None):
         self.kv = kv
         self.states = states
         self.max_num_seqs = max_num_seqs
         self.token_budget = token_budget
+        self.prefill_budget_while_decoding = prefill_budget_while_decoding or token_budget
         self.prefix_cache = prefix_cache
         self.snapshot_interval = snapshot_interval if prefix_cache is not None else 0
         self.waiting: deque[Request] = deque()
@@ -54,17 +60,25 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.token_budget
+        decoding = any(r.num_tokens - r.num_computed == 1 for r in self.running)
+        prefill_budget = min(budget, self.prefill_budget_while_decoding) if decoding else budget
         chunks: list[ScheduledChunk] = []
         for request in list(self.running):
             if budget == 0:
                 break
             if request not in self.running:      # preempted while making room for an older request
                 continue
-            n = self._chunk_len(request, request.num_computed, budget)
+            decode = request.num_tokens - request.num_computed == 1
+            if not decode and prefill_budget == 0:
+                continue
+            n = self._chunk_len(request, request.num_computed, budget if decode else min(budget, prefill_budget))
             if not self._reserve_blocks(request, n, chunks):
                 continue
             chunks.append(ScheduledChunk(request, n))
             budget -= n
+            if not decode:
+                prefill_budget -= n
+        budget = min(budget, prefill_budget)     # what is left is for admitting waiting requests (prefill)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.states.num_free:
             request = self.waiting[0]
             hit = None
