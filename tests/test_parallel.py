@@ -126,6 +126,42 @@ def test_engine_tensor_parallel_same_tokens():
     assert got == want
 
 
+@pytest.mark.parametrize("layout", [dict(tensor_parallel=2), dict(expert_parallel=2)])
+def test_engine_graph_decode_across_ranks(layout, monkeypatch):
+    """The fixed-shape decode step (engine/cuda_graph.py; on a CPU it runs uncaptured) across ranks: rank 0
+    announces each graph step, every worker runs its own (parallel/runtime.py broadcast_decode); tokens equal
+    world 1's eager engine, with mixed graph/prefill steps and the prefix cache on."""
+    from flashnext.engine.args import EngineArgs
+    from flashnext.engine.llm_engine import LLMEngine
+    from flashnext.engine.sampling_params import SamplingParams
+    from flashnext.parallel import launch_engine, shutdown
+
+    prompts = [[(5 * i + 7 * j) % 470 + 3 for j in range(n)] for i, n in enumerate((6, 31, 17))]
+
+    def run(engine):
+        out = {str(i): [] for i in range(len(prompts))}
+        for i, p in enumerate(prompts):     # staggered: later prompts enter while earlier ones decode
+            engine.add_request(str(i), p, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+            for o in engine.step():
+                out[o.request_id] += o.token_ids
+        while engine.has_work():
+            for o in engine.step():
+                out[o.request_id] += o.token_ids
+        return out
+
+    args = dict(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=16,
+                max_model_len=256)
+    want = run(LLMEngine(EngineArgs(**args)))
+    monkeypatch.setattr(LLMEngine, "_use_cuda_graphs", lambda self: True)
+    try:
+        engine = launch_engine(EngineArgs(**args, **layout))
+        got = run(engine)
+        assert engine.runner.graphs.graphs, "decode steps should have gone through the graph path"
+    finally:
+        shutdown()
+    assert got == want
+
+
 def test_engine_expert_parallel_with_expert_cache():
     """Each rank caches its own INT4 experts in a few device slots (--expert-vram-gb per GPU): EP=2 generates
     world 1's all-resident tokens."""

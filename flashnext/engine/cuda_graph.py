@@ -30,16 +30,25 @@ def bucket(n: int, smallest: int = 1) -> int:
     return max(smallest, 1 << max(0, n - 1).bit_length())
 
 
+# What one step changes in a slot's device block table: (slot, reset first?, first row, block ids from there).
+TableDelta = tuple[int, bool, int, list[int]]
+
+
 class DecodeGraphs:
-    def __init__(self, model, kv, states, max_batch: int, max_blocks_per_seq: int):
+    def __init__(self, model, kv, states, max_batch: int, max_blocks_per_seq: int,
+                 scratch: tuple[int, int] | None = None):
+        """`scratch` (slot, block): the padding rows' slot and block, reserved by rank 0's twin when this runs on a
+        worker rank of several GPUs (parallel/runtime.py); None: reserve them here."""
         self.model = model
         self.kv = kv
         self.states = states
         self.device = kv.device
         self.max_batch = bucket(max_batch)
         self.max_width = bucket(max_blocks_per_seq, MIN_WIDTH)
-        self.scratch_slot = states.allocate()
-        self.scratch_block = kv.allocate(1)[0]
+        self.scratch_slot, self.scratch_block = scratch or (states.allocate(), kv.allocate(1)[0])
+        # Several GPUs: rank 0 tells the workers each step's inputs before it runs (parallel/runtime.py), so that
+        # every rank replays its own graph and the all-reduces inside meet.
+        self.announce = None
         long = dict(dtype=torch.long, device=self.device)
         # The static inputs, one row each (token, position, slot), filled by one host→device copy per step.
         self.inputs = torch.zeros(3, self.max_batch, **long)
@@ -59,8 +68,17 @@ class DecodeGraphs:
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """Logits [n, vocab] of one new token per sequence (the rows' states and KV pages advance)."""
+        width = bucket(max(len(t) for t in block_tables), MIN_WIDTH)
+        deltas = [self._table_delta(slot, blocks) for slot, blocks in zip(slots, block_tables)]
+        if self.announce is not None:
+            self.announce(self, input_ids, positions, slots, width, deltas)
+        return self.step(input_ids, positions, slots, width, deltas)
+
+    def step(self, input_ids: list[int], positions: list[int], slots: list[int], width: int,
+             deltas: list[TableDelta]) -> torch.Tensor:
+        """`run` once the table changes are known: what a worker rank runs for rank 0's announcement."""
         n = len(input_ids)
-        size, width = bucket(n), bucket(max(len(t) for t in block_tables), MIN_WIDTH)
+        size = bucket(n)
         key = (size, width)
         if key not in self.graphs:
             self._capture(size, width)
@@ -68,26 +86,27 @@ class DecodeGraphs:
         pad = size - n
         host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad],
                             dtype=torch.long)
-        for slot, blocks in zip(slots, block_tables):
-            self._update_slot_table(slot, blocks)
+        for slot, reset, first, blocks in deltas:
+            if reset:
+                self.slot_tables[slot].fill_(self.scratch_block)
+            if blocks:
+                self.slot_tables[slot, first: first + len(blocks)].copy_(torch.tensor(blocks, dtype=torch.long),
+                                                                        non_blocking=True)
         self.inputs[:, :size].copy_(host, non_blocking=True)
         if graph is None:
             return self._step(size, width)[:n]
         graph.replay()
         return logits[:n]
 
-    def _update_slot_table(self, slot: int, blocks: list[int]) -> None:
-        """Copy the blocks this slot's table lacks. A request's block list is only ever extended, or replaced by a
+    def _table_delta(self, slot: int, blocks: list[int]) -> TableDelta:
+        """The blocks this slot's table lacks. A request's block list is only ever extended, or replaced by a
         new list (a new request in the slot, a resume): held by reference, so `is` tells them apart."""
         known, count = self._slot_blocks.get(slot, (None, 0))
+        reset = known is not blocks and known is not None
         if known is not blocks:
             count = 0
-            if known is not None:
-                self.slot_tables[slot].fill_(self.scratch_block)
-        if count < len(blocks):
-            new = torch.tensor(blocks[count:], dtype=torch.long)
-            self.slot_tables[slot, count: len(blocks)].copy_(new, non_blocking=True)
         self._slot_blocks[slot] = (blocks, len(blocks))
+        return slot, reset, count, blocks[count:]
 
     def batch(self, size: int, width: int) -> DecodeBatch:
         """The first `size` rows of the static inputs, their block tables gathered by slot. A new DecodeBatch per

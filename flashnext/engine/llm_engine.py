@@ -112,11 +112,11 @@ class LLMEngine:
 
     def _use_cuda_graphs(self) -> bool:
         """Decode replays CUDA graphs on a GPU unless --enforce-eager; the expert cache copies misses from the host
-        inside a layer, a routing trace draws on the host, and several GPUs all-reduce through torch.distributed,
-        so those stay eager for now."""
+        inside a layer and a routing trace draws on the host, so those stay eager for now. With several GPUs every
+        rank replays its own graph, NCCL all-reduces inside (parallel/runtime.py broadcast_decode)."""
         args = self.args
         return (self.device.type == "cuda" and not args.enforce_eager and self.loaded.expert_cache is None
-                and not args.routing_trace and args.tensor_parallel == 1 and args.expert_parallel == 1)
+                and not args.routing_trace)
 
     def _build_prefix_cache(self, block_size: int) -> PrefixCache | None:
         args = self.args

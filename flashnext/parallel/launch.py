@@ -21,8 +21,8 @@ from flashnext.cache.tier_index import TierStore
 from flashnext.engine.args import EngineArgs, resolve_dtype
 from flashnext.engine.loading import load_model
 from flashnext.parallel.mirror import SnapshotMirror, WorkerCache
-from flashnext.parallel.runtime import (ParallelPlan, attach_broadcaster, free_port, init_process, rank_device,
-                                        send_ops, send_stop, worker_loop, world_size)
+from flashnext.parallel.runtime import (ParallelPlan, attach_broadcaster, attach_decode_announcer, free_port,
+                                        init_process, rank_device, send_ops, send_stop, worker_loop, world_size)
 
 log = logging.getLogger("flashnext.parallel")
 _started: list = []   # (worker processes, rank 0's device, its SnapshotMirror) of the engine this process launched
@@ -101,6 +101,8 @@ def launch_engine(args: EngineArgs):
     engine = LLMEngine(args, loaded=loaded)
     if engine.prefix_cache is not None:
         mirror.attach(engine.prefix_cache)
+    if engine.runner.graphs is not None:
+        attach_decode_announcer(engine.runner.graphs, mirror)
     _started.append((workers, device, mirror))
     atexit.register(shutdown)
     log.info("rank 0 of %d (tensor parallel %d, expert parallel %d); workers %s", world, args.tensor_parallel,

@@ -25,6 +25,11 @@ class ReducedOutput(nn.Module):
         dist.all_reduce(out, group=self.group)
         return out
 
+    def decode(self, *args):
+        out = self.inner.decode(*args)
+        dist.all_reduce(out, group=self.group)
+        return out
+
 
 class LocalExperts(nn.Module):
     """Routed experts [first, first + count) of this rank; same call as `layers.moe.Experts`
@@ -46,6 +51,15 @@ class LocalExperts(nn.Module):
         if token.numel():
             y = self.inner(x[token], weights[token, choice, None], local[token, choice, None])
             out.index_add_(0, token, y)
+        dist.all_reduce(out, group=self.group)
+        return out
+
+    def decode(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Fixed shapes for the captured decode step (no data-dependent selection, no host sync): choices routed
+        to other ranks keep their row with weight 0 and an id clamped into this rank's range."""
+        local = ids - self.first
+        mine = (local >= 0) & (local < self.count)
+        out = self.inner.decode(x, weights * mine, local.clamp(0, self.count - 1))
         dist.all_reduce(out, group=self.group)
         return out
 

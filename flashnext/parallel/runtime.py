@@ -4,7 +4,10 @@ Rank 0 owns the scheduler and the pools' bookkeeping. A forward pre-hook on its 
 forward's tokens and segments (slot, rows, computed length, KV block ids) before running it; the other ranks
 sit in `worker_loop`, rebuild the same ForwardContext over their own pools (same block and slot numbers, local
 heads only) and run the same forward, so every collective inside the model meets its partner. Sampling
-happens on rank 0 alone: logits are whole there (lm_head is replicated). The prefix cache's ops ride on the
+happens on rank 0 alone: logits are whole there (lm_head is replicated). A decode step that replays rank 0's
+CUDA graph (engine/cuda_graph.py) is announced the same way, as a DECODE message with the graph step's inputs
+and block-table changes: each worker replays its own graph of the same bucket (captured at the same moment, so
+the warm-ups' all-reduces meet and the NCCL kernels are recorded in both). The prefix cache's ops ride on the
 step message; the few that rank 0 needs done and answered before it goes on (parallel/mirror.py) go alone,
 followed by one all-reduce of "did it work".
 """
@@ -25,8 +28,11 @@ from flashnext.parallel.mirror import SnapshotMirror, WorkerCache
 
 log = logging.getLogger("flashnext.parallel")
 
-STOP, STEP, OPS = 0, 1, 2
+STOP, STEP, OPS, DECODE = 0, 1, 2, 3
 _HEADER = 9        # cmd, tokens, segments, block ids, pool id, pool blocks, block size, pool slots, cache ops
+# DECODE uses the header's segment and block-id fields for its block-table changes and their block ids.
+_DECODE_FIXED = 5  # bucket width, graphs' max batch, max width, scratch slot, scratch block
+_DELTA = 4         # slot, reset, first row, number of block ids
 _SEGMENT = 5       # slot, start, length, context_len, number of block ids
 _POOLS_KEPT = 4    # pool pairs a worker keeps (an engine has one; tests open a few Sessions)
 
@@ -115,6 +121,44 @@ def broadcast_step(input_ids: torch.Tensor, ctx: ForwardContext, mirror: Snapsho
     _broadcast(payload)
 
 
+def broadcast_decode(graphs, input_ids: list[int], positions: list[int], slots: list[int], width: int, deltas,
+                     mirror: SnapshotMirror | None = None) -> None:
+    """Rank 0: the workers run this graph decode step next (DecodeGraphs.step), after the prefix cache's ops."""
+    device = graphs.device
+    ops = mirror.flush() if mirror is not None else []
+    table = [v for slot, reset, first, ids in deltas for v in (slot, int(reset), first, len(ids))]
+    ids = [b for *_, blocks in deltas for b in blocks]
+    header = [DECODE, len(input_ids), len(deltas), len(ids), *_pool_key(graphs.kv, graphs.states), len(ops)]
+    _broadcast(torch.tensor(header, dtype=torch.long, device=device))
+    payload = [*input_ids, *positions, *slots, width, graphs.max_batch, graphs.max_width, graphs.scratch_slot,
+               graphs.scratch_block, *table, *ids, *ops]
+    _broadcast(torch.tensor(payload, dtype=torch.long, device=device))
+
+
+def _decode_on_worker(graphs_of: dict, key: tuple, model, kv: KVPool, states: StatePool, values: list[int],
+                      n: int, n_delta: int, n_ids: int) -> None:
+    """A worker's half of broadcast_decode: its own DecodeGraphs over its twin pools, the same step."""
+    from flashnext.engine.cuda_graph import DecodeGraphs
+
+    input_ids, positions, slots = values[:n], values[n: 2 * n], values[2 * n: 3 * n]
+    width, max_batch, max_width, scratch_slot, scratch_block = values[3 * n: 3 * n + _DECODE_FIXED]
+    at = 3 * n + _DECODE_FIXED
+    table, ids = values[at: at + _DELTA * n_delta], values[at + _DELTA * n_delta: at + _DELTA * n_delta + n_ids]
+    deltas, offset = [], 0
+    for i in range(n_delta):
+        slot, reset, first, count = table[_DELTA * i: _DELTA * (i + 1)]
+        deltas.append((slot, bool(reset), first, ids[offset: offset + count]))
+        offset += count
+    if key not in graphs_of:
+        graphs_of[key] = DecodeGraphs(model, kv, states, max_batch, max_width, scratch=(scratch_slot, scratch_block))
+    graphs_of[key].step(input_ids, positions, slots, width, deltas)
+
+
+def attach_decode_announcer(graphs, mirror: SnapshotMirror | None = None) -> None:
+    """Rank 0: every graph decode step of `graphs` is announced to the workers first (broadcast_decode)."""
+    graphs.announce = lambda g, *step: broadcast_decode(g, *step, mirror=mirror)
+
+
 def attach_broadcaster(model: torch.nn.Module, mirror: SnapshotMirror | None = None):
     """Rank 0: every forward of `model` is announced to the workers first (with `mirror`'s snapshot ops, when
     the engine has a prefix cache). Returns the hook handle."""
@@ -127,6 +171,7 @@ def worker_loop(model: torch.nn.Module, dtype: torch.dtype, device: torch.device
     """Ranks > 0: run what rank 0 announces until it says stop; returns the number of forwards run. `cache` holds
     this rank's stores of the prefix cache's lower tiers, when rank 0's cache has any."""
     pools: dict[tuple, tuple[KVPool, StatePool]] = {}
+    graphs_of: dict[tuple, object] = {}      # pool key → this rank's DecodeGraphs over that pool
     cache = cache or WorkerCache()
     steps = 0
     while True:
@@ -134,12 +179,14 @@ def worker_loop(model: torch.nn.Module, dtype: torch.dtype, device: torch.device
             torch.empty(_HEADER, dtype=torch.long, device=device)).tolist()
         if cmd == STOP:
             return steps
-        payload = _broadcast(torch.empty(n_tok + _SEGMENT * n_seg + n_blk + n_ops, dtype=torch.long, device=device))
+        size = (3 * n_tok + _DECODE_FIXED + _DELTA * n_seg if cmd == DECODE else n_tok + _SEGMENT * n_seg) + n_blk + n_ops
+        payload = _broadcast(torch.empty(size, dtype=torch.long, device=device))
         ops = payload[len(payload) - n_ops:].tolist() if n_ops else []
         key = (pool_id, num_blocks, block_size, num_slots)
         if key not in pools:
             # Each pool of rank 0 (the engine's, or a Session's) has its twin here, sized as rank 0 planned it.
             if len(pools) >= _POOLS_KEPT:
+                graphs_of.pop(next(iter(pools)), None)
                 pools.pop(next(iter(pools)))
             pools[key] = (KVPool(model.cfg, num_blocks, block_size, dtype, device),
                           StatePool(model.cfg, num_slots, dtype, device))
@@ -147,6 +194,11 @@ def worker_loop(model: torch.nn.Module, dtype: torch.dtype, device: torch.device
         if cmd == OPS:
             ok = torch.tensor([int(cache.apply(ops, kv, states))], dtype=torch.long, device=device)
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            continue
+        if cmd == DECODE:
+            cache.apply(ops, kv, states)
+            _decode_on_worker(graphs_of, key, model, kv, states, payload.tolist(), n_tok, n_seg, n_blk)
+            steps += 1
             continue
         ids = payload[:n_tok]
         table = payload[n_tok: n_tok + _SEGMENT * n_seg].view(n_seg, _SEGMENT).tolist()
