@@ -69,4 +69,15 @@ for batch, width in ((1, 4096), (8, 1024)):
     err = ((a[fin] - b[fin]).abs().max() / b[fin].abs().max()).item()
     ok &= err < 1e-3 and torch.equal(torch.isinf(a), torch.isinf(b))
     print(f"qsa_block_scores {batch}x{width * 4} blocks bf16 max rel err {err:.1e}")
+from flashnext.ops.hyper_connection import hc_inject, hc_inject_reference, hc_mix, hc_mix_reference
+for rows in (300, 3000):  # prefill sizes: the mix's norm through the RMSNorm kernel, inject through its kernel
+    h = torch.randn(rows, 4 * 2560, device="cuda", dtype=torch.bfloat16)
+    nw, wd = torch.randn(4 * 2560, device="cuda", dtype=torch.bfloat16) * 0.2, torch.randn(320, 4 * 2560, device="cuda", dtype=torch.bfloat16) / 100
+    wu, wi = torch.randn(4 * 2560, 320, device="cuda", dtype=torch.bfloat16) / 18, torch.randn(4, 4 * 2560, device="cuda", dtype=torch.bfloat16) / 100
+    (a, ia), (b, ib) = hc_mix(h, nw, wd, wu, wi, 4, 2560, 1e-6), hc_mix_reference(h, nw, wd, wu, wi, 4, 2560, 1e-6)
+    e1 = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item(), ((ia.float() - ib.float()).abs().max() / ib.float().abs().max()).item())
+    out = torch.randn(rows, 2560, device="cuda", dtype=torch.bfloat16)
+    e2 = ((hc_inject(h, out, ia).float() - hc_inject_reference(h, out, ia).float()).abs().max()).item()
+    ok &= e1 < 2e-2 and e2 < 5e-2
+    print(f"hc_mix / hc_inject prefill {rows} rows bf16 max rel err {e1:.1e} / abs err {e2:.1e}")
 print("KERNELS OK" if ok else "KERNEL MISMATCH"); sys.exit(0 if ok else 1)
