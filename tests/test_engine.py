@@ -94,6 +94,20 @@ def test_prefill_budget_shrinks_while_others_decode():
     pools_idle(engine)
 
 
+def test_warm_up_leaves_no_trace():
+    """Serving warms up with throwaway requests: afterwards the counters, the prefix cache and the pools are as
+    before, and a request gives what it gives alone."""
+    engine = LLMEngine(EngineArgs(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=4,
+                                  max_num_batched_tokens=23, max_model_len=512))
+    before = engine.stats()
+    assert engine.warm_up() > 0
+    assert engine.stats() == before and engine.prefix_cache.num_snapshots == 0
+    pools_idle(engine)
+    engine.add_request("r", [7, 8, 9, 10], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    got = [t for o in run_all(engine)["r"] for t in o.token_ids]
+    assert got == greedy_alone(engine, [7, 8, 9, 10], 6)
+
+
 def test_same_seed_same_text(engine):
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
     engine.add_request("a", [5, 6, 7], params)

@@ -22,6 +22,7 @@ class EngineArgs:
     seed: int = 0
     ple_placement: str = "auto"           # PLE n-gram table: auto (host above 4 GiB), device or host (pinned RAM)
     enforce_eager: bool = False           # no CUDA graphs: every decode step runs the eager torch path (debugging)
+    warmup: bool = True                   # serve on a GPU: throwaway requests before /health says ready
     quantize: str | None = None           # "int4": dense projections INT4 in memory (RTN g128; docs/int4.md)
     # Expert cache (docs/expert_cache.md): routed INT4 experts in host memory, a pool of slots per layer on the device
     expert_vram_gb: float | None = None   # device memory for all layers' expert slots (None: every expert resident)

@@ -72,6 +72,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--ple-placement", choices=["auto", "device", "host"],
          help="where Flash-Next's PLE n-gram table lives: host = pinned RAM, 16 rows read by the GPU per token (auto: "
               "host when the table is over 4 GiB; default auto)")
+    _add(parser, "--warmup", type=_bool,
+         help="on a GPU, run throwaway requests before /health says ready, so the first request does not pay "
+              "for kernel compilation and graph captures (a minute for full-size Flash-Next; default true)")
     _add(parser, "--enforce-eager", type=_bool,
          help="run every decode step eagerly instead of replaying captured CUDA graphs (debugging; default false)")
     _add(parser, "--quantize", choices=["int4"],
@@ -116,7 +119,7 @@ _ENGINE_FLAGS = {"model": "model", "device": "device", "max_num_batched_tokens":
                  "prefill_budget_while_decoding": "prefill_budget_while_decoding",
                  "kv_cache_gb": "kv_cache_gb", "block_size": "block_size", "seed": "seed", "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
                  "max_queued_requests": "max_queued_requests", "gpu_memory_fraction": "gpu_memory_fraction",
-                 "dtype": "dtype", "quantize": "quantize", "enforce_eager": "enforce_eager", "ple_placement": "ple_placement", "enable_prefix_caching": "enable_prefix_caching",
+                 "dtype": "dtype", "quantize": "quantize", "enforce_eager": "enforce_eager", "warmup": "warmup", "ple_placement": "ple_placement", "enable_prefix_caching": "enable_prefix_caching",
                  "prefix_snapshot_interval": "prefix_snapshot_interval", "prefix_cache_gb": "prefix_cache_gb",
                  "kv_host_gb": "kv_host_gb", "kv_host_write_through": "kv_host_write_through",
                  "kv_disk_dir": "kv_disk_dir", "kv_disk_gb": "kv_disk_gb", "tensor_parallel": "tensor_parallel",
@@ -149,8 +152,15 @@ def load_engine(engine_args):
         from flashnext.parallel import launch_engine
 
         # This process becomes rank 0 (scheduler, sampling, HTTP); the other ranks are its child processes.
-        return AsyncLLM(launch_engine(engine_args))
-    return AsyncLLM.from_args(engine_args)
+        engine = launch_engine(engine_args)
+    else:
+        from flashnext.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(engine_args)
+    if engine_args.warmup and engine.device.type == "cuda":
+        log.info("warming up (kernel compilation, graph captures) before serving")
+        log.info("warm-up took %.1f s", engine.warm_up())
+    return AsyncLLM(engine)
 
 
 def _api_key(args) -> str | None:
