@@ -80,4 +80,15 @@ for rows in (300, 3000):  # prefill sizes: the mix's norm through the RMSNorm ke
     e2 = ((hc_inject(h, out, ia).float() - hc_inject_reference(h, out, ia).float()).abs().max()).item()
     ok &= e1 < 2e-2 and e2 < 5e-2
     print(f"hc_mix / hc_inject prefill {rows} rows bf16 max rel err {e1:.1e} / abs err {e2:.1e}")
+from flashnext.ops.qsa_scores import qsa_prefill_scores_reference
+from flashnext.ops.qsa_scores_triton import qsa_prefill_scores_triton
+for length, blocks in [(1024, 2500), (1000, 65536)]:  # the indexer's prefill: 10K and 262K context
+    q = torch.randn(length, 4, 128, device="cuda", dtype=torch.bfloat16)
+    keys = torch.randn(blocks, 128, device="cuda", dtype=torch.bfloat16)
+    before = torch.randint(0, blocks + 1, (length,), device="cuda")
+    a = qsa_prefill_scores_triton(q, keys, before); b = qsa_prefill_scores_reference(q, keys, before)
+    fin = ~torch.isinf(b)
+    err = ((a[fin] - b[fin]).abs().max() / b[fin].abs().max()).item()
+    ok &= err < 1e-3 and torch.equal(torch.isinf(a), torch.isinf(b))
+    print(f"qsa_prefill_scores {length}x{blocks} bf16 max rel err {err:.1e}")
 print("KERNELS OK" if ok else "KERNEL MISMATCH"); sys.exit(0 if ok else 1)

@@ -29,3 +29,21 @@ def test_kernel_equals_reference(batch, heads, dim, per_page, width, dtype):
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     finite = ~torch.isinf(want)
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-5 if dtype == torch.float32 else 2e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("length,blocks,dim", [(37, 21, 32), (16, 70, 16), (5, 3, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_kernel_equals_reference(length, blocks, dim, dtype):
+    """Many queries against one sequence's block keys (the indexer's prefill), odd sizes, strided q."""
+    from flashnext.ops.qsa_scores import qsa_prefill_scores_reference
+    from flashnext.ops.qsa_scores_triton import qsa_prefill_scores_triton
+
+    g = torch.Generator().manual_seed(length * blocks)
+    q = torch.randn(length, 5, dim, generator=g).to(dtype)[:, 1:]
+    keys = torch.randn(blocks, dim, generator=g).to(dtype)
+    before = torch.randint(0, blocks + 1, (length,), generator=g)
+    got = qsa_prefill_scores_triton(q, keys, before)
+    want = qsa_prefill_scores_reference(q, keys, before)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = ~torch.isinf(want)
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5 if dtype == torch.float32 else 2e-3, atol=1e-4)

@@ -46,3 +46,43 @@ def qsa_block_scores_triton(q: torch.Tensor, index_keys: torch.Tensor, block_tab
             capacity, dim, 1.0 / math.sqrt(dim), HEADS=heads, PER_PAGE=per_page, BLOCK_N=BLOCK_N,
             BLOCK_D=triton.next_power_of_2(dim), num_warps=4)
     return out
+
+
+@triton.jit
+def _qsa_prefill_scores_kernel(q_ptr, keys_ptr, before_ptr, out_ptr, T, NBLK, stride_qt, stride_qh, scale,
+                               HEADS: tl.constexpr, D: tl.constexpr, FP32: tl.constexpr,
+                               BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    offs_d = tl.arange(0, D)
+    t_ok = offs_t < T
+    b_ok = offs_b < NBLK
+    keys = tl.load(keys_ptr + offs_b[:, None] * D + offs_d[None, :], mask=b_ok[:, None], other=0.0)
+    total = tl.zeros([BLOCK_T, BLOCK_B], dtype=tl.float32)
+    for h in tl.static_range(HEADS):
+        q = tl.load(q_ptr + offs_t[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=t_ok[:, None],
+                    other=0.0)
+        if FP32:
+            s = tl.dot(q, tl.trans(keys), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(keys))
+        total += tl.maximum(s, 0.0)
+    before = tl.load(before_ptr + offs_t, mask=t_ok, other=0)
+    scores = tl.where(offs_b[None, :] < before[:, None], total * scale, float("-inf"))
+    tl.store(out_ptr + offs_t[:, None] * NBLK + offs_b[None, :], scores, mask=t_ok[:, None] & b_ok[None, :])
+
+
+def qsa_prefill_scores_triton(q: torch.Tensor, keys: torch.Tensor, complete_before: torch.Tensor) -> torch.Tensor:
+    """See ops/qsa_scores.py qsa_prefill_scores_reference; q and keys in one dtype (bf16 on tensor cores, fp32 as
+    IEEE dots)."""
+    length, heads, dim = q.shape
+    nblk = keys.shape[0]
+    assert dim == triton.next_power_of_2(dim) and dim >= 16 and q.stride(-1) == 1, q.shape
+    keys = keys.to(q.dtype).contiguous()
+    out = torch.empty(length, nblk, dtype=torch.float32, device=q.device)
+    if length and nblk:
+        block_t, block_b = (64, 64) if q.is_cuda else (16, 16)
+        _qsa_prefill_scores_kernel[(triton.cdiv(length, block_t), triton.cdiv(nblk, block_b))](
+            q, keys, complete_before, out, length, nblk, q.stride(0), q.stride(1), 1.0 / math.sqrt(dim),
+            HEADS=heads, D=dim, FP32=q.dtype == torch.float32, BLOCK_T=block_t, BLOCK_B=block_b, num_warps=4)
+    return out

@@ -9,7 +9,6 @@ everything: dense causal attention.
 A pooled key never changes once its block is complete, so the pooled keys live in the KV pages
 (`kv.index_keys`) and only the raw keys of the incomplete block are carried (`states.index_ring`).
 """
-import math
 
 import torch
 from torch import nn
@@ -20,7 +19,7 @@ from flashnext.models.layers.norms import ZeroCenteredRMSNorm
 from flashnext.ops.norm_rope import norm_rope
 from flashnext.ops.prefill_attention import QUERY_BLOCK
 from flashnext.ops.qsa_key_append import qsa_key_append
-from flashnext.ops.qsa_scores import qsa_block_scores
+from flashnext.ops.qsa_scores import qsa_block_scores, qsa_prefill_scores
 from flashnext.weights.config import ModelConfig
 
 
@@ -68,14 +67,14 @@ class QSAIndexer(nn.Module):
         per_page = ctx.kv.block_size // self.ratio
         block_ids = torch.arange(num_blocks, device=x.device)
         rows = seg.blocks[block_ids // per_page] * per_page + block_ids % per_page
-        keys = ctx.kv.index_keys[self.layer_idx].view(-1, self.head_dim)[rows].float()
+        keys = ctx.kv.index_keys[self.layer_idx].view(-1, self.head_dim)[rows]
         query_pos = torch.arange(seg.context_len, seg.total_len, device=x.device)
+        complete_before = (query_pos + 1) // self.ratio
         index, valid = [], []
         for start in range(0, seg.length, QUERY_BLOCK):
             end = min(start + QUERY_BLOCK, seg.length)
-            scores = torch.einsum("thd,bd->tbh", q[start:end].float(), keys).relu().sum(-1) / math.sqrt(self.head_dim)
-            visible = block_ids[None, :] < ((query_pos[start:end] + 1) // self.ratio)[:, None]
-            i, v = self._lists(scores.masked_fill(~visible, float("-inf")), query_pos[start:end], seg.total_len)
+            scores = qsa_prefill_scores(q[start:end], keys, complete_before[start:end])
+            i, v = self._lists(scores, query_pos[start:end], seg.total_len)
             index.append(i)
             valid.append(v)
         return torch.cat(index), torch.cat(valid)
@@ -118,13 +117,13 @@ class QSAIndexer(nn.Module):
             block_ids = torch.arange(num_blocks, device=x.device)
             visible = block_ids[None, :] < ((query_pos + 1) // self.ratio)[:, None]
             rows = seg.blocks[block_ids // per_page] * per_page + block_ids % per_page
-            keys = ctx.kv.index_keys[self.layer_idx].view(-1, self.head_dim)[rows].float()
+            keys = ctx.kv.index_keys[self.layer_idx].view(-1, self.head_dim)[rows]
+            complete_before = (query_pos + 1) // self.ratio
             k = min(self.block_topk, num_blocks)
-            # Queries in blocks: the [queries, blocks, heads] scores stay QUERY_BLOCK × blocks × heads.
+            # Queries in blocks: the scores stay QUERY_BLOCK × blocks.
             for start in range(0, seg.length, QUERY_BLOCK):
                 end = min(start + QUERY_BLOCK, seg.length)
-                scores = torch.einsum("thd,bd->tbh", q[start:end].float(), keys).relu().sum(-1) / math.sqrt(self.head_dim)
-                top = scores.masked_fill(~visible[start:end], float("-inf")).topk(k, dim=-1).indices
+                top = qsa_prefill_scores(q[start:end], keys, complete_before[start:end]).topk(k, dim=-1).indices
                 chosen[start:end].scatter_(1, top, True)
             chosen &= visible
         return chosen
