@@ -1,8 +1,10 @@
 """On the GPU machine: the INT4 GEMMs of prefill at Flash-Next shapes — the dense W4A16 kernel (w4a16_triton
-`_w4a16_kernel`) and the grouped MoE kernels (moe_int4_triton) — over tile configurations, checked against the torch reference and timed against bf16
+`_w4a16_kernel`) and the grouped MoE kernels (moe_int4_triton) — over tile configurations, with the group scale
+applied to the fp32 partial or to the weight tile before the dot (scale_in_tile), checked against the torch reference and timed against bf16
 cuBLAS on the dequantised weight (dense) or the matmul FLOPs (MoE). Prints the best config per shape.
 Run: python3 scripts/gpu_prefill_gemm.py [--m 8192]"""
 import argparse
+import itertools
 import sys
 
 import torch
@@ -11,13 +13,15 @@ from triton.testing import do_bench
 from flashnext.ops.moe_int4 import moe_int4_reference
 from flashnext.ops.moe_int4_triton import PREFILL, MoeConfig, moe_int4_triton
 from flashnext.ops.w4a16 import w4a16_linear_reference
-from flashnext.ops.w4a16_triton import LaunchConfig, default_config, w4a16_matmul
+from flashnext.ops.w4a16_triton import LaunchConfig, w4a16_matmul
 from flashnext.weights.int4_layout import quantize_rtn
 from gpu_moe import random_experts, rel, routing
 
 DENSE = [(10240, 2560), (2560, 6144), (12288, 2560), (6144, 2560)]
 TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 128, 8, 3),
          (64, 256, 64, 8, 3), (128, 64, 64, 4, 4), (256, 128, 64, 8, 3)]
+MOE_TILES = [(64, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 128, 128, 8, 3), (128, 64, 64, 4, 4),
+             (64, 256, 64, 8, 3), (32, 128, 64, 4, 4), (64, 64, 128, 4, 4), (64, 64, 64, 4, 5)]
 
 
 def dense(m):
@@ -29,10 +33,9 @@ def dense(m):
         dense_w = w4a16_linear_reference(torch.eye(k, device="cuda", dtype=torch.bfloat16), w).t().contiguous()
         ref = x @ dense_w.t()
         cublas = do_bench(lambda: x @ dense_w.t()) * 1e3
-        default = default_config(m, n, k, 128, x.device)
         times = {}
-        for bm, bn, bk, warps, stages in TILES:
-            cfg = LaunchConfig(bm, bn, bk, 1, warps, stages)
+        for (bm, bn, bk, warps, stages), in_tile in itertools.product(TILES, (False, True)):
+            cfg = LaunchConfig(bm, bn, bk, 1, warps, stages, in_tile)
             try:
                 got = w4a16_matmul(x, w, cfg)
                 assert rel(got, ref) < 1e-2, rel(got, ref)
@@ -55,10 +58,8 @@ def moe(m):
     ref = moe_int4_reference(x.float(), ids, w, wgu, wd)
     flops = 2 * m * 10 * 3 * h * i
     times = {}
-    for bm, bn, bk, warps, stages in [(64, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3),
-                                      (64, 128, 128, 8, 3), (128, 64, 64, 4, 4), (64, 256, 64, 8, 3),
-                                      (32, 128, 64, 4, 4), (64, 64, 128, 4, 4), (64, 64, 64, 4, 5)]:
-        cfg = MoeConfig(bm, bn, bk, warps, stages)
+    for (bm, bn, bk, warps, stages), in_tile in itertools.product(MOE_TILES, (False, True)):
+        cfg = MoeConfig(bm, bn, bk, warps, stages, in_tile)
         try:
             got = moe_int4_triton(x, ids, w, wgu, wd, cfg)
             assert rel(got, ref) < 2e-2, rel(got, ref)

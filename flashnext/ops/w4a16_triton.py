@@ -21,7 +21,7 @@ Two kernels; `w4a16_matmul` sends M <= GEMV_MAX_M rows (decode) to the first, la
   (the engine decodes on one stream). No host sync, static shapes: CUDA-graph safe.
 
 `_w4a16_kernel` (GEMM): `tl.dot` of x with the (q − z) tile in x's dtype — exact, those are integers in
-[−16, 15] — accumulated in fp32 over a grid of (N blocks, K splits, M blocks), split-K partials added with
+[−16, 15] — (or, LaunchConfig.scale_in_tile, with the scaled tile, accumulating in the dot) accumulated in fp32 over a grid of (N blocks, K splits, M blocks), split-K partials added with
 fp32 atomics into a zeroed buffer. A LaunchConfig with block_m < 16 selects its older decode mode (fp32
 multiply-and-sum, no dot), kept as the baseline scripts/gpu_w4a16.py times the GEMV kernel against.
 Both kernels multiply each K tile's fp32 partial by its group's scale and gather x's columns through `perm`
@@ -45,7 +45,7 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr,
                   M, N, K, stride_xm, stride_om, k_per_split,
                   GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
                   USE_DOT: tl.constexpr, ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  SCALE_IN_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -75,12 +75,16 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr,
         else:
             cols = offs_k
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask_m[:, None], other=0.0)
-        if USE_DOT:
-            part = tl.dot(x, q.to(x.dtype), input_precision=DOT_PRECISION)
-        else:
-            part = tl.sum(x.to(tl.float32)[:, :, None] * q.to(tl.float32)[None, :, :], axis=1)
         scale = tl.load(s_ptr + group * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        acc += part * scale[None, :]
+        if SCALE_IN_TILE:
+            # the scaled tile (rounded to x's dtype) accumulated straight into acc: chained MMAs on Hopper
+            acc = tl.dot(x, (q.to(tl.float32) * scale[None, :]).to(x.dtype), acc, input_precision=DOT_PRECISION)
+        else:
+            if USE_DOT:
+                part = tl.dot(x, q.to(x.dtype), input_precision=DOT_PRECISION)
+            else:
+                part = tl.sum(x.to(tl.float32)[:, :, None] * q.to(tl.float32)[None, :, :], axis=1)
+            acc += part * scale[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if ATOMIC:
@@ -185,6 +189,7 @@ class LaunchConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    scale_in_tile: bool = False   # with use_dot: the tile scaled before the dot (see _w4a16_kernel)
 
     @property
     def use_dot(self) -> bool:
@@ -364,6 +369,6 @@ def w4a16_matmul(x: torch.Tensor, w: Int4Weight, config: LaunchConfig | GemvConf
         m, n, k, x.stride(0), out.stride(0), k_per_split,
         GROUP=w.group_size, HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None,
         USE_DOT=cfg.use_dot, ATOMIC=atomic, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SCALE_IN_TILE=cfg.scale_in_tile and cfg.use_dot, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.to(x.dtype) if atomic else out
