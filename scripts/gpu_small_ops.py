@@ -91,4 +91,13 @@ for length, blocks in [(1024, 2500), (1000, 65536)]:  # the indexer's prefill: 1
     err = ((a[fin] - b[fin]).abs().max() / b[fin].abs().max()).item()
     ok &= err < 1e-3 and torch.equal(torch.isinf(a), torch.isinf(b))
     print(f"qsa_prefill_scores {length}x{blocks} bf16 max rel err {err:.1e}")
+from flashnext.ops.rms_norm import gated_rms_norm_reference
+from flashnext.ops.rms_norm_triton import gated_rms_norm_triton
+for rows in (48, 8192 * 48):  # GatedDeltaNet's output norm: decode-size and an 8192-token prefill chunk
+    x = torch.randn(rows, 128, device="cuda", dtype=torch.bfloat16) * 3
+    gate = torch.randn(rows, 128, device="cuda", dtype=torch.bfloat16)
+    w = (1 + 0.2 * torch.randn(128, device="cuda")).to(torch.bfloat16)
+    a = gated_rms_norm_triton(x, gate, w, 1e-6, "silu").float(); b = gated_rms_norm_reference(x, gate, w, 1e-6, "silu").float()
+    err = ((a - b).abs().max() / b.abs().max()).item(); ok &= err < 1e-2
+    print(f"gated_rms_norm {rows}x128 bf16 max rel err {err:.1e}")
 print("KERNELS OK" if ok else "KERNEL MISMATCH"); sys.exit(0 if ok else 1)

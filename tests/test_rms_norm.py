@@ -28,3 +28,20 @@ def test_kernel_equals_reference(shape, group, dtype):
     want = rms_norm_reference(x, weight, 1e-6, group)
     assert got.shape == want.shape and got.dtype == dtype
     torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 2e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(7, 3, 48), (33, 128)])
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gated_kernel_equals_reference(shape, activation, dtype):
+    """GatedDeltaNet's output norm (prefill: T × heads rows): the kernel rounds where the reference rounds."""
+    from flashnext.ops.rms_norm import gated_rms_norm_reference
+    from flashnext.ops.rms_norm_triton import gated_rms_norm_triton
+
+    g = torch.Generator().manual_seed(shape[0])
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    gate = torch.randn(*shape, generator=g).to(dtype)
+    w = (1 + 0.2 * torch.randn(shape[-1], generator=g)).to(dtype)
+    got = gated_rms_norm_triton(x, gate, w, 1e-6, activation)
+    want = gated_rms_norm_reference(x, gate, w, 1e-6, activation)
+    torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 1e-3, atol=1e-5)

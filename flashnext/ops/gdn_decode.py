@@ -22,14 +22,14 @@ import torch.nn.functional as F
 
 from flashnext.ops.causal_conv1d import causal_conv1d
 from flashnext.ops.gated_delta_rule import gated_delta_rule_recurrent
-from flashnext.ops.rms_norm import gated_rms_norm
+from flashnext.ops.rms_norm import gated_rms_norm_reference
 
 
 def gdn_decode_reference(mixed_qkv, z, b, a, conv_state, conv_weight, ssm_state, slots, A_log, dt_bias,
                          norm_weight, *, num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int,
                          eps: float, activation: str) -> torch.Tensor:
     """The layer's own references on B one-token sequences: causal_conv1d, gated_delta_rule_recurrent row by
-    row (a Python loop over rows, no host sync), gated_rms_norm."""
+    row (a Python loop over rows, no host sync), gated_rms_norm_reference."""
     rows = mixed_qkv.shape[0]
     key_dim = num_k_heads * head_k_dim
     qkv, conv_state[slots] = causal_conv1d(mixed_qkv[:, None], conv_weight, conv_state[slots])
@@ -43,7 +43,7 @@ def gdn_decode_reference(mixed_qkv, z, b, a, conv_state, conv_weight, ssm_state,
             q[row: row + 1].view(1, num_k_heads, head_k_dim), k[row: row + 1].view(1, num_k_heads, head_k_dim),
             v[row: row + 1].view(1, num_v_heads, head_v_dim), g[row: row + 1], beta[row: row + 1], states[row])
     ssm_state[slots] = states
-    return gated_rms_norm(o, z, norm_weight, eps, activation).reshape(rows, num_v_heads * head_v_dim)
+    return gated_rms_norm_reference(o, z, norm_weight, eps, activation).reshape(rows, num_v_heads * head_v_dim)
 
 
 def _use_triton(mixed_qkv: torch.Tensor, head_k_dim: int, head_v_dim: int) -> bool:

@@ -1,4 +1,5 @@
-"""Zero-centred RMSNorm in one kernel, one program per (row, group) (reference: ops/rms_norm.py)."""
+"""Zero-centred RMSNorm in one kernel, one program per (row, group), and GatedDeltaNet's gated RMSNorm, one
+program per row (references: ops/rms_norm.py)."""
 from __future__ import annotations
 
 import torch
@@ -31,4 +32,34 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, group_siz
         block = triton.next_power_of_2(group_size)
         _rms_norm_kernel[(rows.shape[0] * groups,)](rows, weight, out, rows.stride(0), groups, group_size, eps,
                                                      BLOCK=block, num_warps=8 if block >= 4096 else 4)
+    return out
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, stride_x, stride_g, dim, eps, SILU: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < dim
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    normed = (x * tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    h = (w * normed).to(dtype).to(tl.float32)          # the reference rounds weight · normed to the dtype
+    g = tl.load(g_ptr + row * stride_g + offs, mask=ok, other=0.0).to(tl.float32)
+    act = g * tl.sigmoid(g) if SILU else tl.sigmoid(g)
+    tl.store(out_ptr + row * dim + offs, (h * act).to(dtype), mask=ok)
+
+
+def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                          activation: str) -> torch.Tensor:
+    dim = x.shape[-1]
+    rows, gates = x.reshape(-1, dim), gate.reshape(-1, dim)
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    gates = gates if gates.stride(-1) == 1 else gates.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        _gated_rms_norm_kernel[(rows.shape[0],)](rows, gates, weight, out, rows.stride(0), gates.stride(0), dim, eps,
+                                                 SILU=activation == "silu", BLOCK=triton.next_power_of_2(dim),
+                                                 num_warps=4)
     return out
