@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# On the GPU machine: every kernel against its reference in bf16 and the decode graph against eager (fp32
-# tokens) — "checks"; the full-size decode step and prefill timed and profiled by kernel — "profile"; the
-# decode benchmark of both models through the server — "bench". PARTS picks them (default: all three; one
-# device call may run 10 minutes at most, so give each its own call). Carry .whl/.
+# On the GPU machine: every kernel against its reference in bf16 — "checks"; the decode graph against eager and
+# the CPU reference (fp32 tokens), chunked and sparse prefill, fla's GDN prefill — "exact"; the full-size decode
+# step and prefill timed and profiled by kernel, and the INT4 GEMM sweep — "profile"; the decode benchmark of
+# both models through the server — "bench". PARTS picks them (default: all four; one device call may run 10
+# minutes at most, so give each its own call, or pair the short ones). Carry .whl/.
 # Writes each part's output under $OUT (when set) and exits non-zero if any check failed.
 #
 #   PARTS=checks bash scripts/gpu_validate.sh    # ~5 minutes
-#   PARTS=profile bash scripts/gpu_validate.sh   # ~4 minutes
+#   PARTS=exact bash scripts/gpu_validate.sh     # ~4 minutes
+#   PARTS=profile bash scripts/gpu_validate.sh   # ~8 minutes (the INT4 GEMM sweep is ~3)
 #   PARTS=bench bash scripts/gpu_validate.sh     # ~4 minutes
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +27,7 @@ part() {  # part NAME COMMAND...
     failed+=("$name")
   fi
 }
-parts=" ${PARTS:-checks profile bench} "
+parts=" ${PARTS:-checks exact profile bench} "
 if [[ $parts == *" checks "* ]]; then
   part small_ops python3 scripts/gpu_small_ops.py
   part gdn python3 scripts/gpu_gdn_decode.py
@@ -33,13 +35,16 @@ if [[ $parts == *" checks "* ]]; then
   part hc python3 scripts/gpu_hyper_connection.py
   part moe python3 scripts/gpu_moe.py --quick
   part w4a16 python3 scripts/gpu_w4a16.py --quick
-  part sparse_prefill python3 scripts/gpu_sparse_prefill.py
   part prefill_attention python3 scripts/gpu_prefill_attention.py
+fi
+if [[ $parts == *" exact "* ]]; then
+  part sparse_prefill python3 scripts/gpu_sparse_prefill.py
   part gdn_prefill python3 scripts/gpu_gdn_prefill.py
   part decode python3 scripts/gpu_decode.py --fp32-only
 fi
 if [[ $parts == *" profile "* ]]; then
   part decode_step python3 scripts/gpu_decode.py --skip-exactness --model mem:flash-next --quantize int4
+  part prefill_gemm python3 scripts/gpu_prefill_gemm.py --m 8192
   part prefill python3 scripts/gpu_prefill.py --model mem:flash-next --quantize int4 --tokens 10000 --chunk 2048 --chunk 8192
 fi
 if [[ $parts == *" bench "* ]]; then
