@@ -147,8 +147,6 @@ def load_engine(engine_args):
     from flashnext.engine.async_llm import AsyncLLM
 
     if max(engine_args.tensor_parallel, engine_args.expert_parallel) > 1:
-        if engine_args.expert_vram_gb is not None:
-            raise SystemExit("--expert-vram-gb does not work with --tensor-parallel / --expert-parallel yet.")
         from flashnext.parallel import launch_engine
 
         # This process becomes rank 0 (scheduler, sampling, HTTP); the other ranks are its child processes.
