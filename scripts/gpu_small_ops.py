@@ -100,4 +100,13 @@ for rows in (48, 8192 * 48):  # GatedDeltaNet's output norm: decode-size and an 
     a = gated_rms_norm_triton(x, gate, w, 1e-6, "silu").float(); b = gated_rms_norm_reference(x, gate, w, 1e-6, "silu").float()
     err = ((a - b).abs().max() / b.abs().max()).item(); ok &= err < 1e-2
     print(f"gated_rms_norm {rows}x128 bf16 max rel err {err:.1e}")
+from flashnext.ops.causal_conv1d import causal_conv1d_reference
+from flashnext.ops.causal_conv1d_triton import causal_conv1d_triton
+for rows, channels, dilation in [(8192, 10240, 1), (37, 2560, 3)]:  # GDN's conv at a prefill chunk; PLE's dilated one
+    x = torch.randn(rows, channels, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(channels, 4, device="cuda") / 2).to(torch.bfloat16)
+    tail = torch.randn(3 * dilation, channels, device="cuda", dtype=torch.bfloat16)
+    (a, ta), (b, tb) = causal_conv1d_triton(x, w, tail, dilation), causal_conv1d_reference(x, w, tail, dilation)
+    err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item(); ok &= err < 1e-2 and torch.equal(ta, tb)
+    print(f"causal_conv1d {rows}x{channels} dilation {dilation} bf16 max rel err {err:.1e}")
 print("KERNELS OK" if ok else "KERNEL MISMATCH"); sys.exit(0 if ok else 1)

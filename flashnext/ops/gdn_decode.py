@@ -20,7 +20,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from flashnext.ops.causal_conv1d import causal_conv1d
+from flashnext.ops.causal_conv1d import causal_conv1d_reference
 from flashnext.ops.gated_delta_rule import gated_delta_rule_recurrent
 from flashnext.ops.rms_norm import gated_rms_norm_reference
 
@@ -28,11 +28,11 @@ from flashnext.ops.rms_norm import gated_rms_norm_reference
 def gdn_decode_reference(mixed_qkv, z, b, a, conv_state, conv_weight, ssm_state, slots, A_log, dt_bias,
                          norm_weight, *, num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int,
                          eps: float, activation: str) -> torch.Tensor:
-    """The layer's own references on B one-token sequences: causal_conv1d, gated_delta_rule_recurrent row by
+    """The layer's own references on B one-token sequences: causal_conv1d_reference, gated_delta_rule_recurrent row by
     row (a Python loop over rows, no host sync), gated_rms_norm_reference."""
     rows = mixed_qkv.shape[0]
     key_dim = num_k_heads * head_k_dim
-    qkv, conv_state[slots] = causal_conv1d(mixed_qkv[:, None], conv_weight, conv_state[slots])
+    qkv, conv_state[slots] = causal_conv1d_reference(mixed_qkv[:, None], conv_weight, conv_state[slots])
     q, k, v = torch.split(qkv[:, 0], [key_dim, key_dim, num_v_heads * head_v_dim], dim=-1)
     beta = b.sigmoid()
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
