@@ -38,19 +38,22 @@ def resident(request):
 
 
 @pytest.mark.parametrize("slots", [2, 3, 5, 8])           # 2 = top-k (the minimum), 8 = every expert
-@pytest.mark.parametrize("policy", ["lfu-decay", "lru"])
-def test_outputs_equal_all_resident(resident, slots, policy):
+@pytest.mark.parametrize("policy,prefetch", [("lfu-decay", True), ("lru", True), ("lfu-decay", False)])
+def test_outputs_equal_all_resident(resident, slots, policy, prefetch):
     name, want = resident
     model = load_model(name, "cpu", torch.float32, quantize="int4").model
-    cache = install_expert_cache(model, policy=policy, slots_per_layer=slots)
+    cache = install_expert_cache(model, policy=policy, slots_per_layer=slots, prefetch=prefetch)
     reads = []
     for experts in (m for m in model.modules() if isinstance(m, Int4Experts)):   # forward(x, weights, ids)
         experts.register_forward_hook(lambda mod, args, out: reads.append(args[2].unique().numel()))
     assert torch.equal(_greedy(model, _prompt(41)), want)
     st = cache.stats
     assert st.hits + st.misses == sum(reads) and st.misses >= 1
-    assert st.bytes_copied == st.misses * cache.layers[0].bytes_per_expert
-    assert slots < 8 or st.misses == 8 * len(cache.layers)   # everything fits: each expert copied once
+    assert st.bytes_copied == (st.misses + st.prefetched) * cache.layers[0].bytes_per_expert
+    assert 0 <= st.prefetch_used <= st.prefetched
+    # one decoded token guesses top-k = 2 experts per next layer: prefetch runs when that is at most half a pool
+    assert (st.prefetched > 0) == (prefetch and 4 <= slots < 8)            # 8: every expert resident already
+    assert slots < 8 or st.misses + st.prefetched == 8 * len(cache.layers)   # all fit: each copied in once
 
 
 def test_budget_in_gib_and_minimum():

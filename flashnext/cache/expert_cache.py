@@ -7,6 +7,13 @@ experts missing from the pool are copied in first, one batched copy per tensor o
 dedicated CUDA stream on the GPU, a plain copy on the CPU). The experts a step needs are pinned while it runs;
 the rest are evicted by the policy (flashnext/cache/expert_policy.py).
 
+Prefetch (`--expert-prefetch`, on by default): while layer L's MoE runs, the next cached layer's router is
+applied to L's MoE input — the next layer's input is that plus two residual updates, so its top-k is a good
+guess — and the guessed experts that are not resident are copied into the next pool on the copy stream
+without waiting (their own pinned staging rows, an event the next layer's compute waits on). The guess rides
+on the host sync the layer takes anyway. Only for decode-sized batches (at most half a pool of guesses), so a
+prefill never thrashes the next pool. Outputs do not depend on it: an expert is resident or copied before use.
+
 A step that routes to more distinct experts than S (a prefill) runs in rounds of at most S experts, in expert
 order. On the CPU every round sums each expert's output into one fp32 accumulator in the same order as
 `moe_int4_reference`, so the result is bit-identical to all-resident at any budget.
@@ -35,6 +42,8 @@ class ExpertCacheStats:
     misses: int = 0
     bytes_copied: int = 0
     stall_seconds: float = 0.0   # wall time spent copying misses in (the forward waits for it)
+    prefetched: int = 0          # experts copied ahead of their layer (counted in bytes_copied too)
+    prefetch_used: int = 0       # of which the layer then read (hits thanks to the prefetch)
 
     @property
     def hit_rate(self) -> float:
@@ -56,9 +65,14 @@ class LayerExpertCache:
         self.num_experts = module.num_experts
         self.policy = make_policy(policy, self.num_experts)
         self.copy_stream = copy_stream
+        # prefetch: the next cached layer (its router module and cache), experts copied ahead and not yet read,
+        # and the event that ends the last prefetch copy (the next forward's compute waits on it)
+        self.next_router, self.next_cache = None, None
+        self.prefetched: set[int] = set()
+        self.prefetch_event = None
         pin = torch.cuda.is_available()
         self.names = [n for n, b in module.named_buffers(recurse=False) if b is not None]
-        self.host, self.staging = {}, {}
+        self.host, self.staging, self.prefetch_staging = {}, {}, {}
         for name in self.names:
             full = getattr(module, name).detach()
             if full.device.type == "cpu":      # loaded into host memory already (load_model with an expert budget)
@@ -69,6 +83,8 @@ class LayerExpertCache:
             self.host[name] = host
             if pin:
                 self.staging[name] = torch.empty((num_slots, *host.shape[1:]), dtype=host.dtype).pin_memory()
+                self.prefetch_staging[name] = torch.empty((num_slots // 2, *host.shape[1:]),
+                                                          dtype=host.dtype).pin_memory()
             setattr(module, name, torch.zeros((num_slots, *full.shape[1:]), dtype=full.dtype, device=device))
             del full
         self.bytes_per_expert = sum(t[0].numel() * t.element_size() for t in self.host.values())
@@ -79,51 +95,108 @@ class LayerExpertCache:
 
     def load(self, experts: list[int]) -> list[int]:
         """Make `experts` (distinct, ≤ num_slots) resident; → their slots. Only other experts are evicted."""
+        if self.prefetch_event is not None:     # prefetched rows and slot table land before this layer reads them
+            torch.cuda.current_stream(self.device).wait_event(self.prefetch_event)
         need = torch.tensor(experts, dtype=torch.long)
         self.policy.access(need)
         missing = need[self.slot_of[need] < 0]
         self.stats.hits += len(need) - len(missing)
         self.stats.misses += len(missing)
+        used = self.prefetched.intersection(experts)
+        self.stats.prefetch_used += len(used)
+        self.prefetched -= used
         if len(missing):
-            shortfall = len(missing) - len(self.free)
-            if shortfall > 0:
-                candidates = self.slot_of >= 0
-                candidates[need] = False
-                victims = self.policy.victims(candidates, shortfall)
-                self.free += self.slot_of[victims].tolist()
-                self.slot_of[victims] = -1
-            slots = torch.tensor([self.free.pop() for _ in range(len(missing))], dtype=torch.long)
-            self.slot_of[missing] = slots
+            slots = self._claim(missing, pinned=need)
             self._copy_in(missing, slots)
             self.slot_table.copy_(self.slot_of)
         return self.slot_of[need].tolist()
 
+    def prefetch(self, experts: list[int]) -> None:
+        """Start copying the non-resident `experts` (a guess, at most half the pool) in; do not wait."""
+        need = torch.tensor(experts, dtype=torch.long)
+        missing = need[self.slot_of[need] < 0]
+        if not len(missing):
+            return
+        slots = self._claim(missing, pinned=need)
+        self.prefetched.update(missing.tolist())
+        self.stats.prefetched += len(missing)
+        self.stats.bytes_copied += len(missing) * self.bytes_per_expert
+        if self.copy_stream is None:
+            self._copy_rows(missing, slots, None)
+            self.slot_table.copy_(self.slot_of)
+            return
+        if self.prefetch_event is not None:
+            self.prefetch_event.synchronize()   # the last prefetch's staging rows are free again
+        with torch.cuda.stream(self.copy_stream):
+            self._copy_rows(missing, slots, self.prefetch_staging)
+            self.slot_table.copy_(self.slot_of, non_blocking=False)
+            self.prefetch_event = torch.cuda.Event()
+            self.prefetch_event.record(self.copy_stream)
+
+    def _claim(self, missing: torch.Tensor, pinned: torch.Tensor) -> torch.Tensor:
+        """Slots for `missing` (free ones first, then the policy's victims among the unpinned residents)."""
+        shortfall = len(missing) - len(self.free)
+        if shortfall > 0:
+            candidates = self.slot_of >= 0
+            candidates[pinned] = False
+            victims = self.policy.victims(candidates, shortfall)
+            self.free += self.slot_of[victims].tolist()
+            self.slot_of[victims] = -1
+            self.prefetched.difference_update(victims)
+        slots = torch.tensor([self.free.pop() for _ in range(len(missing))], dtype=torch.long)
+        self.slot_of[missing] = slots
+        return slots
+
+    def _copy_rows(self, experts: torch.Tensor, slots: torch.Tensor, staging: dict | None) -> None:
+        """Host rows `experts` → device slots `slots`: straight on the CPU, through pinned `staging` rows with
+        asynchronous copies on the current stream on the GPU."""
+        dst = slots.to(self.device, non_blocking=staging is not None)
+        for name in self.names:
+            if staging is None:
+                rows = self.host[name].index_select(0, experts)
+            else:
+                rows = torch.index_select(self.host[name], 0, experts, out=staging[name][:len(experts)])
+                rows = rows.to(self.device, non_blocking=True)
+            getattr(self.module, name).index_copy_(0, dst, rows)
+
     def _copy_in(self, experts: torch.Tensor, slots: torch.Tensor) -> None:
         start = time.perf_counter()
         if self.copy_stream is None:
-            for name in self.names:
-                getattr(self.module, name).index_copy_(0, slots.to(self.device), self.host[name].index_select(0, experts))
+            self._copy_rows(experts, slots, None)
         else:
-            m = len(experts)
             with torch.cuda.stream(self.copy_stream):
-                dst = slots.to(self.device, non_blocking=True)
-                for name in self.names:
-                    staged = torch.index_select(self.host[name], 0, experts, out=self.staging[name][:m])
-                    getattr(self.module, name).index_copy_(0, dst, staged.to(self.device, non_blocking=True))
+                self._copy_rows(experts, slots, self.staging)
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
             self.copy_stream.synchronize()  # the staging rows are reused next call; also makes the stall measurable
         self.stats.stall_seconds += time.perf_counter() - start
         self.stats.bytes_copied += len(experts) * self.bytes_per_expert
 
+    def _guess_next(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The next cached layer's likely experts for rows x (on x's device), or None: no next layer, or a batch
+        whose guesses could fill more than half of its pool."""
+        if (self.next_cache is None or self.next_router.trace is not None      # a routing trace ignores the router
+                or x.shape[0] * self.next_router.top_k > self.next_cache.num_slots // 2):
+            return None
+        return F.linear(x, self.next_router.weight).topk(self.next_router.top_k, dim=-1).indices.unique()
+
+    def _start_prefetch(self, guess: list[int]) -> None:
+        if guess:
+            self.next_cache.prefetch(guess)
+
     def forward(self, x, weights, ids):
         """Int4Experts.forward through the slot pool (same maths as ops.moe_int4)."""
-        experts = ids.unique().tolist()
+        routed = ids.unique()
+        guess = self._guess_next(x)
+        both = (routed if guess is None else torch.cat([routed, guess])).tolist()   # the layer's one host sync
+        experts, guess_ids = both[:routed.numel()], both[routed.numel():]
         rounds = [experts[i:i + self.num_slots] for i in range(0, len(experts), self.num_slots)]
         gate_up, down = self.module.weight_int4("gate_up"), self.module.weight_int4("down")
         if x.is_cuda and moe_ops._BACKEND != "reference":
             if len(rounds) == 1:
                 self.load(experts)
-                return moe_ops.moe_int4(x, self.slot_table[ids], weights, gate_up, down)
+                out = moe_ops.moe_int4(x, self.slot_table[ids], weights, gate_up, down)
+                self._start_prefetch(guess_ids)    # after this layer's kernels are queued: they run meanwhile
+                return out
             out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
             for chunk in rounds:
                 slots = self.load(chunk)
@@ -139,6 +212,7 @@ class LayerExpertCache:
                 gate, up = F.linear(xf[token], dequantize(_one(gate_up, s))).chunk(2, dim=-1)
                 y = F.linear(F.silu(gate) * up, dequantize(_one(down, s)))
                 out.index_add_(0, token, y * weights[token, k, None].float())
+        self._start_prefetch(guess_ids)
         return out.to(x.dtype)
 
 
@@ -163,12 +237,13 @@ class ExpertCache:
 
 
 def install_expert_cache(model: torch.nn.Module, budget_bytes: int | None = None, policy: str = "lfu-decay",
-                         *, slots_per_layer: int | None = None, device=None) -> ExpertCache:
+                         *, slots_per_layer: int | None = None, device=None, prefetch: bool = True) -> ExpertCache:
     """Move every Int4Experts of `model` to a host store behind a pool of slots on `device` (default: where the
     experts are; experts loaded into host memory stay there, pinned in place). The slot count comes from
-    `budget_bytes` (device bytes for all layers' pools) unless `slots_per_layer` is given."""
+    `budget_bytes` (device bytes for all layers' pools) unless `slots_per_layer` is given. `prefetch`: each
+    layer guesses the next layer's experts through its router (module docstring)."""
     from flashnext.models.layers.int4_experts import Int4Experts
-    from flashnext.models.layers.moe import Experts
+    from flashnext.models.layers.moe import Experts, SparseMoe
 
     make_policy(policy, 1)  # an unknown policy fails before anything moves
     modules = [m for m in model.modules() if isinstance(m, Int4Experts)]
@@ -192,6 +267,13 @@ def install_expert_cache(model: torch.nn.Module, budget_bytes: int | None = None
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     stats = ExpertCacheStats()
     layers = [LayerExpertCache(m, slots_per_layer, policy, stats, device, stream) for m in modules]
+    if prefetch:
+        # Routers of MoE blocks whose experts are these modules themselves (expert parallel wraps them with an id
+        # offset: no prefetch there), in model order.
+        router_of = {id(m.experts): m.gate for m in model.modules() if isinstance(m, SparseMoe)}
+        for layer, following in zip(layers, layers[1:]):
+            if id(following.module) in router_of:
+                layer.next_router, layer.next_cache = router_of[id(following.module)], following
     cache = ExpertCache(layers, stats, policy)
     if device.type == "cuda":
         torch.cuda.empty_cache()

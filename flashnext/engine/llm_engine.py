@@ -75,7 +75,7 @@ class LLMEngine:
         self.loaded = loaded or load_model(args.model, self.device, self.dtype, quantize=args.quantize,
                                            expert_vram_gb=args.expert_vram_gb,
                                            expert_cache_policy=args.expert_cache_policy,
-                                           ple_placement=args.ple_placement)
+                                           ple_placement=args.ple_placement, expert_prefetch=args.expert_prefetch)
         cfg = self.config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         if args.routing_trace and not any(getattr(m, "trace", None) for m in self.loaded.model.modules()):

@@ -82,7 +82,7 @@ MEM_PLE_FP8_ABOVE = 16 << 30
 
 def load_model(name: str, device, dtype: torch.dtype, quantize: str | None = None, parallel=None,
                expert_vram_gb: float | None = None, expert_cache_policy: str = "lfu-decay", *,
-               ple_placement: str = "auto") -> LoadedModel:
+               ple_placement: str = "auto", expert_prefetch: bool = True) -> LoadedModel:
     """`quantize="int4"` replaces the dense projections and routed experts by INT4 ones after loading (RTN;
     docs/int4.md). `parallel` (a flashnext.parallel.ParallelPlan) shards the model for one rank right after
     loading, before quantising; the returned config then has the rank's local head counts (docs/parallel.md).
@@ -103,7 +103,7 @@ def load_model(name: str, device, dtype: torch.dtype, quantize: str | None = Non
         from flashnext.cache.expert_cache import install_expert_cache
 
         expert_cache = install_expert_cache(model, int(expert_vram_gb * (1 << 30)), expert_cache_policy,
-                                            device=device)
+                                            device=device, prefetch=expert_prefetch)
         nbytes = _state_bytes(model, device)
     stacked = stack_projections(model)  # last: the weights are where they stay (models/stacked.py)
     log.info("stacked %d groups of projections that share an input", stacked)

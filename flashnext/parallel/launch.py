@@ -40,7 +40,8 @@ def _load(args: EngineArgs, rank: int, port: int):
     dtype = resolve_dtype(args.dtype, device, args.model)
     # --expert-vram-gb is per GPU: each rank caches its own experts (all of them with tensor parallel alone).
     loaded = load_model(args.model, device, dtype, quantize=args.quantize, parallel=plan, ple_placement=args.ple_placement,
-                        expert_vram_gb=args.expert_vram_gb, expert_cache_policy=args.expert_cache_policy)
+                        expert_vram_gb=args.expert_vram_gb, expert_cache_policy=args.expert_cache_policy,
+                        expert_prefetch=args.expert_prefetch)
     return loaded, device, dtype
 
 

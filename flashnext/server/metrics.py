@@ -55,7 +55,10 @@ class _EngineCollector:
                     ("hits", "Routed expert reads found in the device slot pool.", st.hits),
                     ("misses", "Routed expert reads copied in from host memory.", st.misses),
                     ("bytes_copied", "Bytes of expert weights copied host to device.", st.bytes_copied),
-                    ("stall_seconds", "Wall time spent copying experts in.", st.stall_seconds)):
+                    ("stall_seconds", "Wall time spent copying experts in.", st.stall_seconds),
+                    ("prefetched", "Experts copied in ahead of their layer (a guess through its router).",
+                     st.prefetched),
+                    ("prefetch_used", "Prefetched experts their layer then read.", st.prefetch_used)):
                 c = CounterMetricFamily(f"flashnext_expert_cache_{name}", doc, labels=["model_name"])
                 c.add_metric(labels, value)
                 yield c

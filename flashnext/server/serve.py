@@ -84,6 +84,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
          help="keep the routed experts in host memory and this many GiB of expert slots on the device, all layers "
               "together (needs --quantize int4; at least top-k slots per layer; docs/expert_cache.md; default: off, "
               "every expert resident)")
+    _add(parser, "--expert-prefetch", type=_bool,
+         help="with --expert-vram-gb: while a layer computes, copy in the experts the next layer's router picks "
+              "for this layer's input (decode-sized batches; default true)")
     _add(parser, "--expert-cache-policy", choices=["lfu-decay", "lru"],
          help="which cached expert to evict: decayed hit count or least recently used (default lfu-decay)")
     _add(parser, "--routing-trace", choices=["calibrated"],
@@ -124,7 +127,7 @@ _ENGINE_FLAGS = {"model": "model", "device": "device", "max_num_batched_tokens":
                  "kv_host_gb": "kv_host_gb", "kv_host_write_through": "kv_host_write_through",
                  "kv_disk_dir": "kv_disk_dir", "kv_disk_gb": "kv_disk_gb", "tensor_parallel": "tensor_parallel",
                  "expert_parallel": "expert_parallel", "expert_vram_gb": "expert_vram_gb",
-                 "expert_cache_policy": "expert_cache_policy", "routing_trace": "routing_trace"}
+                 "expert_cache_policy": "expert_cache_policy", "expert_prefetch": "expert_prefetch", "routing_trace": "routing_trace"}
 
 
 def engine_args_from(args: argparse.Namespace):
