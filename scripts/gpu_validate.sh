@@ -41,6 +41,7 @@ if [[ $parts == *" exact "* ]]; then
   part sparse_prefill python3 scripts/gpu_sparse_prefill.py
   part gdn_prefill python3 scripts/gpu_gdn_prefill.py
   part decode python3 scripts/gpu_decode.py --fp32-only
+  part expert_cache python3 scripts/gpu_expert_cache.py
 fi
 if [[ $parts == *" profile "* ]]; then
   part decode_step python3 scripts/gpu_decode.py --skip-exactness --model mem:flash-next --quantize int4
