@@ -16,7 +16,10 @@ from flashnext.bench.stats import summarize
 from flashnext.bench.text import ESSAY_PROMPT, varied_text
 
 METRICS = {"hits": "flashnext_expert_cache_hits_total", "misses": "flashnext_expert_cache_misses_total",
-           "bytes_copied": "flashnext_expert_cache_bytes_copied_total"}
+           "bytes_copied": "flashnext_expert_cache_bytes_copied_total",
+           "stall_seconds": "flashnext_expert_cache_stall_seconds_total",
+           "prefetched": "flashnext_expert_cache_prefetched_total",
+           "prefetch_used": "flashnext_expert_cache_prefetch_used_total"}
 RUNS = 5
 _LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
@@ -85,11 +88,17 @@ def table(result: dict) -> str:
         rate = summarize(s["decode_tok_s"] for s in group)
         hits = sum(s.get("hits", 0) for s in group) if all("hits" in s for s in group) else None
         misses = sum(s.get("misses", 0) for s in group) if all("misses" in s for s in group) else None
-        copied = sum(s["bytes_copied"] for s in group) / 1e9 if all("bytes_copied" in s for s in group) else None
+        total = lambda key: sum(s[key] for s in group) if all(key in s for s in group) else None  # noqa: E731
+        copied, stall, prefetched, used = (total(k) for k in ("bytes_copied", "stall_seconds", "prefetched",
+                                                              "prefetch_used"))
+        tokens = sum(s["completion_tokens"] or 0 for s in group)
         hr = hit_rate(hits, misses)
         rows.append([traffic, len(group), md.num(rate["mean"]), md.num(rate["min"]), md.num(rate["max"]),
-                     "n/a" if hr is None else f"{100 * hr:.1f}%", md.num(copied, 2)])
-    return md.table(["traffic", "runs", "decode tok/s mean", "min", "max", "expert hit rate", "GB copied"], rows)
+                     "n/a" if hr is None else f"{100 * hr:.1f}%", md.num(None if copied is None else copied / 1e9, 2),
+                     md.num(None if stall is None or not tokens else 1e3 * stall / tokens, 3),
+                     "n/a" if prefetched is None else f"{prefetched:.0f} ({used or 0:.0f} used)"])
+    return md.table(["traffic", "runs", "decode tok/s mean", "min", "max", "expert hit rate", "GB copied",
+                     "stall ms/token", "prefetched (used)"], rows)
 
 
 def plot(result: dict, stem) -> list:
