@@ -70,7 +70,7 @@ for batch, width in ((1, 4096), (8, 1024)):
     ok &= err < 1e-3 and torch.equal(torch.isinf(a), torch.isinf(b))
     print(f"qsa_block_scores {batch}x{width * 4} blocks bf16 max rel err {err:.1e}")
 from flashnext.ops.hyper_connection import hc_inject, hc_inject_reference, hc_mix, hc_mix_reference
-for rows in (300, 3000):  # prefill sizes: the mix's norm through the RMSNorm kernel, inject through its kernel
+for rows in (300, 3000):  # prefill sizes: the mix through the RMSNorm and combine kernels, inject through its kernel
     h = torch.randn(rows, 4 * 2560, device="cuda", dtype=torch.bfloat16)
     nw, wd = torch.randn(4 * 2560, device="cuda", dtype=torch.bfloat16) * 0.2, torch.randn(320, 4 * 2560, device="cuda", dtype=torch.bfloat16) / 100
     wu, wi = torch.randn(4 * 2560, 320, device="cuda", dtype=torch.bfloat16) / 18, torch.randn(4, 4 * 2560, device="cuda", dtype=torch.bfloat16) / 100

@@ -132,3 +132,20 @@ def test_triton_inject_matches_reference(kernels, n, hc):
     assert rel_err(kernels.hc_inject_triton(h, block_output, weights), want) < 1e-6
     kernels.hc_inject_triton(h, block_output, weights, out=h)
     assert rel_err(h, want) < 1e-6
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("rows,hc,hidden", [(37, 4, 48), (3, 2, 130)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_combine_kernel_equals_reference(rows, hc, hidden, dtype):
+    """The prefill mix's last step (sigmoid × normed, mean over streams) in one kernel, rounding where the
+    reference rounds."""
+    from flashnext.ops.hyper_connection import hc_combine_reference
+    from flashnext.ops.hyper_connection_triton import hc_combine_triton
+
+    g = torch.Generator().manual_seed(rows + hidden)
+    up = (torch.randn(rows, hc * hidden, generator=g) * 3).to(dtype)
+    normed = torch.randn(rows, hc * hidden, generator=g).to(dtype)
+    got = hc_combine_triton(up, normed, hc, hidden)
+    want = hc_combine_reference(up, normed, hc, hidden)
+    torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 2e-3, atol=1e-5)

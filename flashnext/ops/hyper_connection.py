@@ -10,9 +10,9 @@ Shapes (N rows, hc streams of H = hidden, R = lowrank):
 normed streams to h's dtype (ZeroCenteredRMSNorm's .type_as), every F.linear output, each elementwise op
 of a 16-bit tensor, and the mean over streams once (fp32 sum). `hc_mix` dispatches CUDA tensors of up to
 DECODE_MAX_ROWS rows to the Triton kernels (ops/hyper_connection_triton.py); more rows (prefill) take the
-reference's math with cuBLAS for the GEMMs (each weight read once for all rows; the GEMV kernels would not)
-and the RMSNorm kernel for the streams' norm (one pass over [T, hc·H] instead of ~8 fp32 passes: ~7% of a
-10K Flash-Next prefill on the H200). `hc_inject` is elementwise: the Triton kernel for any CUDA batch.
+reference's math with cuBLAS for the GEMMs (each weight read once for all rows; the GEMV kernels would not),
+the RMSNorm kernel for the streams' norm (one pass over [T, hc·H] instead of ~8 fp32 passes: ~7% of a 10K
+Flash-Next prefill on the H200) and one kernel for the final sigmoid·mean over streams (`hc_combine`). `hc_inject` is elementwise: the Triton kernel for any CUDA batch.
 FLASHNEXT_HC=reference forces the reference (to bisect a wrong answer on the GPU).
 """
 from __future__ import annotations
@@ -27,15 +27,21 @@ from flashnext.ops.rms_norm import rms_norm, rms_norm_reference
 DECODE_MAX_ROWS = 16
 
 
+def hc_combine_reference(up: torch.Tensor, normed: torch.Tensor, hc: int, hidden: int) -> torch.Tensor:
+    """The mix's last step: up-projection logits [N, hc·H] and normed streams [N, hc·H] → the mean over streams of
+    sigmoid(up) × normed, [N, H] (each elementwise op rounds to the dtype, the mean sums in fp32)."""
+    return (torch.sigmoid(up).unflatten(-1, (hc, hidden)) * normed.unflatten(-1, (hc, hidden))).mean(dim=-2)
+
+
 def hc_mix_reference(h: torch.Tensor, norm_weight: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor,
-                     w_inject: torch.Tensor | None, hc: int, hidden: int,
-                     eps: float, norm=rms_norm_reference) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     w_inject: torch.Tensor | None, hc: int, hidden: int, eps: float,
+                     norm=rms_norm_reference, combine=hc_combine_reference) -> tuple[torch.Tensor, torch.Tensor | None]:
     """h [N, hc·H] → (block input [N, H], injection weights [N, hc] or None), as HyperConnection.mix.
-    `norm`: the streams' RMSNorm (ops/rms_norm.py's reference, or its dispatcher for prefill)."""
+    `norm` / `combine`: the streams' RMSNorm and the final sigmoid·mean — the references, or their kernels'
+    dispatchers for prefill."""
     normed = norm(h, norm_weight, eps, group_size=hidden)
     mix = F.silu(F.linear(normed, w_down) / hc)
-    mix = torch.sigmoid(F.linear(mix, w_up)).unflatten(-1, (hc, hidden))
-    block_input = (mix * normed.unflatten(-1, (hc, hidden))).mean(dim=-2)
+    block_input = combine(F.linear(mix, w_up), normed, hc, hidden)
     if w_inject is None:
         return block_input, None
     return block_input, 2 * torch.sigmoid(F.linear(normed, w_inject) / hc)
@@ -54,7 +60,7 @@ def _use_triton(*tensors: torch.Tensor, max_rows: int = DECODE_MAX_ROWS) -> bool
     return h.dim() == 2 and h.shape[0] <= max_rows and all(t.dtype == h.dtype for t in tensors)
 
 
-INJECT_MAX_ROWS = 65535   # the inject kernel's rows are its grid's second dimension
+ELEMENTWISE_MAX_ROWS = 65535   # the inject and combine kernels' rows are their grid's second dimension
 
 
 def hc_mix(h: torch.Tensor, norm_weight: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor,
@@ -63,17 +69,27 @@ def hc_mix(h: torch.Tensor, norm_weight: torch.Tensor, w_down: torch.Tensor, w_u
     """See hc_mix_reference. On the Triton path: two launches, no host sync, CUDA-graph capturable."""
     weights = [w for w in (w_down, w_up, w_inject) if w is not None]
     if not _use_triton(h, *weights):
-        return hc_mix_reference(h, norm_weight, w_down, w_up, w_inject, hc, hidden, eps, norm=rms_norm)
+        return hc_mix_reference(h, norm_weight, w_down, w_up, w_inject, hc, hidden, eps, norm=rms_norm,
+                                combine=hc_combine)
     from flashnext.ops.hyper_connection_triton import hc_mix_triton
 
     return hc_mix_triton(h, norm_weight, w_down, w_up, w_inject, hc, hidden, eps)
+
+
+def hc_combine(up: torch.Tensor, normed: torch.Tensor, hc: int, hidden: int) -> torch.Tensor:
+    """See hc_combine_reference; CUDA: one kernel instead of sigmoid, multiply and mean over [N, hc·H]."""
+    if not _use_triton(up, normed, max_rows=ELEMENTWISE_MAX_ROWS):
+        return hc_combine_reference(up, normed, hc, hidden)
+    from flashnext.ops.hyper_connection_triton import hc_combine_triton
+
+    return hc_combine_triton(up, normed, hc, hidden)
 
 
 def hc_inject(h: torch.Tensor, block_output: torch.Tensor, weights: torch.Tensor,
               out: torch.Tensor | None = None) -> torch.Tensor:
     """See hc_inject_reference. Out of place by default; out=h updates h in place (each element is read
     and written by the same thread) and saves the decode step an allocation."""
-    if not _use_triton(h, block_output, weights, max_rows=INJECT_MAX_ROWS):
+    if not _use_triton(h, block_output, weights, max_rows=ELEMENTWISE_MAX_ROWS):
         result = hc_inject_reference(h, block_output, weights)
         return result if out is None else out.copy_(result)
     from flashnext.ops.hyper_connection_triton import hc_inject_triton

@@ -235,3 +235,32 @@ def hc_inject_triton(h: torch.Tensor, block_output: torch.Tensor, weights: torch
             h, block_output, weights, out, hidden, h.stride(0), block_output.stride(0), weights.stride(0),
             out.stride(0), HC=hc, BLOCK=block, num_warps=4)
     return out
+
+
+@triton.jit
+def _hc_combine_kernel(up_ptr, normed_ptr, out_ptr, H, stride_up, stride_normed, stride_out,
+                       HC: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    dtype = up_ptr.dtype.element_ty
+    total = tl.zeros((BLOCK,), tl.float32)
+    for s in tl.static_range(HC):
+        up = tl.load(up_ptr + row * stride_up + s * H + offs, mask=mask, other=0.0).to(tl.float32)
+        normed = tl.load(normed_ptr + row * stride_normed + s * H + offs, mask=mask, other=0.0).to(tl.float32)
+        total += _round(_round(_sigmoid(up), dtype) * normed, dtype)
+    tl.store(out_ptr + row * stride_out + offs, (total / HC).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def hc_combine_triton(up: torch.Tensor, normed: torch.Tensor, hc: int, hidden: int) -> torch.Tensor:
+    """up [N, hc·H], normed [N, hc·H] → mean over streams of sigmoid(up) × normed [N, H] (ops/hyper_connection.py)."""
+    n, width = up.shape
+    assert normed.shape == up.shape and width == hc * hidden
+    up = up if up.stride(-1) == 1 else up.contiguous()
+    normed = normed if normed.stride(-1) == 1 else normed.contiguous()
+    out = torch.empty(n, hidden, dtype=up.dtype, device=up.device)
+    if n:
+        block = 1024
+        _hc_combine_kernel[(triton.cdiv(hidden, block), n)](up, normed, out, hidden, up.stride(0), normed.stride(0),
+                                                           out.stride(0), HC=hc, BLOCK=block, num_warps=4)
+    return out
