@@ -136,8 +136,16 @@ class DecodeGraphs:
                 self._step(size, width)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._step(size, width)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self._step(size, width)
+        except RuntimeError as exc:
+            # e.g. a collective that cannot be captured with several GPUs: this bucket keeps the same fixed-shape
+            # step, run eagerly (on another rank a captured graph launches the same collectives in the same order)
+            log.warning("capturing the decode step for batch %d, %d KV blocks wide failed (%s); it runs eagerly",
+                        size, width, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            self.graphs[(size, width)] = (None, None)
+            return
         self.pool = graph.pool()
         self.graphs[(size, width)] = (graph, logits)
         log.info("captured the decode step for batch %d, %d KV blocks wide, in %.2f s", size, width,
