@@ -45,6 +45,43 @@ def case(context, length, heads, kv_heads, dim, ratio, topk_blocks, page=16, see
     return c
 
 
+def crossover(length=2048, heads=24, kv=2, dim=256, ratio=4, topk=512):
+    """Flash-Next QSA prefill of `length` queries after growing contexts: the flash kernel over every earlier key
+    with the block selection as a mask, against token lists through the paged decode kernel (one row per query,
+    ≤ 2,051 keys each). IndexedAttention switches to lists past SPARSE_PREFILL_BUDGETS × budget tokens."""
+    from flashnext.models.layers.qsa_indexer import SPARSE_PREFILL_BUDGETS
+    from flashnext.ops.decode_attention import decode_attention
+
+    print(f"\nQSA prefill, {length} queries: flash+mask vs token lists (lists used past "
+          f"{SPARSE_PREFILL_BUDGETS * topk * ratio} tokens)")
+    print(f"{'context':>8} {'flash ms':>9} {'lists ms':>9} {'lists vs flash':>14}")
+    for context in (4096, 8192, 16384, 32768, 65536):
+        c = case(context, length, heads, kv, dim, ratio, topk)
+        flash = timed(lambda: prefill_attention_triton(**c))
+        pos = context + torch.arange(length, device="cuda")
+        chosen = c["chosen"]
+        # the token lists the indexer would give: chosen blocks' tokens, then the tail of the incomplete block
+        picks = chosen.nonzero()
+        per = chosen.sum(1).max().item()
+        index = torch.zeros(length, per * ratio + ratio - 1, dtype=torch.long, device="cuda")
+        valid = torch.zeros_like(index, dtype=torch.bool)
+        order = torch.cumsum(chosen.int(), 1) - 1
+        slot = order[picks[:, 0], picks[:, 1]]
+        for r in range(ratio):
+            index[picks[:, 0], slot * ratio + r] = picks[:, 1] * ratio + r
+            valid[picks[:, 0], slot * ratio + r] = True
+        tail = ((pos + 1) // ratio * ratio)[:, None] + torch.arange(ratio - 1, device="cuda")
+        index[:, per * ratio:] = tail.clamp(max=context + length - 1)
+        valid[:, per * ratio:] = tail <= pos[:, None]
+        k_pages, v_pages = c["k_cache"], c["v_cache"]
+        table = c["blocks"][None, :].expand(length, -1)
+        run_lists = lambda: decode_attention(c["q"], k_pages, v_pages, table, pos + 1, c["scale"],  # noqa: E731
+                                             token_index=index, token_valid=valid)
+        a, b = run_lists().float(), prefill_attention_triton(**c).float()
+        err = ((a - b).abs().max() / b.abs().max()).item()
+        print(f"{context:8} {flash:9.2f} {timed(run_lists):9.2f} {err:14.1e}")
+
+
 def main() -> int:
     ok = True
     shapes = [("flash-next qsa", 8192, 2048, 24, 2, 256, 4, 512), ("flash-next qsa", 0, 8192, 24, 2, 256, 4, 512),
@@ -70,6 +107,7 @@ def main() -> int:
         tflops = keys * heads * dim * 4 / (ours * 1e-3) / 1e12
         print(f"{name:16} {context:7} {length:5} {err:8.1e} {ref_ms:8.2f} {ours:8.2f} {tflops:8.1f}  "
               f"default {default_config(dim, got.device)}; best {best} {times.get(best, float('nan')):.2f} ms")
+    crossover()
     print("ALL CORRECT" if ok else "MISMATCH")
     return 0 if ok else 1
 
