@@ -169,6 +169,25 @@ def test_preemption_keeps_outputs_exact():
     pools_idle(engine)
 
 
+def test_preemption_spills_to_the_host_tier_and_resumes_exactly():
+    """With a host-RAM tier, preempted requests' snapshots go down to host RAM when the KV pool runs short, and the
+    requests resume from there instead of recomputing — outputs unchanged."""
+    engine = LLMEngine(EngineArgs(model="tiny-qwen3-next", device="cpu", dtype="float32", max_num_seqs=4,
+                                  max_num_batched_tokens=64, max_model_len=128, kv_host_gb=0.05,
+                                  kv_cache_gb=12 * 16 * 4 * 2 * 32 * 4 / 2**30))
+    host, loads = engine.prefix_cache.lower, []
+    load = host.load
+    host.load = lambda key: loads.append(key) or load(key)
+    prompts = [[7 + i] * 60 for i in range(4)]
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    outputs = run_all(engine)
+    assert engine.scheduler.num_preemptions > 0 and loads, "preempted requests should come back from host RAM"
+    for i, p in enumerate(prompts):
+        assert [t for o in outputs[str(i)] for t in o.token_ids] == greedy_alone(engine, p, 30)
+    pools_idle(engine)
+
+
 def test_refusals_name_the_limit(engine):
     with pytest.raises(RequestRejected, match="maximum context length is 512") as e:
         engine.add_request("long", [5] * 500, SamplingParams(max_tokens=20))
