@@ -3,7 +3,6 @@ preemption leave the pools as they started; impossible requests are refused with
 import random
 
 import pytest
-import torch
 
 from flashnext.engine.args import EngineArgs
 from flashnext.engine.errors import RequestRejected

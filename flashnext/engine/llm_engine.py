@@ -21,7 +21,7 @@ from flashnext.engine.errors import RequestRejected
 from flashnext.engine.loading import LoadedModel, load_model
 from flashnext.engine.model_runner import ModelRunner
 from flashnext.engine.outputs import RequestOutput, TokenLogprob
-from flashnext.engine.request import Request, Status
+from flashnext.engine.request import Request
 from flashnext.engine.sampler import validate_token_ids
 from flashnext.engine.sampling_params import InvalidParams, SamplingParams
 from flashnext.engine.scheduler import Scheduler
