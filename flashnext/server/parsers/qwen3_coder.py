@@ -16,7 +16,7 @@ from __future__ import annotations
 from enum import Enum
 
 from flashnext.server.parsers.scanning import REJECTED, ScannedCall, ScanVerdict
-from flashnext.server.parsers.tags import MISMATCH, PENDING, TOOL_CALL_CLOSE, match_literal
+from flashnext.server.parsers.tags import PENDING, TOOL_CALL_CLOSE, match_literal
 from flashnext.server.parsers.tool_schema import ToolSchemas, coerce_parameter
 
 FUNCTION_OPEN = "<function="
