@@ -6,12 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
+from flashnext.ops.rounding import round_to_dtype
+
 BLOCK = 1024
-
-
-@triton.jit
-def _round(v, dtype: tl.constexpr):
-    return v.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -22,7 +19,7 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, N, BLOCK: tl.con
     dtype = out_ptr.dtype.element_ty
     g = tl.load(g_ptr + row * stride_g + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + offs, mask=ok, other=0.0).to(tl.float32)
-    act = _round(g / (1.0 + tl.exp(-g)), dtype)
+    act = round_to_dtype(g / (1.0 + tl.exp(-g)), dtype)
     tl.store(out_ptr + row * N + offs, (act * u).to(dtype), mask=ok)
 
 
@@ -32,10 +29,10 @@ def _gated_add_kernel(r_ptr, s_ptr, l_ptr, out_ptr, stride_r, stride_s, stride_l
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
     dtype = out_ptr.dtype.element_ty
-    gate = _round(tl.sigmoid(tl.load(l_ptr + row * stride_l).to(tl.float32)), dtype)
+    gate = round_to_dtype(tl.sigmoid(tl.load(l_ptr + row * stride_l).to(tl.float32)), dtype)
     shared = tl.load(s_ptr + row * stride_s + offs, mask=ok, other=0.0).to(tl.float32)
     routed = tl.load(r_ptr + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + offs, (routed + _round(gate * shared, dtype)).to(dtype), mask=ok)
+    tl.store(out_ptr + row * N + offs, (routed + round_to_dtype(gate * shared, dtype)).to(dtype), mask=ok)
 
 
 def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -24,11 +24,7 @@ import triton
 import triton.language as tl
 
 from flashnext.ops.arrival import arrival_counters
-
-
-@triton.jit
-def _round(v, dtype: tl.constexpr):
-    return v.to(dtype).to(tl.float32)
+from flashnext.ops.rounding import round_to_dtype
 
 
 @triton.jit
@@ -78,7 +74,7 @@ def _hc_down_kernel(x_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, count_ptr, mix_ptr,
         mask_k = offs_k < k_end
         xv = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
         scale = 1.0 + tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        normed = _round(xv * rstd[:, None] * scale[None, :], dtype)
+        normed = round_to_dtype(xv * rstd[:, None] * scale[None, :], dtype)
         w = tl.load(w_rows[:, None] + offs_k[None, :], mask=(is_down | is_inj)[:, None] & mask_k[None, :], other=0.0)
         acc += tl.sum(normed[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
@@ -95,11 +91,11 @@ def _hc_down_kernel(x_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, count_ptr, mix_ptr,
             # .cg: read the other programs' partials from L2, never from a stale L1 line.
             total += tl.load(part_ptr + p * N * rows + part_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
         tl.store(counter, 0)
-        v = _round(_round(total, dtype) / HC, dtype)
-        mix = _round(v * _sigmoid(v), dtype)
+        v = round_to_dtype(round_to_dtype(total, dtype) / HC, dtype)
+        mix = round_to_dtype(v * _sigmoid(v), dtype)
         tl.store(mix_ptr + offs_m[:, None] * R + offs_r[None, :], mix, mask=mask_m[:, None] & is_down[None, :])
         if HAS_INJECT:
-            inj = 2.0 * _round(_sigmoid(v), dtype)
+            inj = 2.0 * round_to_dtype(_sigmoid(v), dtype)
             tl.store(inj_ptr + offs_m[:, None] * HC + (offs_r - R)[None, :], inj,
                      mask=mask_m[:, None] & is_inj[None, :])
 
@@ -126,12 +122,12 @@ def _hc_up_kernel(x_ptr, nw_ptr, rms_ptr, mix_ptr, wu_ptr, out_ptr, N, H, R, str
             w = tl.load(wu_ptr + (s * H + offs_h)[:, None] * R + offs_k[None, :],
                         mask=mask_h[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
             acc += tl.sum(mv[:, None, :] * w[None, :, :], axis=2)
-        gate = _round(_sigmoid(_round(acc, dtype)), dtype)
+        gate = round_to_dtype(_sigmoid(round_to_dtype(acc, dtype)), dtype)
         xv = tl.load(x_ptr + offs_m[:, None] * stride_x + s * H + offs_h[None, :], mask=mask_mh, other=0.0)
         rstd = tl.load(rms_ptr + offs_m * HC + s, mask=mask_m, other=0.0)
         scale = 1.0 + tl.load(nw_ptr + s * H + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-        normed = _round(xv.to(tl.float32) * rstd[:, None] * scale[None, :], dtype)
-        total += _round(gate * normed, dtype)
+        normed = round_to_dtype(xv.to(tl.float32) * rstd[:, None] * scale[None, :], dtype)
+        total += round_to_dtype(gate * normed, dtype)
     tl.store(out_ptr + offs_m[:, None] * stride_o + offs_h[None, :], total / HC, mask=mask_mh)
 
 
@@ -146,7 +142,7 @@ def _hc_inject_kernel(h_ptr, bo_ptr, w_ptr, out_ptr, H, stride_h, stride_b, stri
     hv = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
     bo = tl.load(bo_ptr + row * stride_b + offs % H, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + row * stride_w + offs // H, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, hv + _round(bo * w, dtype), mask=mask)
+    tl.store(out_ptr + row * stride_o + offs, hv + round_to_dtype(bo * w, dtype), mask=mask)
 
 
 @dataclass(frozen=True)
@@ -248,7 +244,7 @@ def _hc_combine_kernel(up_ptr, normed_ptr, out_ptr, H, stride_up, stride_normed,
     for s in tl.static_range(HC):
         up = tl.load(up_ptr + row * stride_up + s * H + offs, mask=mask, other=0.0).to(tl.float32)
         normed = tl.load(normed_ptr + row * stride_normed + s * H + offs, mask=mask, other=0.0).to(tl.float32)
-        total += _round(_round(_sigmoid(up), dtype) * normed, dtype)
+        total += round_to_dtype(round_to_dtype(_sigmoid(up), dtype) * normed, dtype)
     tl.store(out_ptr + row * stride_out + offs, (total / HC).to(out_ptr.dtype.element_ty), mask=mask)
 
 

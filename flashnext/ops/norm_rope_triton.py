@@ -9,10 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _round(v, dtype: tl.constexpr):
-    return v.to(dtype).to(tl.float32)
+from flashnext.ops.rounding import round_to_dtype
 
 
 @triton.jit
@@ -29,13 +26,13 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_xn, stride
     base = x_ptr + row * stride_xn + head * stride_xh
     x = tl.load(base + offs, mask=ok, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    y = _round(x * rstd * (1.0 + tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)), dtype)
+    y = round_to_dtype(x * rstd * (1.0 + tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)), dtype)
     xp = tl.load(base + partner, mask=rotating, other=0.0).to(tl.float32)
-    yp = _round(xp * rstd * (1.0 + tl.load(w_ptr + partner, mask=rotating, other=0.0).to(tl.float32)), dtype)
+    yp = round_to_dtype(xp * rstd * (1.0 + tl.load(w_ptr + partner, mask=rotating, other=0.0).to(tl.float32)), dtype)
     cos = tl.load(cos_ptr + row * stride_cn + offs, mask=rotating, other=1.0).to(tl.float32)
     sin = tl.load(sin_ptr + row * stride_cn + offs, mask=rotating, other=0.0).to(tl.float32)
     rotated = tl.where(offs < half, -yp, yp)
-    out = tl.where(rotating, _round(y * cos, dtype) + _round(rotated * sin, dtype), y)
+    out = tl.where(rotating, round_to_dtype(y * cos, dtype) + round_to_dtype(rotated * sin, dtype), y)
     tl.store(out_ptr + (row * heads + head) * D + offs, out.to(dtype), mask=ok)
 
 

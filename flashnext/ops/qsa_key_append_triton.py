@@ -8,10 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _round(v, dtype: tl.constexpr):
-    return v.to(dtype).to(tl.float32)
+from flashnext.ops.rounding import round_to_dtype
 
 
 @triton.jit
@@ -35,16 +32,16 @@ def _qsa_key_append_kernel(raw_ptr, ring_ptr, slots_ptr, pos_ptr, table_ptr, key
     for j in tl.static_range(RATIO - 1):
         total += tl.load(ring_row + j * D + offs, mask=ok, other=0.0).to(tl.float32)
         total_p += tl.load(ring_row + j * D + partner, mask=rotating, other=0.0).to(tl.float32)
-    pooled = _round((total + raw) / RATIO, dtype)
-    pooled_p = _round((total_p + raw_p) / RATIO, dtype)
+    pooled = round_to_dtype((total + raw) / RATIO, dtype)
+    pooled_p = round_to_dtype((total_p + raw_p) / RATIO, dtype)
     rstd = tl.rsqrt(tl.sum(pooled * pooled, axis=0) / D + eps)
-    y = _round(pooled * rstd * (1.0 + tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)), dtype)
-    y_p = _round(pooled_p * rstd * (1.0 + tl.load(w_ptr + partner, mask=rotating, other=0.0).to(tl.float32)), dtype)
+    y = round_to_dtype(pooled * rstd * (1.0 + tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)), dtype)
+    y_p = round_to_dtype(pooled_p * rstd * (1.0 + tl.load(w_ptr + partner, mask=rotating, other=0.0).to(tl.float32)), dtype)
     angle = (pos - offset).to(tl.float32) * tl.load(inv_freq_ptr + offs % half, mask=rotating, other=0.0)
-    cos = _round(tl.cos(angle), dtype)
-    sin = _round(tl.sin(angle), dtype)
+    cos = round_to_dtype(tl.cos(angle), dtype)
+    sin = round_to_dtype(tl.sin(angle), dtype)
     rotated = tl.where(offs < half, -y_p, y_p)
-    key = tl.where(rotating, _round(y * cos, dtype) + _round(rotated * sin, dtype), y)
+    key = tl.where(rotating, round_to_dtype(y * cos, dtype) + round_to_dtype(rotated * sin, dtype), y)
     block = pos // RATIO
     page = tl.load(table_ptr + b * stride_table + block // PER_PAGE).to(tl.int64)
     tl.store(keys_ptr + (page * PER_PAGE + block % PER_PAGE) * D + offs, key.to(dtype), mask=ok)

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashnext.ops.rounding import round_to_dtype
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_row, groups, group_size, eps, BLOCK: tl.constexpr):
@@ -43,9 +45,9 @@ def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, stride_x, stride_g, dim
     ok = offs < dim
     dtype = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
-    normed = (x * tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)).to(dtype).to(tl.float32)
+    normed = round_to_dtype(x * tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps), dtype)
     w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    h = (w * normed).to(dtype).to(tl.float32)          # the reference rounds weight · normed to the dtype
+    h = round_to_dtype(w * normed, dtype)          # the reference rounds weight · normed to the dtype
     g = tl.load(g_ptr + row * stride_g + offs, mask=ok, other=0.0).to(tl.float32)
     act = g * tl.sigmoid(g) if SILU else tl.sigmoid(g)
     tl.store(out_ptr + row * dim + offs, (h * act).to(dtype), mask=ok)
