@@ -21,6 +21,7 @@ from flashnext.engine.errors import RequestRejected
 from flashnext.engine.loading import LoadedModel, load_model
 from flashnext.engine.model_runner import ModelRunner
 from flashnext.engine.outputs import RequestOutput, TokenLogprob
+from flashnext.engine.prefill_pacer import PrefillPacer
 from flashnext.engine.request import Request
 from flashnext.engine.sampler import validate_token_ids
 from flashnext.engine.sampling_params import InvalidParams, SamplingParams
@@ -96,8 +97,12 @@ class LLMEngine:
                                       num_blocks, block_size, num_blocks * KVPool.bytes_per_block(cfg, block_size, self.dtype),
                                       args.max_num_seqs, args.max_num_seqs * slot_bytes)
         self.prefix_cache = self._build_prefix_cache(block_size)
+        pacer = None
+        if args.decode_step_budget_ms > 0:
+            pacer = PrefillPacer(args.decode_step_budget_ms / 1e3, args.prefill_budget_while_decoding)
         self.scheduler = Scheduler(self.kv, self.states, args.max_num_seqs, args.max_num_batched_tokens,
-                                   self.prefix_cache, args.prefix_snapshot_interval, args.prefill_budget_while_decoding)
+                                   self.prefix_cache, args.prefix_snapshot_interval, args.prefill_budget_while_decoding,
+                                   pacer)
         eos = set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(e for e in eos if e < cfg.vocab_size)
         graphs = None
@@ -258,6 +263,7 @@ class LLMEngine:
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
@@ -282,6 +288,10 @@ class LLMEngine:
                     pairs = list(zip(top[0][i][:k], top[1][i][:k])) if top is not None else []
                     lp = TokenLogprob(tokens[i], logprobs[i], pairs)
                 self._append_token(request, tokens[i], lp)
+            if self.scheduler.pacer is not None:   # the sampled tokens are on the host: the GPU is done
+                decodes = sum(c.num_tokens == 1 and c.samples for c in chunks)
+                self.scheduler.pacer.record(sum(c.num_tokens for c in chunks) - decodes, decodes,
+                                            time.perf_counter() - started)
         for c in chunks:
             r = c.request
             if r.pending_ids or r.finished:

@@ -8,9 +8,9 @@ running request is preempted: it is snapshotted into the prefix cache (when ther
 blocks are freed, and it waits again, to resume from that snapshot or be recomputed from its tokens.
 
 While any running sequence decodes, prefill chunks (of running and newly admitted requests together) share
-a smaller budget, `prefill_budget_while_decoding`: a step with a long prefill chunk stalls every decoding
-stream for as long as the chunk takes, while a prefill alone runs at the full budget (larger chunks run the
-MoE GEMMs faster).
+a smaller budget, `prefill_budget_while_decoding` (or what a PrefillPacer's step-time budget allows): a step
+with a long prefill chunk stalls every decoding stream for as long as the chunk takes, while a prefill alone
+runs at the full budget (larger chunks run the MoE GEMMs faster).
 
 With a prefix cache, an admitted request first resumes from the deepest cached snapshot of its tokens
 (never all of them: the last token must run to give logits); a snapshot is taken at the end of the first
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from flashnext.cache.kv_pool import KVPool
 from flashnext.cache.prefix_cache import PrefixCache
 from flashnext.cache.state_pool import StatePool
+from flashnext.engine.prefill_pacer import PrefillPacer
 from flashnext.engine.request import Request, Status
 
 
@@ -41,12 +42,13 @@ class ScheduledChunk:
 class Scheduler:
     def __init__(self, kv: KVPool, states: StatePool, max_num_seqs: int, token_budget: int,
                  prefix_cache: PrefixCache | None = None, snapshot_interval: int = 0,
-                 prefill_budget_while_decoding: int | None = None):
+                 prefill_budget_while_decoding: int | None = None, pacer: PrefillPacer | None = None):
         self.kv = kv
         self.states = states
         self.max_num_seqs = max_num_seqs
         self.token_budget = token_budget
         self.prefill_budget_while_decoding = prefill_budget_while_decoding or token_budget
+        self.pacer = pacer     # a step-time budget instead of the fixed prefill_budget_while_decoding
         self.prefix_cache = prefix_cache
         self.snapshot_interval = snapshot_interval if prefix_cache is not None else 0
         self.waiting: deque[Request] = deque()
@@ -61,7 +63,8 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.token_budget
         decoding = any(r.num_tokens - r.num_computed == 1 for r in self.running)
-        prefill_budget = min(budget, self.prefill_budget_while_decoding) if decoding else budget
+        while_decoding = self.pacer.tokens() if self.pacer is not None else self.prefill_budget_while_decoding
+        prefill_budget = min(budget, while_decoding) if decoding else budget
         chunks: list[ScheduledChunk] = []
         for request in list(self.running):
             if budget == 0:

@@ -66,6 +66,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--prefill-budget-while-decoding", type=int,
          help="prefill tokens per step while any sequence decodes, so running streams keep flowing while a long "
               "prompt enters (default 2048)")
+    _add(parser, "--decode-step-budget-ms", type=float,
+         help="size the prefill chunks of steps that also decode so such a step takes about this long, from "
+              "measured step times (at most --prefill-budget-while-decoding tokens; default 0: off)")
     _add(parser, "--kv-cache-gb", type=float, help="KV cache size in GiB (default: from free memory)")
     _add(parser, "--block-size", type=int, help="tokens per KV block (default 16)")
     _add(parser, "--seed", type=int, help="seed of the engine's shared sampling generator (default 0)")
@@ -120,6 +123,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 # Flags that belong to the engine, under the engine's field names.
 _ENGINE_FLAGS = {"model": "model", "device": "device", "max_num_batched_tokens": "max_num_batched_tokens",
                  "prefill_budget_while_decoding": "prefill_budget_while_decoding",
+                 "decode_step_budget_ms": "decode_step_budget_ms",
                  "kv_cache_gb": "kv_cache_gb", "block_size": "block_size", "seed": "seed", "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
                  "max_queued_requests": "max_queued_requests", "gpu_memory_fraction": "gpu_memory_fraction",
                  "dtype": "dtype", "quantize": "quantize", "enforce_eager": "enforce_eager", "warmup": "warmup", "ple_placement": "ple_placement", "enable_prefix_caching": "enable_prefix_caching",
