@@ -51,6 +51,23 @@ class ExpertCacheStats:
         return self.hits / reads if reads else 0.0
 
 
+class PinnedRows:
+    """Pinned host rows that host→device expert copies pass through, shared by every layer's pool: layers copy one
+    after another, so one set of `capacity` rows per (tensor name, row shape, dtype) serves them all (a set per
+    layer would pin tens of GB for Flash-Next). `event` ends the last asynchronous copy out of them."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.event = None
+
+    def rows(self, name: str, like: torch.Tensor, count: int) -> torch.Tensor:
+        key = (name, tuple(like.shape[1:]), like.dtype)
+        if key not in self.buffers:
+            self.buffers[key] = torch.empty((self.capacity, *like.shape[1:]), dtype=like.dtype).pin_memory()
+        return self.buffers[key][:count]
+
+
 def _one(w: Int4Weight, slot: int) -> Int4Weight:
     pick = (lambda t: None if t is None else t[slot])
     return Int4Weight(w.qweight[slot], w.scales[slot], pick(w.zeros), pick(w.perm), w.group_size)
@@ -60,11 +77,13 @@ class LayerExpertCache:
     """The slot pool of one Int4Experts module; installs itself as `module.expert_cache`."""
 
     def __init__(self, module, num_slots: int, policy: str, stats: ExpertCacheStats, device: torch.device,
-                 copy_stream=None):
+                 copy_stream=None, staging: PinnedRows | None = None, prefetch_staging: PinnedRows | None = None):
+        """`copy_stream`, `staging`, `prefetch_staging`: on a GPU, the copy stream and the pinned rows that loads
+        and prefetches copy through (shared by all layers); None on a CPU (plain copies)."""
         self.module, self.num_slots, self.stats, self.device = module, num_slots, stats, device
         self.num_experts = module.num_experts
         self.policy = make_policy(policy, self.num_experts)
-        self.copy_stream = copy_stream
+        self.copy_stream, self.staging, self.prefetch_staging = copy_stream, staging, prefetch_staging
         # prefetch: the next cached layer (its router module and cache), experts copied ahead and not yet read,
         # and the event that ends the last prefetch copy (the next forward's compute waits on it)
         self.next_router, self.next_cache = None, None
@@ -72,7 +91,7 @@ class LayerExpertCache:
         self.prefetch_event = None
         pin = torch.cuda.is_available()
         self.names = [n for n, b in module.named_buffers(recurse=False) if b is not None]
-        self.host, self.staging, self.prefetch_staging = {}, {}, {}
+        self.host = {}
         for name in self.names:
             full = getattr(module, name).detach()
             if full.device.type == "cpu":      # loaded into host memory already (load_model with an expert budget)
@@ -81,10 +100,6 @@ class LayerExpertCache:
                 host = host_empty(tuple(full.shape), full.dtype, pin, "the expert store")
                 host.copy_(full)
             self.host[name] = host
-            if pin:
-                self.staging[name] = torch.empty((num_slots, *host.shape[1:]), dtype=host.dtype).pin_memory()
-                self.prefetch_staging[name] = torch.empty((num_slots // 2, *host.shape[1:]),
-                                                          dtype=host.dtype).pin_memory()
             setattr(module, name, torch.zeros((num_slots, *full.shape[1:]), dtype=full.dtype, device=device))
             del full
         self.bytes_per_expert = sum(t[0].numel() * t.element_size() for t in self.host.values())
@@ -125,12 +140,13 @@ class LayerExpertCache:
             self._copy_rows(missing, slots, None)
             self.slot_table.copy_(self.slot_of)
             return
-        if self.prefetch_event is not None:
-            self.prefetch_event.synchronize()   # the last prefetch's staging rows are free again
+        lane = self.prefetch_staging
+        if lane.event is not None:
+            lane.event.synchronize()            # the last prefetch's staging rows are free again
         with torch.cuda.stream(self.copy_stream):
-            self._copy_rows(missing, slots, self.prefetch_staging)
+            self._copy_rows(missing, slots, lane)
             self.slot_table.copy_(self.slot_of, non_blocking=False)
-            self.prefetch_event = torch.cuda.Event()
+            self.prefetch_event = lane.event = torch.cuda.Event()
             self.prefetch_event.record(self.copy_stream)
 
     def _claim(self, missing: torch.Tensor, pinned: torch.Tensor) -> torch.Tensor:
@@ -147,15 +163,16 @@ class LayerExpertCache:
         self.slot_of[missing] = slots
         return slots
 
-    def _copy_rows(self, experts: torch.Tensor, slots: torch.Tensor, staging: dict | None) -> None:
+    def _copy_rows(self, experts: torch.Tensor, slots: torch.Tensor, staging: PinnedRows | None) -> None:
         """Host rows `experts` → device slots `slots`: straight on the CPU, through pinned `staging` rows with
         asynchronous copies on the current stream on the GPU."""
         dst = slots.to(self.device, non_blocking=staging is not None)
         for name in self.names:
+            host = self.host[name]
             if staging is None:
-                rows = self.host[name].index_select(0, experts)
+                rows = host.index_select(0, experts)
             else:
-                rows = torch.index_select(self.host[name], 0, experts, out=staging[name][:len(experts)])
+                rows = torch.index_select(host, 0, experts, out=staging.rows(name, host, len(experts)))
                 rows = rows.to(self.device, non_blocking=True)
             getattr(self.module, name).index_copy_(0, dst, rows)
 
@@ -264,9 +281,13 @@ def install_expert_cache(model: torch.nn.Module, budget_bytes: int | None = None
                          f"per layer ({need / gib:.3g} GiB for {len(modules)} layers of {per_expert} bytes per expert)")
     slots_per_layer = min(slots_per_layer, num_experts)
     device = torch.device(device) if device is not None else next(iter(modules[0].buffers())).device
-    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    gpu = device.type == "cuda"
+    stream = torch.cuda.Stream(device) if gpu else None
+    staging = PinnedRows(slots_per_layer) if gpu else None
+    prefetch_staging = PinnedRows(slots_per_layer // 2) if gpu and prefetch else None
     stats = ExpertCacheStats()
-    layers = [LayerExpertCache(m, slots_per_layer, policy, stats, device, stream) for m in modules]
+    layers = [LayerExpertCache(m, slots_per_layer, policy, stats, device, stream, staging, prefetch_staging)
+              for m in modules]
     if prefetch:
         # Routers of MoE blocks whose experts are these modules themselves (expert parallel wraps them with an id
         # offset: no prefetch there), in model order.
