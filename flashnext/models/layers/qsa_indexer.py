@@ -60,24 +60,31 @@ class QSAIndexer(nn.Module):
                     seg: Segment) -> tuple[torch.Tensor, torch.Tensor]:
         """The selection of `forward` as token lists ([T, S] positions and validity) instead of a [T, total] mask,
         for long prompts (IndexedAttention uses it above `sparse_prefill_min` tokens of context)."""
+        q = self._queries(x, cos, sin, ctx, seg)
+        lists = [self._lists(scores, pos, seg.total_len) for pos, scores in self._scored_blocks(q, ctx, seg)]
+        return torch.cat([i for i, _ in lists]), torch.cat([v for _, v in lists])
+
+    def _queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext,
+                 seg: Segment) -> torch.Tensor:
+        """A prefill segment's index queries [T, Hi, D]; the blocks it completes go into the pages on the way."""
         q, raw = torch.split(self.index_qk_proj(x), [self.num_heads * self.head_dim, self.head_dim], dim=-1)
         q = norm_rope(q.view(-1, self.num_heads, self.head_dim), self.q_layernorm.weight, self.q_layernorm.eps, cos, sin)
         self._append_block_keys(raw, ctx, seg)
+        return q
+
+    def _scored_blocks(self, q: torch.Tensor, ctx: ForwardContext, seg: Segment):
+        """(query positions, block scores [n, total_len // ratio]) for QUERY_BLOCK queries at a time, so the scores
+        stay QUERY_BLOCK × blocks; blocks not complete before a query score -inf."""
         num_blocks = seg.total_len // self.ratio
         per_page = ctx.kv.block_size // self.ratio
-        block_ids = torch.arange(num_blocks, device=x.device)
+        block_ids = torch.arange(num_blocks, device=q.device)
         rows = seg.blocks[block_ids // per_page] * per_page + block_ids % per_page
         keys = ctx.kv.index_keys[self.layer_idx].view(-1, self.head_dim)[rows]
-        query_pos = torch.arange(seg.context_len, seg.total_len, device=x.device)
+        query_pos = torch.arange(seg.context_len, seg.total_len, device=q.device)
         complete_before = (query_pos + 1) // self.ratio
-        index, valid = [], []
         for start in range(0, seg.length, QUERY_BLOCK):
             end = min(start + QUERY_BLOCK, seg.length)
-            scores = qsa_prefill_scores(q[start:end], keys, complete_before[start:end])
-            i, v = self._lists(scores, query_pos[start:end], seg.total_len)
-            index.append(i)
-            valid.append(v)
-        return torch.cat(index), torch.cat(valid)
+            yield query_pos[start:end], qsa_prefill_scores(q[start:end], keys, complete_before[start:end])
 
     def _key(self, pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Pooled raw keys [B, D] → block keys: k_layernorm'ed and RoPE'd at the block's first position."""
@@ -105,27 +112,17 @@ class QSAIndexer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext, seg: Segment) -> torch.Tensor:
         """x [T, hidden] of one segment → chosen [T, total_len // ratio] bool: the complete blocks each query attends
         to (ops/prefill_attention adds the tail of its incomplete block and the causal limit)."""
-        q, raw = torch.split(self.index_qk_proj(x), [self.num_heads * self.head_dim, self.head_dim], dim=-1)
-        q = norm_rope(q.view(-1, self.num_heads, self.head_dim), self.q_layernorm.weight, self.q_layernorm.eps, cos, sin)
-        self._append_block_keys(raw, ctx, seg)
-
+        q = self._queries(x, cos, sin, ctx, seg)
         num_blocks = seg.total_len // self.ratio
         chosen = torch.zeros(seg.length, num_blocks, dtype=torch.bool, device=x.device)
         if num_blocks:
-            query_pos = torch.arange(seg.context_len, seg.total_len, device=x.device)
-            per_page = ctx.kv.block_size // self.ratio
-            block_ids = torch.arange(num_blocks, device=x.device)
-            visible = block_ids[None, :] < ((query_pos + 1) // self.ratio)[:, None]
-            rows = seg.blocks[block_ids // per_page] * per_page + block_ids % per_page
-            keys = ctx.kv.index_keys[self.layer_idx].view(-1, self.head_dim)[rows]
-            complete_before = (query_pos + 1) // self.ratio
             k = min(self.block_topk, num_blocks)
-            # Queries in blocks: the scores stay QUERY_BLOCK × blocks.
-            for start in range(0, seg.length, QUERY_BLOCK):
-                end = min(start + QUERY_BLOCK, seg.length)
-                top = qsa_prefill_scores(q[start:end], keys, complete_before[start:end]).topk(k, dim=-1).indices
-                chosen[start:end].scatter_(1, top, True)
-            chosen &= visible
+            start = 0
+            for pos, scores in self._scored_blocks(q, ctx, seg):
+                top = scores.topk(k, dim=-1)
+                # with fewer than k complete blocks top-k also returns some at -inf: those stay unchosen
+                chosen[start: start + len(pos)].scatter_(1, top.indices, top.values > float("-inf"))
+                start += len(pos)
         return chosen
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: DecodeBatch):
