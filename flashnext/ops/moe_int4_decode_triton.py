@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from flashnext.ops.arrival import arrival_counters, arrive_last
+from flashnext.ops.int4_groups import group_zero_scale
 from flashnext.ops.moe_int4_triton import block_k_for_group
 from flashnext.weights.int4_layout import Int4Weight
 
@@ -89,12 +90,7 @@ def _tile_dot(x_ptr, perm_ptr, qweight_ptr, scales_ptr, zeros_ptr, k0, offs_n, n
     words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     low = tl.load(qweight_ptr + words[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
     high = low >> 12  # rows 4..7 of each word to bits 4..19 (the sign bits this drags in are masked off)
-    group = k0 // GROUP
-    if HAS_ZEROS:
-        zero = tl.load(zeros_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.float32)
-    else:
-        zero = tl.full((BLOCK_N,), 8.0, tl.float32)
-    scale = tl.load(scales_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.float32)
+    zero, scale = group_zero_scale(zeros_ptr, scales_ptr, k0 // GROUP, N, offs_n, n_ok, HAS_ZEROS, BLOCK_N)
     rows = 8 * words
     terms = tl.zeros((BLOCK_K // 8, BLOCK_N), tl.float32)
     row_sum = tl.zeros((BLOCK_K // 8,), tl.float32)

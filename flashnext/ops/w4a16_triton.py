@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from flashnext.ops.arrival import arrival_counters, arrive_last
+from flashnext.ops.int4_groups import group_zero_scale
 from flashnext.weights.int4_layout import Int4Weight
 
 
@@ -129,12 +130,7 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr,
         words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         low = tl.load(qw_ptr + words[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
         high = low >> 16  # the sign bits this drags in are masked off by _nibble
-        group = k0 // group_size
-        if HAS_ZEROS:
-            zero = tl.load(z_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.float32)
-        else:
-            zero = tl.full((BLOCK_N,), 8.0, tl.float32)
-        scale = tl.load(s_ptr + group * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        zero, scale = group_zero_scale(z_ptr, s_ptr, k0 // group_size, N, offs_n, n_ok, HAS_ZEROS, BLOCK_N)
         rows = 8 * words
         if USE_DOT:
             tile = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)

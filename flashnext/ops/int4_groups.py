@@ -1,0 +1,16 @@
+"""A Triton helper the INT4 decode kernels share (w4a16_triton's GEMV, moe_int4_decode_triton): the zero point and
+scale of one quantisation group for a tile's columns, in the kernel layout of docs/int4.md."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def group_zero_scale(zeros_ptr, scales_ptr, group, N, offs_n, n_ok, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """→ (zero, scale), fp32 [BLOCK_N]: group `group`'s zero point (8 for symmetric weights) and scale of columns
+    offs_n; masked columns read 0."""
+    if HAS_ZEROS:
+        zero = tl.load(zeros_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.float32)
+    else:
+        zero = tl.full((BLOCK_N,), 8.0, tl.float32)
+    scale = tl.load(scales_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.float32)
+    return zero, scale
