@@ -9,12 +9,9 @@ import torch
 
 from flashnext.engine.loading import load_model
 from flashnext.models.session import Session
+from gpu_common import rel
 
 PRESETS = ["tiny-flash-next", "tiny-qwen3-next", "tiny-qwen3.5-moe"]
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def main() -> int:

@@ -15,6 +15,7 @@ import torch
 
 from flashnext.engine.llm import LLM
 from flashnext.engine.sampling_params import SamplingParams
+from gpu_common import agreeing_tokens
 
 PRESETS = ["tiny-flash-next", "tiny-qwen3-next", "tiny-qwen3.5-moe"]
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 60)), list(range(100, 111))]
@@ -37,8 +38,7 @@ def exactness(dtypes=("float32", "bfloat16")) -> bool:
             for dtype in dtypes:
                 ref, _ = greedy(name, dtype, quantize, eager=True)
                 got, captured = greedy(name, dtype, quantize, eager=False)
-                same = sum(next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), len(r)) for r, g in zip(ref, got))
-                total = sum(len(r) for r in ref)
+                same, total = agreeing_tokens(ref, got)
                 exact = dtype == "float32"
                 ok &= captured > 0 and (same == total or not exact)
                 print(f"{name:18} {quantize or 'bf16':7} {dtype:8} {captured:6} {same:>6}/{total:<6}"
@@ -48,8 +48,7 @@ def exactness(dtypes=("float32", "bfloat16")) -> bool:
         for quantize in (None, "int4"):
             ref, _ = greedy(name, "float32", quantize, eager=True, device="cpu")
             got, _ = greedy(name, "float32", quantize, eager=False)
-            same = sum(next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), len(r)) for r, g in zip(ref, got))
-            total = sum(len(r) for r in ref)
+            same, total = agreeing_tokens(ref, got)
             ok &= same == total
             print(f"{name:18} {quantize or 'bf16':7} GPU fast path vs CPU torch reference, fp32: {same}/{total}"
                   f"{'' if same == total else '  MISMATCH'}")

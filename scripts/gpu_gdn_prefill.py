@@ -10,10 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from flashnext.ops import gated_delta_rule as gdr
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+from gpu_common import rel
 
 
 def timed(fn):

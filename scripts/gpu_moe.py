@@ -24,6 +24,7 @@ from flashnext.ops.moe_int4 import moe_int4_reference
 from flashnext.ops.moe_int4_decode_triton import DEFAULT, DecodeConfig, moe_int4_decode
 from flashnext.ops.moe_int4_triton import DECODE, PREFILL, MoeConfig, moe_int4_triton
 from flashnext.weights.int4_layout import Int4Weight
+from gpu_common import rel
 
 CEILING = 4.27e12
 SHAPES = {"flash-next": (2560, 640), "qwen3-next": (2048, 512)}
@@ -37,10 +38,6 @@ DECODE_SWEEP = [DEFAULT] + [DecodeConfig(*c) for c in [(32, 128, 0, 0, 4, 3), (1
 PREFILL_SWEEP = [PREFILL] + [MoeConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in
                              [(64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 128, 128, 8, 3), (128, 64, 64, 4, 4),
                               (32, 128, 64, 4, 4), (128, 128, 128, 8, 2)]]
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def random_experts(n, k, asym=False, act_order=False, seed=0):

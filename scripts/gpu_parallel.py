@@ -27,12 +27,9 @@ sys.path.insert(0, str(ROOT))
 os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
 
 import torch  # noqa: E402
+from gpu_common import rel  # noqa: E402
 
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]   # (tensor parallel, expert parallel)
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def build(opts, rank: int, world: int, tp: int, ep: int, weights=None):

@@ -13,6 +13,7 @@ from flashnext.engine.args import EngineArgs  # noqa: E402
 from flashnext.engine.llm_engine import LLMEngine  # noqa: E402
 from flashnext.engine.sampling_params import SamplingParams  # noqa: E402
 from flashnext.parallel import launch_engine, shutdown  # noqa: E402
+from gpu_common import agreeing_tokens  # noqa: E402
 
 PROMPTS = [[(5 * i + 7 * j) % 470 + 3 for j in range(n)] for i, n in enumerate((6, 31, 17, 90))]
 
@@ -42,8 +43,7 @@ def main() -> int:
                 graphs = len(engine.runner.graphs.graphs) if engine.runner.graphs else 0
             finally:
                 shutdown()
-            same = sum(next((i for i, (a, b) in enumerate(zip(want[k], got[k])) if a != b), len(want[k])) for k in want)
-            total = sum(len(v) for v in want.values())
+            same, total = agreeing_tokens(want, got)
             ok &= same == total and graphs > 0
             print(f"{preset:16} {layout}: graphs captured {graphs}, tokens equal to 1 GPU eager {same}/{total}"
                   f"{'' if same == total else '  MISMATCH'}")

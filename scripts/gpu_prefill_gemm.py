@@ -15,7 +15,8 @@ from flashnext.ops.moe_int4_triton import PREFILL, MoeConfig, moe_int4_triton
 from flashnext.ops.w4a16 import w4a16_linear_reference
 from flashnext.ops.w4a16_triton import LaunchConfig, w4a16_matmul
 from flashnext.weights.int4_layout import quantize_rtn
-from gpu_moe import random_experts, rel, routing
+from gpu_common import rel
+from gpu_moe import random_experts, routing
 
 DENSE = [(10240, 2560), (2560, 6144), (12288, 2560), (6144, 2560)]
 TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 128, 8, 3),

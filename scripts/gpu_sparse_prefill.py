@@ -9,10 +9,7 @@ import torch
 from flashnext.engine.loading import load_model
 from flashnext.models.layers import indexed_attention
 from flashnext.models.session import Session
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+from gpu_common import rel
 
 
 def whole(model, ids):
