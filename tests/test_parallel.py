@@ -90,13 +90,23 @@ def test_shard_refuses_uneven_heads():
         check_divisible(cfg, 1, 3)
 
 
+def _world_1_and_2(run, args: dict, **layout):
+    """run(engine) on one process and on two ranks laid out as `layout` → (world 1's result, world 2's)."""
+    from flashnext.engine.args import EngineArgs
+    from flashnext.engine.llm_engine import LLMEngine
+    from flashnext.parallel import launch_engine, shutdown
+
+    want = run(LLMEngine(EngineArgs(**args)))
+    try:
+        return want, run(launch_engine(EngineArgs(**args, **layout)))
+    finally:
+        shutdown()
+
+
 def test_engine_tensor_parallel_same_tokens():
     """The engine at tensor_parallel=2 equals world 1, with the prefix cache on: a second turn of each
     conversation resumes from snapshots that every rank took of its own heads (parallel/mirror.py)."""
-    from flashnext.engine.args import EngineArgs
-    from flashnext.engine.llm_engine import LLMEngine
     from flashnext.engine.sampling_params import SamplingParams
-    from flashnext.parallel import launch_engine, shutdown
 
     prompts = [[(7 * i + 3 * j) % 470 + 3 for j in range(n)] for i, n in enumerate((5, 40, 23))]
 
@@ -118,11 +128,7 @@ def test_engine_tensor_parallel_same_tokens():
 
     args = dict(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=24,
                 max_model_len=256)
-    want = run(LLMEngine(EngineArgs(**args)))
-    try:
-        got = run(launch_engine(EngineArgs(**args, tensor_parallel=2)))
-    finally:
-        shutdown()
+    want, got = _world_1_and_2(run, args, tensor_parallel=2)
     assert got == want
 
 
@@ -274,10 +280,6 @@ def _next_turn(convs, replies):
 def test_engine_host_tier_across_ranks():
     """TP=2 with a KV pool too small for two conversations: their snapshots go to host RAM and come back for
     turn 2 on every rank (each rank its own heads) — the same tokens and cached tokens as world 1."""
-    from flashnext.engine.args import EngineArgs
-    from flashnext.engine.llm_engine import LLMEngine
-    from flashnext.parallel import launch_engine, shutdown
-
     def run(engine):
         convs = _conversations()
         first, _, _ = _turns(engine, convs, "a")
@@ -285,12 +287,7 @@ def test_engine_host_tier_across_ranks():
         assert host_loads == 2 and cached == [TURN2_HIT] * 2, (host_loads, cached)
         return first, second
 
-    args = _tier_args(kv_host_gb=0.05)
-    want = run(LLMEngine(EngineArgs(**args)))
-    try:
-        got = run(launch_engine(EngineArgs(**args, tensor_parallel=2)))
-    finally:
-        shutdown()
+    want, got = _world_1_and_2(run, _tier_args(kv_host_gb=0.05), tensor_parallel=2)
     assert got == want
 
 
