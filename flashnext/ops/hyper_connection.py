@@ -11,8 +11,10 @@ normed streams to h's dtype (ZeroCenteredRMSNorm's .type_as), every F.linear out
 of a 16-bit tensor, and the mean over streams once (fp32 sum). `hc_mix` dispatches CUDA tensors of up to
 DECODE_MAX_ROWS rows to the Triton kernels (ops/hyper_connection_triton.py); more rows (prefill) take the
 reference's math with cuBLAS for the GEMMs (each weight read once for all rows; the GEMV kernels would not),
-the RMSNorm kernel for the streams' norm (one pass over [T, hc·H] instead of ~8 fp32 passes: ~7% of a 10K
-Flash-Next prefill on the H200) and one kernel for the final sigmoid·mean over streams (`hc_combine`). `hc_inject` is elementwise: the Triton kernel for any CUDA batch.
+the RMSNorm kernel for the streams' norm (one pass over [T, hc·H] instead of ~8 fp32 passes; on the H200 the
+pow and mean kernels of these norms and GatedDeltaNet's alone were ~3% of a 10K Flash-Next prefill) and one
+kernel for the final sigmoid·mean over streams (`hc_combine`). `hc_inject` is elementwise: the Triton kernel for
+any CUDA batch.
 FLASHNEXT_HC=reference forces the reference (to bisect a wrong answer on the GPU).
 """
 from __future__ import annotations

@@ -79,7 +79,8 @@ class PrefillConfig:
 
 def default_config(head_dim: int, device: torch.device) -> PrefillConfig:
     """Head dim 256 (Flash-Next, Qwen3-Next): 128 × 64 tiles, 8 warps, 2 stages — the H200 sweep of
-    scripts/gpu_prefill_attention.py: 1.3–2x faster than 64 × 64 at 8K queries.
+    scripts/gpu_prefill_attention.py: 1.3–2x faster than 64 × 64 on three of its four shapes (on the fourth,
+    8K queries from 0 with QSA, 64 × 32 was best and 128 × 64 was not printed).
     Smaller heads (tiny test models) keep 64 × 64."""
     if device.type != "cuda":
         return PrefillConfig(16, 16, 4, 1)

@@ -45,8 +45,8 @@ def qsa_prefill_scores_reference(q: torch.Tensor, keys: torch.Tensor, complete_b
 
 def qsa_prefill_scores(q: torch.Tensor, keys: torch.Tensor, complete_before: torch.Tensor) -> torch.Tensor:
     """See qsa_prefill_scores_reference. CUDA: one Triton kernel on tensor cores (query tiles × key tiles, the heads
-    summed in registers) instead of a [T, NBLK, Hi] fp32 product and three passes over it (4 GB per 1,024 queries
-    at 262K context)."""
+    summed in registers) instead of a [T, NBLK, Hi] fp32 product and three passes over it (the product alone is
+    1 GiB per 1,024 queries at 262K context, and relu copies it)."""
     if q.is_cuda and os.environ.get("FLASHNEXT_QSA_SCORES", "triton") != "reference":
         from flashnext.ops.qsa_scores_triton import qsa_prefill_scores_triton
 
