@@ -240,8 +240,9 @@ class LLMEngine:
     def warm_up(self) -> float:
         """Run throwaway requests before serving, so the first user's request does not pay for compiling the
         Triton kernels, fla-core's autotuning and the first graph captures (on the H200 the first 10K-token request
-        to full-size Flash-Next took 73 s, the next ones 2.4 s): one prompt of a full step budget plus an odd tail chunk, and a short one that enters while the
-        first decodes. The prefix cache, the counters and the pools end as they started. → seconds taken."""
+        to full-size Flash-Next took 73 s, the next ones 2.4 s): one prompt of a full step budget plus an odd tail
+        chunk, and a short one that enters while the first decodes. The prefix cache, the counters and the pools end
+        as they started. → seconds taken."""
         start = time.perf_counter()
         rng = random.Random(0)
         vocab = self.config.vocab_size
