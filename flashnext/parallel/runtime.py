@@ -181,7 +181,9 @@ def worker_loop(model: torch.nn.Module, dtype: torch.dtype, device: torch.device
             return steps
         size = (3 * n_tok + _DECODE_FIXED + _DELTA * n_seg if cmd == DECODE else n_tok + _SEGMENT * n_seg) + n_blk + n_ops
         payload = _broadcast(torch.empty(size, dtype=torch.long, device=device))
-        ops = payload[len(payload) - n_ops:].tolist() if n_ops else []
+        # a decode step's payload is all small ints: one copy to the host for everything in it
+        values = payload.tolist() if cmd == DECODE else None
+        ops = (values[size - n_ops:] if values is not None else payload[size - n_ops:].tolist()) if n_ops else []
         key = (pool_id, num_blocks, block_size, num_slots)
         if key not in pools:
             # Each pool of rank 0 (the engine's, or a Session's) has its twin here, sized as rank 0 planned it.
@@ -197,7 +199,7 @@ def worker_loop(model: torch.nn.Module, dtype: torch.dtype, device: torch.device
             continue
         if cmd == DECODE:
             cache.apply(ops, kv, states)
-            _decode_on_worker(graphs_of, key, model, kv, states, payload.tolist(), n_tok, n_seg, n_blk)
+            _decode_on_worker(graphs_of, key, model, kv, states, values, n_tok, n_seg, n_blk)
             steps += 1
             continue
         ids = payload[:n_tok]
