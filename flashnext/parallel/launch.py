@@ -118,11 +118,14 @@ def shutdown(timeout: float = 30.0) -> None:
         if dist.is_initialized():
             mirror.sync()    # e.g. what LLMEngine.shutdown just wrote down to disk: the workers write theirs
             send_stop(device)
+            # Before joining: NCCL's teardown waits for every rank, and the workers are in theirs now (joining
+            # first deadlocked on the H200s until the join timed out, then hung on the terminated rank).
+            dist.destroy_process_group()
         for w in workers:
             w.join(timeout)
             if w.is_alive():
                 w.terminate()
-    if dist.is_initialized():
+    if dist.is_initialized():  # launch_engine failed before its workers were recorded
         dist.destroy_process_group()
 
 
