@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import httpx
@@ -101,3 +102,18 @@ def test_keepalive_comments_while_the_prompt_is_prefilled(tight_server):
     first_data = next(i for i, line in enumerate(lines) if line.startswith("data: "))
     assert first_data > 0 and all(line == ": keep-alive" for line in lines[:first_data]), lines[:5]
     assert lines[-1] == "data: [DONE]"
+
+
+def test_sigterm_writes_the_prefix_cache_to_the_disk_tier_before_exiting(tmp_path):
+    server = ServerProcess("--kv-disk-dir", str(tmp_path / "kv"))
+    try:
+        with server.client() as c:
+            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Remember this."}],
+                                                      "max_tokens": 4})
+            assert r.status_code == 200, r.text
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        server.stop()
+    assert "cached conversation states to the disk tier" in server.output()
+    assert any((tmp_path / "kv").rglob("*")), "nothing written to the disk tier"

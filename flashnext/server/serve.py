@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -228,8 +229,16 @@ def run_serve(args: argparse.Namespace) -> int:
 
     log.info("serving on http://%s:%d (model loading in the background; /health answers 503 until ready)",
              args.host, args.port)
+    signal.signal(signal.SIGTERM, _exit_after_shutdown)
     asyncio.run(main())
     return 1 if failed else 0
+
+
+def _exit_after_shutdown(signum, frame) -> None:
+    """SIGTERM (docker stop, systemd, the bench): uvicorn drains the connections, then raises the signal again
+    once serve() returns; the default handler would kill the process there, before main()'s finally writes the
+    prefix cache down to the disk tier. Raised as SystemExit, the finally runs first."""
+    raise SystemExit(128 + signum)
 
 
 def _log_loaded(engine, settings, seconds: float) -> None:
