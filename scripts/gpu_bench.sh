@@ -15,6 +15,8 @@
 #   SERVER_ARGS="..."                   extra `flashnext serve` flags for every run
 #   BENCH_ARGS="..."                    extra `flashnext bench` flags (e.g. "--runs 3 --depths 0,10000,65536")
 #   HOST_TIER_ARGS="..."                when set, idle runs a second time with these server flags (host-RAM KV tier)
+#   DISK_TIER_ARGS="..."                when set, idle runs again with these server flags and --restart (disk tier,
+#                                       e.g. "--kv-disk-dir /tmp/flashnext-kv --kv-host-write-through true")
 #   EXPERT_BUDGET_ARGS="..."            when set, experts runs a second time with these server flags (VRAM budget)
 #   OUT_DIR=bench/results  OUT=...      results folder; $OUT (the device machine's return folder) gets
 #                                       bench-results.tgz of it and report.md
@@ -110,6 +112,9 @@ for name in "${BENCHES[@]}"; do
   bench "$name" "${SERVER_ARGS:-}"
   if [ -n "${HOST_TIER_ARGS:-}" ] && { [ "$name" = idle ] || [ "$name" = all ]; }; then
     bench idle "${SERVER_ARGS:-} $HOST_TIER_ARGS"
+  fi
+  if [ -n "${DISK_TIER_ARGS:-}" ] && { [ "$name" = idle ] || [ "$name" = all ]; }; then
+    FLASHNEXT_BENCH_RESTART=1 bench idle "${SERVER_ARGS:-} $DISK_TIER_ARGS"
   fi
   if [ -n "${EXPERT_BUDGET_ARGS:-}" ] && { [ "$name" = experts ] || [ "$name" = all ]; }; then
     bench experts "${SERVER_ARGS:-} $EXPERT_BUDGET_ARGS"

@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from flashnext.bench import report
+from flashnext.bench import idle, report
 from flashnext.bench.cli import main
 from flashnext.bench.idle import WARM_FRACTION
 from flashnext.bench.prefill import MAX_TOKENS as PREFILL_TOKENS
@@ -53,13 +54,14 @@ def _tiny_long_context(folder: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> tuple[dict[str, dict], Path]:
+def model(tmp_path_factory) -> str:
+    return MODEL or _tiny_long_context(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, request) -> tuple[dict[str, dict], Path]:
     out = tmp_path_factory.mktemp("bench-results")
-    if URL:
-        target = ["--url", URL]
-    else:
-        model = MODEL or _tiny_long_context(tmp_path_factory.mktemp("model"))
-        target = ["--model", model, "--server-args", SERVER_ARGS]
+    target = ["--url", URL] if URL else ["--model", request.getfixturevalue("model"), "--server-args", SERVER_ARGS]
     assert main(["bench", "all", *target, *TINY, "--out-dir", str(out)]) == 0
     files = sorted(out.glob("*.json"))
     results = {json.loads(f.read_text())["bench"]: json.loads(f.read_text()) for f in files}
@@ -145,6 +147,30 @@ def test_idle_conversations_are_judged_by_their_cached_history(run):
     for s in resumes:
         assert s["history_tokens"] == fills[s["conversation"]]["prompt_tokens"] < s["prompt_tokens"]
         assert s["warm"] == ((s["cached_tokens"] or 0) >= WARM_FRACTION * s["history_tokens"])
+
+
+@pytest.mark.skipif(URL is not None, reason="--restart restarts a server the bench started")
+def test_idle_conversations_come_back_from_the_disk_tier_after_a_restart(model, tmp_path):
+    # After the restart only the disk tier holds anything. A resumed conversation shares its first prompt only
+    # up to the assistant header (a past turn is rendered without the generation prompt's empty think block),
+    # so only a snapshot inside that prompt can serve it: 16-token chunks put one within 5% of the history's
+    # end, and a device budget of a few snapshots sends them down to the disk during the churn.
+    disk = ["--kv-disk-dir", str(tmp_path / "kv"), "--kv-host-write-through", "true", "--prefix-cache-gb", "0.0001",
+            "--prefix-snapshot-interval", "16", "--max-num-batched-tokens", "16"]
+    out = tmp_path / "results"
+    assert main(["bench", "idle", "--model", model, "--server-args", f"{SERVER_ARGS} {shlex.join(disk)}", "--restart",
+                 "--conversations", "2", "--conv-tokens", "500", "--churn-tokens", "500", "--cold-runs", "0",
+                 "--no-plots", "--out-dir", str(out)]) == 0
+    (path,) = out.glob("idle-*.json")
+    result = json.loads(path.read_text())
+    assert result["info"]["restarted"] and result["info"]["restart_startup_s"] > 0
+    resumes = [s for s in result["samples"] if s["phase"] == "resume"]
+    assert len(resumes) == 2
+    for s in resumes:
+        assert s["warm"] and s["cached_tokens"] >= WARM_FRACTION * s["history_tokens"], s
+    assert "after a server restart" in idle.table(result)
+    log = (out / "last-server.log").read_text()
+    assert "stopped and started again" in log and "disk cache: " in log
 
 
 def test_concurrency_runs_each_stream_count(run):

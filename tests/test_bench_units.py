@@ -274,6 +274,27 @@ def test_every_flag_is_also_an_env_var(monkeypatch):
         _parse(["bench", "decode"])
 
 
+def test_restart_needs_a_server_the_bench_started(capsys, tmp_path):
+    # Port 9 answers nothing: a connection attempt would fail with ConnectError instead of the flag's message.
+    assert cli.main(["bench", "idle", "--url", "http://127.0.0.1:9", "--restart", "--out-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "--restart needs --model" in err and "ConnectError" not in err
+    assert not list(tmp_path.iterdir())
+
+
+def test_idle_table_says_when_the_server_restarted():
+    from flashnext.bench.idle import table
+
+    samples = [{"phase": "resume", "conversation": 0, "history_tokens": 1000, "cached_tokens": 990, "warm": True,
+                "ttft_s": 0.2}, {"phase": "cold", "conversation": 0, "ttft_s": 3.0}]
+    plain = table({"samples": samples, "info": {"churn_tokens": 5000}})   # a results file from before --restart
+    restarted = table({"samples": samples, "info": {"churn_tokens": 5000, "restarted": True,
+                                                    "restart_startup_s": 41.5}})
+    assert "restart" not in plain and "1/1 came back warm after 5,000 tokens of other traffic;" in plain
+    assert "1/1 came back warm after 5,000 tokens of other traffic and after a server restart (up again in 41.50 s)" \
+        in restarted
+
+
 def test_floors_by_model_name_or_flag():
     assert floors.floor_for({"model_id": "flash-next-int4", "flags": {}}, "decode") == 775.0
     assert floors.floor_for({"model_id": "/ckpt/x", "flags": {"model": "/tmp/qwen3-next-80b"}}, "decode") == 1790.0

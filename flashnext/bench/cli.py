@@ -66,6 +66,9 @@ def _bench_flags() -> argparse.ArgumentParser:
     _add(g, "--conv-tokens", type=int, default=58000, help="idle: tokens per conversation")
     _add(g, "--churn-tokens", type=int, default=400000, help="idle: unrelated traffic in between, tokens")
     _add(g, "--cold-runs", type=int, default=1, help="idle: conversations also timed cold (fresh salt)")
+    _add(g, "--restart", action="store_true",
+         help="idle: stop and start the server between the churn and the resumes, so warm conversations can only "
+              "come from the disk tier (--kv-disk-dir in --server-args); needs --model")
     _add(g, "--streams", default="1,2,4,8", help="concurrency: stream counts")
     _add(g, "--prompt-tokens", type=int, default=65536, help="concurrency: tokens per stream's prompt")
     _add(g, "--gen-tokens", type=int, default=256, help="concurrency: tokens generated per stream (ignore_eos)")
@@ -109,6 +112,9 @@ async def _run(args) -> int:
         if args.bench == "startup":
             raise BenchError("startup needs --model: it times our own server from process start.")
         names = [n for n in names if n != "startup"]
+    if args.restart and args.url and "idle" in names:
+        raise BenchError("--restart needs --model instead of --url: the bench can only restart a server it "
+                         "started itself.")
     progress = Progress()
     tables, failed = [], []
     async with open_target(args) as target:

@@ -1,4 +1,7 @@
-"""idle: do long conversations come back warm after unrelated traffic? Against a cold prefill."""
+"""idle: do long conversations come back warm after unrelated traffic? Against a cold prefill.
+
+With --restart the server we launched is stopped and started again between the churn and the resumes
+(issue #9): then a warm conversation can only have come from the disk tier."""
 from __future__ import annotations
 
 from flashnext.bench import markdown as md
@@ -35,6 +38,11 @@ async def run(ctx):
         churned += max(r.prompt_tokens or 0, 1)
         k += 1
 
+    restart_s = None
+    if args.restart:
+        ctx.progress.start("idle restart:")
+        restart_s = await ctx.target.server.restart()
+        ctx.progress.done(f"server stopped and started again, up in {restart_s:.2f} s")
     for c, conv in enumerate(conversations):
         r = await ctx.chat(f"idle resume {c + 1}/{len(conversations)}:", conv["messages"], REPLY_TOKENS)
         samples.append(r.sample(phase="resume", conversation=c, history_tokens=conv["history_tokens"],
@@ -45,7 +53,8 @@ async def run(ctx):
         messages[0]["content"] = messages[0]["content"].replace(conv["salt"], fresh_salt(), 1)
         r = await ctx.chat(f"idle cold {c + 1}/{args.cold_runs}:", messages, REPLY_TOKENS)
         samples.append(r.sample(phase="cold", conversation=c, history_tokens=conv["history_tokens"]))
-    return samples, {"churn_tokens": churned, "warm_fraction": WARM_FRACTION}
+    return samples, {"churn_tokens": churned, "warm_fraction": WARM_FRACTION, "restarted": bool(args.restart),
+                     "restart_startup_s": restart_s}
 
 
 def _warm(cached: int | None, history: int | None) -> bool:
@@ -64,8 +73,11 @@ def table(result: dict) -> str:
     warm = summarize(s["ttft_s"] for s in resumes if s["warm"])
     cold_ttft = summarize(s["ttft_s"] for s in cold.values())["mean"]
     warm_ttft = f"warm TTFT {md.num(warm['min'], 3)}–{md.num(warm['max'], 3)} s" if warm["n"] else "none warm"
-    out += (f"\n\n{warm['n']}/{len(resumes)} came back warm after {result['info']['churn_tokens']:,} tokens of "
-            f"other traffic; {warm_ttft}, cold prefill {md.num(cold_ttft, 3)} s.")
+    info = result["info"]
+    restart = (f" and after a server restart (up again in {md.num(info['restart_startup_s'], 2)} s)"
+               if info.get("restarted") else "")
+    out += (f"\n\n{warm['n']}/{len(resumes)} came back warm after {info['churn_tokens']:,} tokens of "
+            f"other traffic{restart}; {warm_ttft}, cold prefill {md.num(cold_ttft, 3)} s.")
     return out
 
 
@@ -85,5 +97,6 @@ def plot(result: dict, stem) -> list:
     ax.set_xticks(xs)
     ax.set_xlabel("conversation (green: warm, red: re-prefilled)")
     ax.set_ylabel("TTFT of the new turn (s)")
-    ax.set_title(f"idle conversations after other traffic — {result['model_id']}", fontsize=9)
+    restart = " and a server restart" if result["info"].get("restarted") else ""
+    ax.set_title(f"idle conversations after other traffic{restart} — {result['model_id']}", fontsize=9)
     return [save(fig, stem.with_name(stem.name + "-ttft.png"))]

@@ -54,8 +54,23 @@ class LaunchedServer:
 
     async def start(self) -> float:
         fd, name = tempfile.mkstemp(prefix="flashnext-bench-server-", suffix=".log", dir=self.log_dir)
+        os.close(fd)
         self.log_path = Path(name)
-        with os.fdopen(fd, "wb") as log:
+        self.startup_s = await self._launch()
+        return self.startup_s
+
+    async def restart(self) -> float:
+        """Stop the server and start it again with the same command; returns the seconds to /health 200.
+        startup_s stays the first launch's (the startup benchmark's sample); the log goes on in the same file.
+        The stop waits as long as a start may: a kill would cut short the server's shutdown, which writes its
+        prefix cache to the disk tier."""
+        self.stop(grace_s=self.timeout_s)
+        with open(self.log_path, "ab") as log:
+            log.write(b"\n== flashnext bench: the server is stopped and started again (--restart) ==\n")
+        return await self._launch()
+
+    async def _launch(self) -> float:
+        with open(self.log_path, "ab") as log:
             t0 = time.perf_counter()
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL)
@@ -67,8 +82,7 @@ class LaunchedServer:
                                      f"Last log lines:\n{self.log_tail()}")
                 with contextlib.suppress(httpx.HTTPError):
                     if (await http.get(f"{self.url}/health")).status_code == 200:
-                        self.startup_s = time.perf_counter() - t0
-                        return self.startup_s
+                        return time.perf_counter() - t0
                 if time.perf_counter() - t0 > self.timeout_s:
                     self.stop()
                     raise BenchError(f"the server did not answer /health with 200 within {self.timeout_s:.0f} s "
@@ -80,12 +94,12 @@ class LaunchedServer:
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 30.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.terminate()
         try:
-            self.proc.wait(timeout=30)
+            self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
