@@ -34,8 +34,8 @@ def cold(engine, prompt, n):
     return Session(engine.loaded.model, 512).greedy(prompt, n)
 
 
-def run(engine, prompt, n=6, rid="r"):
-    engine.add_request(rid, prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+def run(engine, prompt, n=6, rid="r", history_len=None):
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), history_len)
     outs = []
     while engine.has_work():
         outs += [o for o in engine.step() if o.request_id == rid]
@@ -76,6 +76,20 @@ def test_hits_equal_cold_run(engine):
     stats = engine.stats()
     assert stats.prefix_queries - before.prefix_queries == 100 + 100 + 79 + len(turn2) + 105
     assert stats.prefix_hits - before.prefix_hits == 64 + 64 + len(turn2) - 8 + 100
+    pools_idle(engine)
+
+
+def test_next_turn_resumes_where_the_history_ended(engine):
+    # A chat prompt is the history plus the template's generation prompt; the next turn shares the history and
+    # diverges right after it, so a chunk ends there and its snapshot serves the next turn (interval marks
+    # alone would give 32 of the 50 tokens here: the interval is 32 and the chunk budget 64).
+    engine.prefix_cache.clear()
+    history, generation_prompt = tokens(7, 50), tokens(8, 5)
+    run(engine, history + generation_prompt, history_len=len(history))
+    next_turn = history + tokens(9, 20)
+    out, cached = run(engine, next_turn)
+    assert cached == len(history)
+    assert out == cold(engine, next_turn, 6)
     pools_idle(engine)
 
 

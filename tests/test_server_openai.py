@@ -51,6 +51,18 @@ def test_repeated_prompt_reports_cached_tokens(client, model):
     assert 0 <= again.usage.prompt_tokens_details.cached_tokens <= again.usage.prompt_tokens
 
 
+def test_next_turn_reuses_the_whole_history(client, model, shared_server):
+    # The template renders a past reply without the think block the generation prompt opened, so the next
+    # turn shares the first prompt up to its generation prompt and no further: the engine snapshots there.
+    history = [{"role": "system", "content": "You answer in riddles. " * 6}, {"role": "user", "content": "A colour?"}]
+    client.chat.completions.create(model=model, messages=history, max_tokens=3, extra_body={"ignore_eos": True})
+    next_turn = history + [{"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another one."}]
+    again = client.chat.completions.create(model=model, messages=next_turn, max_tokens=2)
+    with shared_server.client() as c:
+        shared = c.post("/tokenize", json={"messages": history, "add_generation_prompt": False}).json()["count"]
+    assert again.usage.prompt_tokens_details.cached_tokens == shared
+
+
 def test_chat_n_greater_than_one(client, model):
     r = client.chat.completions.create(model=model, messages=MSGS, max_tokens=4, n=3, seed=1,
                                        extra_body={"ignore_eos": True})

@@ -42,8 +42,8 @@ class AsyncLLM:
     def from_args(cls, args: EngineArgs) -> AsyncLLM:
         return cls(LLMEngine(args))
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       history_len: int | None = None) -> AsyncIterator[RequestOutput]:
         request_id = request_id or uuid.uuid4().hex
         if self._error is not None:
             raise RuntimeError(f"the engine stopped after an internal error: {self._error}")
@@ -57,7 +57,7 @@ class AsyncLLM:
         result: list[BaseException | None] = [None]
         with self._lock:
             self._queues[request_id] = (loop, queue)
-            self._inbox.append(("add", request_id, prompt_token_ids, params, done, result))
+            self._inbox.append(("add", request_id, prompt_token_ids, params, history_len, done, result))
         self._wake.set()
         await asyncio.to_thread(done.wait)
         if result[0] is not None:
@@ -104,9 +104,9 @@ class AsyncLLM:
             inbox, self._inbox = self._inbox, []
         for message in inbox:
             if message[0] == "add":
-                _, request_id, prompt, params, done, result = message
+                _, request_id, prompt, params, history_len, done, result = message
                 try:
-                    self.engine.add_request(request_id, prompt, params)
+                    self.engine.add_request(request_id, prompt, params, history_len)
                 except BaseException as e:   # a rejection goes back to the caller, never kills the loop
                     result[0] = e
                 done.set()

@@ -181,7 +181,9 @@ class LLMEngine:
         return self.args.model
 
     # ---- requests ----
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    history_len: int | None = None) -> Request:
+        """`history_len`: prompt tokens before the chat template's generation prompt (Request.history_len)."""
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already running", "request_id")
         if not prompt_ids:
@@ -213,7 +215,8 @@ class LLMEngine:
             except InvalidConstraint as e:
                 raise RequestRejected(str(e), params.structured.param) from None
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens)
-        request = Request(request_id, list(prompt_ids), params, detok, self.max_model_len, constraint=constraint)
+        request = Request(request_id, list(prompt_ids), params, detok, self.max_model_len, constraint=constraint,
+                          history_len=history_len if history_len is not None and 0 < history_len < n else None)
         self.requests[request_id] = request
         self.scheduler.add(request)
         self.prompt_tokens_total += n

@@ -34,6 +34,10 @@ class Request:
     num_computed: int = 0            # tokens whose KV / state is written
     num_cached: int = 0              # prompt tokens served from the prefix cache
     prefix_counted: bool = False     # admitted once: prefix cache stats and num_cached are set
+    # Prompt tokens before the chat template's generation prompt: the furthest point the conversation's next
+    # turn shares (the Qwen templates render a past reply without the think block the generation prompt
+    # opened), so a prefill chunk ends there and the state is snapshotted. None: no such point known.
+    history_len: int | None = None
     slot: int | None = None
     blocks: list[int] = field(default_factory=list)
     status: Status = Status.WAITING

@@ -14,7 +14,9 @@ runs at the full budget (larger chunks keep the GEMMs busier).
 
 With a prefix cache, an admitted request first resumes from the deepest cached snapshot of its tokens
 (never all of them: the last token must run to give logits); a snapshot is taken at the end of the first
-prefill chunk that reaches or crosses each multiple of the snapshot interval inside the prompt.
+prefill chunk that reaches or crosses each multiple of the snapshot interval inside the prompt, at the end
+of the prompt, at the end of the conversation before the chat template's generation prompt (history_len:
+where the next turn diverges) and at the end of every reply.
 """
 from __future__ import annotations
 
@@ -115,11 +117,16 @@ class Scheduler:
         return chunks
 
     def _chunk_len(self, request: Request, start: int, budget: int) -> int:
-        """Tokens of the next chunk: the budget's worth. Snapshots never cut a chunk short (computed() takes them
-        at the first chunk end past each interval). On the H200 a 10K Flash-Next prompt prefilled at 4.1K tok/s
-        through the server when snapshots cut it into 1024-token chunks, and at 7.9K tok/s in the engine with
-        8192-token chunks."""
-        return min(request.num_tokens - start, budget)
+        """Tokens of the next chunk: the budget's worth. Interval snapshots never cut a chunk short (computed()
+        takes them at the first chunk end past each interval mark): on the H200 a 10K Flash-Next prompt prefilled
+        at 4.1K tok/s through the server when snapshots cut it into 1024-token chunks, and at 7.9K tok/s in the
+        engine with 8192-token chunks. The one cut is at the request's history_len, the snapshot the
+        conversation's next turn resumes from: it costs one short chunk (the generation prompt's few tokens)."""
+        n = min(request.num_tokens - start, budget)
+        history = request.history_len
+        if history is not None and start < history < start + n:
+            n = history - start
+        return n
 
     def _reserve_blocks(self, request: Request, n: int, chunks: list[ScheduledChunk]) -> bool:
         need = self.kv.blocks_for(request.num_computed + n) - len(request.blocks)
@@ -145,15 +152,18 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def computed(self, chunks: list[ScheduledChunk]) -> None:
-        """After a step: advance each request; snapshot those that finished their prompt or whose chunk reached or
-        crossed a multiple of the snapshot interval."""
+        """After a step: advance each request; snapshot those that finished their prompt, reached its history_len
+        (kept like a turn end: the host tier's write-through takes it too) or whose chunk reached or crossed a
+        multiple of the snapshot interval."""
         for c in chunks:
             r = c.request
             before = r.num_computed
             r.num_computed += c.num_tokens
             n, prompt = r.num_computed, len(r.prompt_ids)
             crossed = self.snapshot_interval and before // self.snapshot_interval < n // self.snapshot_interval
-            if n == prompt or (crossed and n < prompt):
+            if n == r.history_len:
+                self.snapshot(r, turn_end=True)
+            elif n == prompt or (crossed and n < prompt):
                 self.snapshot(r)
 
     def snapshot(self, request: Request, turn_end: bool = False) -> None:

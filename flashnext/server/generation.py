@@ -24,6 +24,7 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     request_id: str
+    history_len: int | None = None   # chat: prompt tokens before the generation prompt (Request.history_len)
 
 
 @dataclass
@@ -83,12 +84,13 @@ def fit_context(prompt_len: int, max_tokens: int | None, max_model_len: int, par
     return max_tokens
 
 
-def jobs_for(base_id: str, prompt_ids: list[int], params: SamplingParams, first_index: int = 0) -> list[Job]:
+def jobs_for(base_id: str, prompt_ids: list[int], params: SamplingParams, first_index: int = 0,
+             history_len: int | None = None) -> list[Job]:
     """n engine requests of one prompt; a seeded request gets seed+i so its choices differ reproducibly."""
     jobs = []
     for i in range(params.n):
         seed = None if params.seed is None else params.seed + i
-        jobs.append(Job(prompt_ids, replace(params, n=1, seed=seed), f"{base_id}-{first_index + i}"))
+        jobs.append(Job(prompt_ids, replace(params, n=1, seed=seed), f"{base_id}-{first_index + i}", history_len))
     return jobs
 
 
@@ -102,7 +104,7 @@ class Fanout:
         self.tasks = [asyncio.create_task(self._pump(i, job)) for i, job in enumerate(jobs)]
 
     async def _pump(self, index: int, job: Job) -> None:
-        gen = self.engine.generate(job.prompt_ids, job.params, job.request_id)
+        gen = self.engine.generate(job.prompt_ids, job.params, job.request_id, job.history_len)
         finished = False
         try:
             async for out in gen:

@@ -27,6 +27,7 @@ SYSTEM_FINGERPRINT = "fp_flashnext"
 @dataclass
 class RenderedChat:
     prompt_ids: list[int]
+    history_len: int | None        # prompt tokens before the generation prompt (Request.history_len)
     tools: list[dict] | None       # what the template saw, and what the parser may call
     reasoning: bool                # parse <think>…</think> at all
     starts_in_reasoning: bool      # the prompt already opened <think>
@@ -66,16 +67,31 @@ async def render_chat(engine, req) -> RenderedChat:
     def render():
         prompt = engine.tokenizer.apply_chat_template(messages, tools=tools,
                                                       add_generation_prompt=req.add_generation_prompt, **kwargs)
-        if isinstance(prompt, str):
-            return prompt, engine.tokenizer.encode(prompt)
-        return engine.tokenizer.decode(prompt, skip_special_tokens=False), list(prompt)
+        if not isinstance(prompt, str):
+            return engine.tokenizer.decode(prompt, skip_special_tokens=False), list(prompt), None
+        ids = engine.tokenizer.encode(prompt)
+        if not req.add_generation_prompt:
+            return prompt, ids, None
+        history = engine.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=False, **kwargs)
+        return prompt, ids, _history_len(engine.tokenizer, prompt, ids, history)
 
     try:
-        text, ids = await asyncio.to_thread(render)
+        text, ids, history_len = await asyncio.to_thread(render)
     except ChatTemplateError as exc:
         raise APIError(400, f"The chat template rejected the messages: {exc}", "messages", "invalid_messages") from None
     reasoning = kwargs.get("enable_thinking", True) is not False
-    return RenderedChat(ids, tools, reasoning, reasoning and text.rstrip().endswith("<think>"))
+    return RenderedChat(ids, history_len, tools, reasoning, reasoning and text.rstrip().endswith("<think>"))
+
+
+def _history_len(tokenizer, prompt: str, ids: list[int], history: str) -> int | None:
+    """Tokens of `ids` before the generation prompt: the prompt minus what the template added for the reply
+    (only the few tokens of the suffix are encoded again). None when the split does not fall on a token
+    boundary or the template added nothing."""
+    if not prompt.startswith(history) or len(history) == len(prompt):
+        return None
+    suffix = tokenizer.encode(prompt[len(history):])
+    n = len(ids) - len(suffix)
+    return n if n > 0 and ids[n:] == suffix else None
 
 
 def _tool_format(engine, settings) -> str | None:
@@ -156,7 +172,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     head = {"id": cid, "created": int(time.time()), "model": model, "system_fingerprint": SYSTEM_FINGERPRINT}
     texts = TokenTexts(engine.tokenizer)
-    fan = Fanout(engine, jobs_for(cid, rendered.prompt_ids, params), request.app.state.metrics)
+    fan = Fanout(engine, jobs_for(cid, rendered.prompt_ids, params, history_len=rendered.history_len),
+                 request.app.state.metrics)
     if body.stream:
         await fan.admitted(timeout=min(0.5, settings.keepalive_s))
         writer = _ChatChunks(head, output_parsers, texts, top_k,
