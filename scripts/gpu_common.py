@@ -15,3 +15,31 @@ def agreeing_tokens(want, got) -> tuple[int, int]:
         want, got = list(want.values()), [got[k] for k in want]
     same = sum(next((i for i, (a, b) in enumerate(zip(w, g)) if a != b), len(w)) for w, g in zip(want, got))
     return same, sum(len(w) for w in want)
+
+
+def hang_watchdog(seconds: float) -> None:
+    """If the script still runs after `seconds`: print every process's Python stack (this one's, then the
+    spawned ranks' through SIGABRT, which faulthandler turns into a traceback) and exit 3. A hung NCCL
+    collective otherwise ends a device call with no output at all."""
+    import faulthandler
+    import multiprocessing
+    import os
+    import signal
+    import sys
+    import threading
+    import time
+
+    os.environ["PYTHONFAULTHANDLER"] = "1"   # inherited by the ranks spawned after this call
+    faulthandler.enable()
+
+    def fire():
+        time.sleep(seconds)
+        print(f"\n=== hang watchdog: still running after {seconds:.0f} s; stacks follow ===", flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        for child in multiprocessing.active_children():
+            os.kill(child.pid, signal.SIGABRT)
+        time.sleep(3)
+        sys.stdout.flush()
+        os._exit(3)
+
+    threading.Thread(target=fire, daemon=True).start()

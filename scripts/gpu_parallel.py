@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
 
 import torch  # noqa: E402
-from gpu_common import rel  # noqa: E402
+from gpu_common import hang_watchdog, rel  # noqa: E402
 
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]   # (tensor parallel, expert parallel)
 
@@ -115,7 +115,9 @@ def main() -> int:
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a gloo smoke run of this script")
     parser.add_argument("--tol", type=float, default=None, help="largest relative error (default 5e-2 bf16, 1e-4 fp32)")
+    parser.add_argument("--hang-s", type=float, default=240, help="print every rank's stack and exit 3 after this long")
     opts = parser.parse_args()
+    hang_watchdog(opts.hang_s)
     tol = opts.tol or (5e-2 if opts.dtype == "bfloat16" else 1e-4)
     if opts.device == "cuda" and torch.cuda.device_count() < 2:
         print(f"needs 2 GPUs, {torch.cuda.device_count()} visible")

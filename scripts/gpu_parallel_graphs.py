@@ -13,7 +13,7 @@ from flashnext.engine.args import EngineArgs  # noqa: E402
 from flashnext.engine.llm_engine import LLMEngine  # noqa: E402
 from flashnext.engine.sampling_params import SamplingParams  # noqa: E402
 from flashnext.parallel import launch_engine, shutdown  # noqa: E402
-from gpu_common import agreeing_tokens  # noqa: E402
+from gpu_common import agreeing_tokens, hang_watchdog  # noqa: E402
 
 PROMPTS = [[(5 * i + 7 * j) % 470 + 3 for j in range(n)] for i, n in enumerate((6, 31, 17, 90))]
 
@@ -31,12 +31,15 @@ def run(engine):
 
 
 def main() -> int:
+    hang_watchdog(float(os.environ.get("HANG_S", "150")))
     ok = True
     for preset in ("tiny-flash-next", "tiny-qwen3-next"):
         args = dict(model=preset, device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
                     max_model_len=512, kv_cache_gb=0.5)
         want = run(LLMEngine(EngineArgs(**args, enforce_eager=True)))
-        for layout in (dict(tensor_parallel=2), dict(expert_parallel=2)):
+        print(f"{preset:16} one GPU, eager: done", flush=True)
+        # Expert parallel first: it ran through the server on 2 x H200; this script (tensor parallel first) hung.
+        for layout in (dict(expert_parallel=2), dict(tensor_parallel=2)):
             try:
                 engine = launch_engine(EngineArgs(**args, **layout))
                 got = run(engine)
@@ -46,7 +49,7 @@ def main() -> int:
             same, total = agreeing_tokens(want, got)
             ok &= same == total and graphs > 0
             print(f"{preset:16} {layout}: graphs captured {graphs}, tokens equal to 1 GPU eager {same}/{total}"
-                  f"{'' if same == total else '  MISMATCH'}")
+                  f"{'' if same == total else '  MISMATCH'}", flush=True)
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 
