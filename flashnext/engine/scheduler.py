@@ -152,9 +152,9 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def computed(self, chunks: list[ScheduledChunk]) -> None:
-        """After a step: advance each request; snapshot those that finished their prompt, reached its history_len
-        (kept like a turn end: the host tier's write-through takes it too) or whose chunk reached or crossed a
-        multiple of the snapshot interval."""
+        """After a step: advance each request; snapshot those that reached their history_len (kept like a turn
+        end: the host tier's write-through takes it too), or else finished their prompt, or whose chunk reached
+        or crossed a multiple of the snapshot interval."""
         for c in chunks:
             r = c.request
             before = r.num_computed
@@ -163,7 +163,10 @@ class Scheduler:
             crossed = self.snapshot_interval and before // self.snapshot_interval < n // self.snapshot_interval
             if n == r.history_len:
                 self.snapshot(r, turn_end=True)
-            elif n == prompt or (crossed and n < prompt):
+            # With a history_len the prompt's end, a few tokens further, is not kept as well: a re-sent prompt
+            # resumes from the history's end, and the device's snapshot budget (116 MB of state each on
+            # Flash-Next) holds one per turn instead of two.
+            elif (n == prompt and r.history_len is None) or (crossed and n < prompt):
                 self.snapshot(r)
 
     def snapshot(self, request: Request, turn_end: bool = False) -> None:
