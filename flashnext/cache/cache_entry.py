@@ -6,6 +6,7 @@ processes (blake2b, not Python's `hash`), so the disk tier finds its entries aga
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 from array import array
 from dataclasses import dataclass
@@ -31,19 +32,63 @@ def chain_hashes(tokens, block_size: int, num_blocks: int) -> list[bytes]:
     return out
 
 
+_GROUPS = ("k", "v", "index_keys")
+# Rows per host→device copy when blocks come back from a lower tier: bounds the device staging memory
+# (256 Flash-Next blocks of 16 tokens are ~100 MB) while a 58K-token conversation takes ~15 copies per tensor.
+WRITE_PIECE = 256
+
+
+def _pool_tensors(kv):
+    for group in _GROUPS:
+        for layer, t in getattr(kv, group).items():
+            yield f"{group}.{layer}", t
+
+
 def read_block(kv, block: int) -> dict[str, torch.Tensor]:
     """Views of one KV block in every attention layer (K, V and the indexer's pooled keys)."""
-    out = {}
-    for group in ("k", "v", "index_keys"):
-        for layer, t in getattr(kv, group).items():
-            out[f"{group}.{layer}"] = t[block]
-    return out
+    return {name: t[block] for name, t in _pool_tensors(kv)}
 
 
 def write_block(kv, block: int, data: dict[str, torch.Tensor]) -> None:
-    for group in ("k", "v", "index_keys"):
-        for layer, t in getattr(kv, group).items():
-            t[block].copy_(data[f"{group}.{layer}"], non_blocking=True)
+    for name, t in _pool_tensors(kv):
+        t[block].copy_(data[name], non_blocking=True)
+
+
+def read_blocks(kv, blocks: list[int]) -> dict[str, torch.Tensor]:
+    """Several KV blocks as one batch: name → [len(blocks), …], one gather per tensor of the pool (a lower
+    tier then takes a conversation in one copy per tensor, not one per block and tensor: 130,500 copies for
+    a 58K-token Flash-Next conversation)."""
+    index = torch.tensor(blocks, dtype=torch.long, device=kv.device)
+    return {name: t.index_select(0, index) for name, t in _pool_tensors(kv)}
+
+
+def batch_rows(runs: list[dict[str, torch.Tensor]], rows: list[int]) -> dict[str, torch.Tensor]:
+    """Rows `rows` of the blocks that `runs` (batches whose rows, in order, are the blocks) hold, as one batch:
+    a view when they are consecutive rows of one run, else a copy."""
+    starts, at = [], 0
+    for run in runs:
+        starts.append(at)
+        at += len(next(iter(run.values())))
+
+    def locate(row):
+        i = bisect.bisect_right(starts, row) - 1
+        return i, row - starts[i]
+
+    first, last = locate(rows[0]), locate(rows[-1])
+    if first[0] == last[0] and rows == list(range(rows[0], rows[0] + len(rows))):
+        return {name: t[first[1]: first[1] + len(rows)] for name, t in runs[first[0]].items()}
+    where = [locate(r) for r in rows]
+    return {name: torch.stack([runs[i][name][j] for i, j in where]) for name in runs[0]}
+
+
+def write_blocks(kv, blocks: list[int], runs: list[dict[str, torch.Tensor]], rows: list[int]) -> None:
+    """Rows `rows` of `runs` (see batch_rows) into device blocks `blocks`: per WRITE_PIECE rows, one copy to the
+    device and one scatter per tensor of the pool."""
+    for at in range(0, len(blocks), WRITE_PIECE):
+        piece = batch_rows(runs, rows[at: at + WRITE_PIECE])
+        index = torch.tensor(blocks[at: at + WRITE_PIECE], dtype=torch.long, device=kv.device)
+        for name, t in _pool_tensors(kv):
+            t.index_copy_(0, index, piece[name].to(kv.device, non_blocking=True))
 
 
 def tensor_bytes(tensors: dict[str, torch.Tensor] | None) -> int:
@@ -51,10 +96,12 @@ def tensor_bytes(tensors: dict[str, torch.Tensor] | None) -> int:
 
 
 def copy_tensors(tensors: dict[str, torch.Tensor], device, pin: bool = False) -> dict[str, torch.Tensor]:
+    """Copies on `device`; `pin`: host copies in pinned memory, written once (not copied to pageable first)."""
+    pin = pin and torch.device(device).type == "cpu"
     out = {}
     for name, t in tensors.items():
-        c = t.to(device, copy=True)
-        out[name] = c.pin_memory() if pin else c
+        out[name] = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin)
+        out[name].copy_(t)
     return out
 
 

@@ -1,7 +1,14 @@
 """The host-RAM tier of the prefix cache: KV blocks and snapshots evicted from device memory (or written
 through at the end of every turn) wait here, in pinned memory when CUDA is present so the copies back
 are plain DMA, until a request hits them or they are evicted in turn (to disk when configured).
-The index is TierIndex; this is where the payloads sit (on several ranks, one such store per rank)."""
+The index is TierIndex; this is where the payloads sit (on several ranks, one such store per rank).
+
+Blocks that come down together (a conversation's new blocks) stay together: one pinned tensor per tensor of
+the KV pool holds the whole batch, each block is a row of it, and blocks stored in one batch load back as
+one run (views, no copy) — one transfer per tensor instead of one per block and tensor. A batch's memory is
+freed when its last block is dropped; until then the tier's byte count (its blocks') can be below what the
+batch holds.
+"""
 from __future__ import annotations
 
 import torch
@@ -15,12 +22,22 @@ class HostStore(TierStore):
 
     def __init__(self):
         self.pin = torch.cuda.is_available()
-        self.block_data: dict[bytes, BlockData] = {}
+        self.batches: dict[int, BlockData] = {}          # batch id → name → [rows, …]
+        self.live_rows: dict[int, int] = {}              # batch id → rows still stored
+        self.rows: dict[bytes, tuple[int, int]] = {}     # block hash → (batch id, row)
         self.snapshot_data: dict[bytes, SnapshotData] = {}
+        self._next_batch = 0
+
+    def store_blocks(self, hashes: list[bytes], batch: BlockData) -> list[int]:
+        batch_id, self._next_batch = self._next_batch, self._next_batch + 1
+        self.batches[batch_id] = copy_tensors(batch, "cpu", self.pin)
+        self.live_rows[batch_id] = len(hashes)
+        for row, h in enumerate(hashes):
+            self.rows[h] = (batch_id, row)
+        return [tensor_bytes(batch) // len(hashes)] * len(hashes)
 
     def store_block(self, h: bytes, data: BlockData) -> int:
-        self.block_data[h] = copy_tensors(data, "cpu", self.pin)
-        return tensor_bytes(data)
+        return self.store_blocks([h], {name: t.unsqueeze(0) for name, t in data.items()})[0]
 
     def store_snapshot(self, key: bytes, snap: SnapshotData, meta: SnapshotMeta | None) -> int:
         state, tail_kv = snap
@@ -28,14 +45,29 @@ class HostStore(TierStore):
                                    copy_tensors(tail_kv, "cpu", self.pin) if tail_kv is not None else None)
         return tensor_bytes(state) + tensor_bytes(tail_kv)
 
+    def load_blocks(self, hashes: list[bytes]) -> list[BlockData]:
+        runs: list[tuple[int, int, int]] = []    # (batch id, first row, rows)
+        for h in hashes:
+            batch_id, row = self.rows[h]
+            if runs and runs[-1][0] == batch_id and runs[-1][1] + runs[-1][2] == row:
+                runs[-1] = (batch_id, runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((batch_id, row, 1))
+        return [{name: t[first: first + n] for name, t in self.batches[batch_id].items()}
+                for batch_id, first, n in runs]
+
     def load_block(self, h: bytes) -> BlockData:
-        return self.block_data[h]
+        batch_id, row = self.rows[h]
+        return {name: t[row] for name, t in self.batches[batch_id].items()}
 
     def load_snapshot(self, key: bytes) -> SnapshotData:
         return self.snapshot_data[key]
 
     def drop_block(self, h: bytes) -> None:
-        del self.block_data[h]
+        batch_id, _ = self.rows.pop(h)
+        self.live_rows[batch_id] -= 1
+        if self.live_rows[batch_id] == 0:
+            del self.live_rows[batch_id], self.batches[batch_id]
 
     def drop_snapshot(self, key: bytes) -> None:
         del self.snapshot_data[key]

@@ -23,7 +23,8 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from flashnext.cache.cache_entry import ROOT_HASH, Snapshot, block_hash, read_block, snapshot_key, write_block
+from flashnext.cache.cache_entry import (ROOT_HASH, Snapshot, batch_rows, block_hash, read_block, read_blocks,
+                                         snapshot_key, write_block, write_blocks)
 from flashnext.cache.kv_pool import KVPool
 from flashnext.cache.state_pool import StatePool
 from flashnext.cache.tier_index import TierIndex
@@ -160,10 +161,12 @@ class PrefixCache:
         while self.snapshot_bytes > self.snapshot_budget and self.lru:
             self._evict(next(iter(self.lru)))
 
-    def _install(self, tokens: list[int], blocks: list[dict], snap: Snapshot) -> bool:
-        """Copy a lower-tier entry into device blocks and the trie; False when the KV pool has no room."""
+    def _install(self, tokens: list[int], runs: list[dict], snap: Snapshot) -> bool:
+        """Copy a lower-tier entry (its blocks as runs: TierStore.load_blocks) into device blocks and the trie;
+        False when the KV pool has no room."""
         bs, node, pinned, ok = self.block_size, self.root, [], True
-        for i, data in enumerate(blocks):
+        rows, targets = [], []     # the entry's blocks the device lacks, and the device blocks they go to
+        for i in range(sum(len(next(iter(run.values()))) for run in runs)):
             key = tuple(tokens[i * bs:(i + 1) * bs])
             child = node.children.get(key)
             if child is None:
@@ -171,13 +174,16 @@ class PrefixCache:
                     ok = False
                     break
                 block = self.kv.allocate(1)[0]
-                write_block(self.kv, block, data)
+                rows.append(i)
+                targets.append(block)
                 child = node.children[key] = Node(key, block_hash(node.hash, key), block, node)
                 if self.mirror is not None:
                     self.mirror.install_block(child.hash, block)
             child.pins += 1
             pinned.append(child)
             node = child
+        if rows:
+            write_blocks(self.kv, targets, runs, rows)
         if ok:
             device_snap = snap.to(self.kv.device)
             snap_key = snapshot_key(node.hash, snap.tail)
@@ -214,7 +220,8 @@ class PrefixCache:
     def _write_down(self, tier: TierIndex, node: Node, key: bytes, snap: Snapshot) -> None:
         path = node.path()
         blocks = [n.block for n in path]
-        tier.put([n.hash for n in path], lambda i: read_block(self.kv, blocks[i]), key, snap, blocks)
+        tier.put([n.hash for n in path], lambda rows: read_blocks(self.kv, [blocks[i] for i in rows]), key, snap,
+                 blocks)
 
     def _prune(self, node: Node) -> None:
         while node.parent is not None and not node.snapshots and not node.children and not node.pins:
@@ -245,8 +252,8 @@ class PrefixCache:
             for key in [k for k in tier.snaps if k not in disk]:
                 entry = tier.load(key)
                 if entry is not None:
-                    blocks, snap = entry
-                    disk.put(tier.snaps[key].blocks, lambda i, blocks=blocks: blocks[i], key, snap)
+                    runs, snap = entry
+                    disk.put(tier.snaps[key].blocks, lambda rows, runs=runs: batch_rows(runs, rows), key, snap)
                     written += 1
         return written
 

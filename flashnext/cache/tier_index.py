@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from flashnext.cache.cache_entry import ROOT_HASH, Snapshot, chain_hashes
+from flashnext.cache.cache_entry import ROOT_HASH, Snapshot, batch_rows, chain_hashes
 
 log = logging.getLogger("flashnext.cache")
 
@@ -45,12 +45,20 @@ class TierStore:
     def store_block(self, h: bytes, data: BlockData) -> int:
         raise NotImplementedError
 
+    def store_blocks(self, hashes: list[bytes], batch: BlockData) -> list[int]:
+        """Several blocks at once, `batch` holding them as rows (name → [len(hashes), …])."""
+        return [self.store_block(h, {name: t[i] for name, t in batch.items()}) for i, h in enumerate(hashes)]
+
     def store_snapshot(self, key: bytes, snap: SnapshotData, meta: SnapshotMeta | None) -> int:
         """`meta` is what the index knows of the entry (the disk keeps it for a restart); None on ranks > 0."""
         raise NotImplementedError
 
     def load_block(self, h: bytes) -> BlockData:
         raise NotImplementedError
+
+    def load_blocks(self, hashes: list[bytes]) -> list[BlockData]:
+        """The blocks in order, as runs: batches whose rows, one run after the other, are the blocks."""
+        return [{name: t.unsqueeze(0) for name, t in self.load_block(h).items()} for h in hashes]
 
     def load_snapshot(self, key: bytes) -> SnapshotData:
         raise NotImplementedError
@@ -100,22 +108,26 @@ class TierIndex:
                 return best
         return None
 
-    def put(self, hashes: list[bytes], get_block: Callable[[int], BlockData], key: bytes, snap: Snapshot,
-            device_blocks: list[int] | None = None) -> None:
-        """Store a snapshot and whichever of its prefix blocks are missing (get_block(i) reads block i).
+    def put(self, hashes: list[bytes], get_blocks: Callable[[list[int]], BlockData], key: bytes,
+            snap: Snapshot, device_blocks: list[int] | None = None) -> None:
+        """Store a snapshot and whichever of its prefix blocks are missing, in one batch (get_blocks(indices)
+        reads those blocks as rows).
         `device_blocks` names the device KV block of each hash when the entry comes down from the device (a
         snapshot of the device cache); None when it comes from the tier above. Other ranks copy their share
         from the same place."""
         if key in self.snaps:
             self.snaps.move_to_end(key)
             return
-        for i, h in enumerate(hashes):
-            if h not in self.block_refs:
-                nbytes = self.store.store_block(h, get_block(i))
+        missing = [i for i, h in enumerate(hashes) if h not in self.block_refs]
+        if missing:
+            sizes = self.store.store_blocks([hashes[i] for i in missing], get_blocks(missing))
+            for i, nbytes in zip(missing, sizes):
+                h = hashes[i]
                 if self.mirror is not None:
                     self.mirror.store_block(self, h, device_blocks[i] if device_blocks is not None else None)
                 self.block_refs[h], self.block_bytes[h] = 0, nbytes
                 self.bytes += nbytes
+        for h in hashes:
             self.block_refs[h] += 1
         meta = SnapshotMeta(list(hashes), tuple(snap.tail), snap.num_tokens, 0)
         meta.nbytes = self.store.store_snapshot(key, (snap.state, snap.tail_kv), meta)
@@ -130,10 +142,11 @@ class TierIndex:
         self.bytes += meta.nbytes
 
     def load(self, key: bytes) -> tuple[list[BlockData], Snapshot] | None:
-        """The blocks and snapshot of an entry, or None (with a warning) when it cannot be read back."""
+        """The blocks (as runs: TierStore.load_blocks) and snapshot of an entry, or None (with a warning) when it
+        cannot be read back."""
         meta = self.snaps[key]
         try:
-            blocks = [self.store.load_block(h) for h in meta.blocks]
+            blocks = self.store.load_blocks(meta.blocks)
             state, tail_kv = self.store.load_snapshot(key)
         except (CorruptEntry, OSError) as e:
             log.warning("%s cache: ignoring entry %s: %s", self.name, key.hex(), e)
@@ -152,8 +165,8 @@ class TierIndex:
             entry = self.load(key)
             if entry is None:
                 return
-            blocks, snap = entry
-            self.lower.put(meta.blocks, lambda i: blocks[i], key, snap)
+            runs, snap = entry
+            self.lower.put(meta.blocks, lambda rows: batch_rows(runs, rows), key, snap)
         self.remove(key)
 
     def remove(self, key: bytes) -> None:

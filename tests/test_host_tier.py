@@ -1,0 +1,78 @@
+"""Blocks move between the device pool and the host tier in batches: a conversation's blocks stored together
+come back as one run of views (one copy per pool tensor, not per block), batch_rows and write_blocks put the
+same bytes where per-block copies would, and a batch's memory goes with its last block."""
+import pytest
+import torch
+
+from flashnext.cache import cache_entry
+from flashnext.cache.cache_entry import batch_rows, read_block, read_blocks, write_blocks
+from flashnext.cache.host_tier import HostStore
+from flashnext.cache.kv_pool import KVPool
+from flashnext.weights.config import parse_config
+from flashnext.weights.presets import get_preset
+
+
+def pool(seed=None, blocks=12):
+    cfg = parse_config(get_preset("tiny-flash-next"))
+    kv = KVPool(cfg, blocks, KVPool.fit_block_size(cfg, 16), torch.float32, torch.device("cpu"))
+    if seed is not None:
+        gen = torch.Generator().manual_seed(seed)
+        for group in ("k", "v", "index_keys"):
+            for t in getattr(kv, group).values():
+                t.copy_(torch.randn(t.shape, generator=gen))
+    return kv
+
+
+def hashes(n, salt=0):
+    return [bytes([salt, i]) * 8 for i in range(n)]
+
+
+def test_blocks_stored_together_load_as_one_run_of_views():
+    kv, store = pool(seed=1), HostStore()
+    hs = hashes(5)
+    sizes = store.store_blocks(hs, read_blocks(kv, [7, 2, 9, 0, 4]))
+    assert sizes == [sum(t.nbytes for t in read_block(kv, 0).values())] * 5
+    (run,) = store.load_blocks(hs)
+    batch = store.batches[store.rows[hs[0]][0]]
+    for name, t in run.items():
+        assert t.data_ptr() == batch[name].data_ptr() and len(t) == 5   # a view of the stored batch
+    for row, block in enumerate([7, 2, 9, 0, 4]):
+        for name, t in read_block(kv, block).items():
+            assert torch.equal(run[name][row], t) and torch.equal(store.load_block(hs[row])[name], t)
+    assert len(store.load_blocks([hs[0], hs[1], hs[3]])) == 2
+
+
+def test_a_batch_is_freed_with_its_last_block():
+    kv, store = pool(seed=2), HostStore()
+    hs = hashes(3)
+    store.store_blocks(hs, read_blocks(kv, [0, 1, 2]))
+    store.store_block(b"single" * 3, read_block(kv, 5))
+    for h in hs[:2]:
+        store.drop_block(h)
+    assert len(store.batches) == 2
+    store.drop_block(hs[2])
+    assert len(store.batches) == 1 and len(store.load_blocks([b"single" * 3])) == 1
+
+
+def test_batch_rows_is_a_view_inside_one_run_and_a_copy_across_runs():
+    kv = pool(seed=3)
+    runs = [read_blocks(kv, [0, 1]), read_blocks(kv, [2, 3, 4])]
+    inside = batch_rows(runs, [2, 3, 4])
+    across = batch_rows(runs, [1, 2, 4])
+    for name in runs[0]:
+        assert inside[name].data_ptr() == runs[1][name].data_ptr()
+        want = torch.stack([read_block(kv, b)[name] for b in (1, 2, 4)])
+        assert torch.equal(across[name], want)
+
+
+@pytest.mark.parametrize("piece", [2, 256])
+def test_write_blocks_equals_per_block_copies(monkeypatch, piece):
+    monkeypatch.setattr(cache_entry, "WRITE_PIECE", piece)
+    source, target = pool(seed=4), pool()
+    runs = [read_blocks(source, [3, 1]), read_blocks(source, [4, 1, 5])]
+    write_blocks(target, [0, 6, 2, 8], runs, [0, 1, 2, 4])
+    for src, dst in zip([3, 1, 4, 5], [0, 6, 2, 8]):
+        for name, t in read_block(target, dst).items():
+            assert torch.equal(t, read_block(source, src)[name])
+    untouched = read_block(target, 7)
+    assert all(not t.any() for t in untouched.values())
