@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from flashnext.cache.cache_entry import copy_tensors, read_block, write_block
+from flashnext.cache.cache_entry import batch_rows, copy_tensors, read_block, read_blocks, write_block, write_blocks
 from flashnext.cache.tier_index import CorruptEntry, SnapshotData, SnapshotMeta, TierIndex, TierStore
 
 log = logging.getLogger("flashnext.parallel")
@@ -121,13 +121,25 @@ class WorkerCache:
     def __init__(self, stores: list[TierStore] = ()):
         self.stores = list(stores)
         self.snaps: dict[int, SnapshotData] = {}
-        self.fetched: dict[bytes, object] = {}      # name → block or snapshot payload
+        self.fetched: dict[bytes, SnapshotData] = {}              # name → snapshot payload
+        self.fetched_blocks: tuple[list, dict[bytes, int]] = ([], {})  # runs (load_blocks), row of each name
 
     def apply(self, ops: list[int], kv, states) -> bool:
-        """Replay rank 0's ops on this rank's pools and stores; False when a fetch failed here."""
+        """Replay rank 0's ops on this rank's pools and stores; False when a fetch failed here. Consecutive block
+        ops of one kind (a conversation's blocks stored, fetched or installed) run as one batch, as rank 0's do."""
         ok = True
-        for i in range(0, len(ops), OP_FIELDS):
-            kind, a, b, c, d = ops[i: i + OP_FIELDS]
+        ops = [ops[i: i + OP_FIELDS] for i in range(0, len(ops), OP_FIELDS)]
+        i = 0
+        while i < len(ops):
+            kind, a, b, c, d = ops[i]
+            if kind in (STORE_BLOCK, FETCH_BLOCK, INSTALL_BLOCK):
+                j = i + 1
+                while j < len(ops) and _same_batch(ops[i], ops[j]):
+                    j += 1
+                ok = self._blocks(ops[i:j], kv) and ok
+                i = j
+                continue
+            i += 1
             if kind == TAKE:
                 tail_kv = {k: v.clone() for k, v in read_block(kv, c).items()} if c >= 0 else None
                 self.snaps[a] = (states.snapshot(b), tail_kv)
@@ -138,25 +150,44 @@ class WorkerCache:
                     write_block(kv, c, tail_kv)
             elif kind == DROP:
                 del self.snaps[a]
-            elif kind in (STORE_BLOCK, STORE_SNAPSHOT, DROP_BLOCK, DROP_SNAPSHOT):
-                self._tier_op(kind, a, ints_name(b, c), d, kv)
-            elif kind in (FETCH_SNAPSHOT, FETCH_BLOCK):
-                ok = self._fetch(kind, self.stores[a], ints_name(b, c)) and ok
-            elif kind == INSTALL_BLOCK:
-                write_block(kv, d, self.fetched[ints_name(b, c)])
+            elif kind in (STORE_SNAPSHOT, DROP_BLOCK, DROP_SNAPSHOT):
+                self._tier_op(kind, a, ints_name(b, c), d)
+            elif kind == FETCH_SNAPSHOT:
+                ok = self._fetch_snapshot(self.stores[a], ints_name(b, c)) and ok
             else:   # INSTALL_SNAPSHOT: the last op of an install
                 state, tail_kv = self.fetched[ints_name(b, c)]
                 self.snaps[d] = (copy_tensors(state, kv.device),
                                  copy_tensors(tail_kv, kv.device) if tail_kv is not None else None)
                 self.fetched.clear()
+                self.fetched_blocks = ([], {})
         return ok
 
-    def _tier_op(self, kind: int, level: int, name: bytes, source: int, kv) -> None:
-        store = self.stores[level]
+    def _blocks(self, ops: list[list[int]], kv) -> bool:
+        """One batch of STORE_BLOCK, FETCH_BLOCK or INSTALL_BLOCK ops (see _same_batch)."""
+        kind, level = ops[0][0], ops[0][1]
+        names = [ints_name(b, c) for _, _, b, c, _ in ops]
         if kind == STORE_BLOCK:
-            data = self.stores[level - 1].load_block(name) if source == FROM_ABOVE else read_block(kv, source)
-            store.store_block(name, data)
-        elif kind == STORE_SNAPSHOT:
+            if ops[0][4] == FROM_ABOVE:
+                data = batch_rows(self.stores[level - 1].load_blocks(names), list(range(len(names))))
+            else:
+                data = read_blocks(kv, [d for *_, d in ops])
+            self.stores[level].store_blocks(names, data)
+            return True
+        if kind == FETCH_BLOCK:
+            store = self.stores[level]
+            try:
+                self.fetched_blocks = (store.load_blocks(names), {name: row for row, name in enumerate(names)})
+            except (CorruptEntry, OSError) as e:
+                log.warning("%s cache: this rank cannot read its share of %s: %s", store.name, names[0].hex(), e)
+                return False
+            return True
+        runs, row_of = self.fetched_blocks     # INSTALL_BLOCK
+        write_blocks(kv, [d for *_, d in ops], runs, [row_of[name] for name in names])
+        return True
+
+    def _tier_op(self, kind: int, level: int, name: bytes, source: int) -> None:
+        store = self.stores[level]
+        if kind == STORE_SNAPSHOT:
             snap = self.stores[level - 1].load_snapshot(name) if source == FROM_ABOVE else self.snaps[source]
             store.store_snapshot(name, snap, None)
         elif kind == DROP_BLOCK:
@@ -164,12 +195,18 @@ class WorkerCache:
         else:
             store.drop_snapshot(name)
 
-    def _fetch(self, kind: int, store: TierStore, name: bytes) -> bool:
-        if kind == FETCH_SNAPSHOT:
-            self.fetched.clear()
+    def _fetch_snapshot(self, store: TierStore, name: bytes) -> bool:
+        self.fetched.clear()
         try:
-            self.fetched[name] = store.load_snapshot(name) if kind == FETCH_SNAPSHOT else store.load_block(name)
+            self.fetched[name] = store.load_snapshot(name)
         except (CorruptEntry, OSError) as e:
             log.warning("%s cache: this rank cannot read its share of %s: %s", store.name, name.hex(), e)
             return False
         return True
+
+
+def _same_batch(first: list[int], op: list[int]) -> bool:
+    """Block ops that run as one batch: same kind, same tier, and (stores) copying from the same place."""
+    if op[0] != first[0] or op[1] != first[1]:
+        return False
+    return first[0] != STORE_BLOCK or (op[4] == FROM_ABOVE) == (first[4] == FROM_ABOVE)
