@@ -1,7 +1,8 @@
 """On the GPU machine: the INT4 GEMMs of prefill at Flash-Next shapes — the dense W4A16 kernel (w4a16_triton
 `_w4a16_kernel`) and the grouped MoE kernels (moe_int4_triton) — over tile configurations, with the group scale
 applied to the fp32 partial or to the weight tile before the dot (scale_in_tile), checked against the torch reference and timed against bf16
-cuBLAS on the dequantised weight (dense) or the matmul FLOPs (MoE). Prints the best config per shape.
+cuBLAS on the dequantised weight (dense) or the matmul FLOPs (MoE), and the dense dequantise-then-cuBLAS path
+(FLASHNEXT_W4A16_PREFILL=dequant). Prints the best config per shape.
 Run: python3 scripts/gpu_prefill_gemm.py [--m 8192]"""
 import argparse
 import itertools
@@ -10,6 +11,7 @@ import sys
 import torch
 from triton.testing import do_bench
 
+from flashnext.ops.int4_dequant_triton import dequantize_triton
 from flashnext.ops.moe_int4 import moe_int4_reference
 from flashnext.ops.moe_int4_triton import PREFILL, MoeConfig, moe_int4_triton
 from flashnext.ops.w4a16 import w4a16_linear_reference
@@ -27,7 +29,8 @@ MOE_TILES = [(64, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64,
 
 def dense(m):
     print(f"dense W4A16, M={m}, bf16, g128 sym")
-    print(f"{'N':>6} {'K':>6} {'cuBLAS bf16 us':>14} {'default us':>10} {'best us':>8} {'best TFLOP/s':>12}  best config")
+    print(f"{'N':>6} {'K':>6} {'cuBLAS bf16 us':>14} {'dequant+cuBLAS us':>17} {'dequant us':>10} {'default us':>10} "
+          f"{'best us':>8} {'best TFLOP/s':>12}  best config")
     for n, k in DENSE:
         w = quantize_rtn(torch.randn(n, k, device="cuda") / k ** 0.5)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -44,9 +47,14 @@ def dense(m):
             except Exception as exc:  # shared memory or registers exceeded
                 print(f"    skip {cfg}: {type(exc).__name__} {str(exc)[:80]}")
         t_default = do_bench(lambda: w4a16_matmul(x, w)) * 1e3
+        # FLASHNEXT_W4A16_PREFILL=dequant: the weight dequantised into a scratch tensor, then cuBLAS
+        err = rel(x @ dequantize_triton(w, x.dtype), ref)
+        assert err < 1e-2, err
+        t_dequant = do_bench(lambda: dequantize_triton(w, x.dtype)) * 1e3
+        t_both = do_bench(lambda: x @ dequantize_triton(w, x.dtype)) * 1e3
         best = min(times, key=times.get)
-        print(f"{n:6} {k:6} {cublas:14.1f} {t_default:10.1f} {times[best]:8.1f} {2 * m * n * k / times[best] / 1e6:12.1f}"
-              f"  {best}")
+        print(f"{n:6} {k:6} {cublas:14.1f} {t_both:17.1f} {t_dequant:10.1f} {t_default:10.1f} {times[best]:8.1f} "
+              f"{2 * m * n * k / times[best] / 1e6:12.1f}  {best}  (dequant path err {err:.1e})")
         for cfg, t in sorted(times.items(), key=lambda kv: kv[1])[:4]:
             print(f"        {t:8.1f} us  {cfg}")
 

@@ -202,3 +202,34 @@ def test_triton_half_precision_activations(kernels, m):
     x = torch.randn(m, 256).to(device=device, dtype=torch.float16)
     got = kernels.w4a16_matmul(x, w)
     assert got.dtype == torch.float16 and rel_err(got, w4a16_linear_reference(x, w)) < 2e-3
+
+
+@needs_triton
+@pytest.mark.parametrize("n,k,g,kind", [(96, 256, 64, "rtn"), (160, 384, 128, "act"), (72, 256, 128, "asym")])
+def test_dequantize_kernel_equals_the_reference(n, k, g, kind):
+    # fp32: scale · (q − zero) is exact, so the kernel's [K, N] is the reference's [N, K] transposed, bit for bit
+    from flashnext.ops.int4_dequant_triton import dequantize_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    w, _ = make_weight(n, k, g, kind, seed=n + k)
+    got = dequantize_triton(w.to(device), torch.float32)
+    assert got.shape == (k, n) and torch.equal(got.cpu(), dequantize(w).t())
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", ["rtn", "act"])
+def test_prefill_sized_matmul_through_the_dequantised_weight(kernels, monkeypatch, kind):
+    monkeypatch.setenv("FLASHNEXT_W4A16_PREFILL", "dequant")
+    monkeypatch.setattr(kernels, "DEQUANT_MIN_M", 17)
+    from flashnext.ops.int4_dequant_triton import dequantize_triton
+
+    calls = []
+    monkeypatch.setattr(kernels, "dequantize_triton", lambda w, dtype: calls.append(dtype) or dequantize_triton(w, dtype))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    w, _ = make_weight(160, 384, 128, kind, seed=11)
+    w = w.to(device)
+    x = torch.randn(17, 384, generator=torch.Generator().manual_seed(12)).to(device)
+    assert rel_err(kernels.w4a16_matmul(x, w), w4a16_linear_reference(x, w)) < 1e-5
+    assert calls == [torch.float32]
+    kernels.w4a16_matmul(x[:16], w)     # below DEQUANT_MIN_M: the GEMM kernel
+    assert len(calls) == 1

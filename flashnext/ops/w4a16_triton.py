@@ -1,6 +1,8 @@
 """Triton W4A16 matmul: y [M, N] = x [M, K] @ W.T with W held in the INT4 kernel layout (docs/int4.md).
 
-Two kernels; `w4a16_matmul` sends M <= GEMV_MAX_M rows (decode) to the first, larger M to the second.
+Two kernels; `w4a16_matmul` sends M <= GEMV_MAX_M rows (decode) to the first, larger M to the second (or, with
+FLASHNEXT_W4A16_PREFILL=dequant and M >= DEQUANT_MIN_M, through a dequantised scratch weight to cuBLAS:
+ops/int4_dequant_triton.py).
 
 `_w4a16_gemv_kernel` (decode, M <= 8): the weight is read once for all M rows and the read is all that costs
 (Flash-Next in_proj_qkv: 13 MB, ~3 µs at 4.27 TB/s), so the kernel is shaped for bytes in flight:
@@ -30,6 +32,7 @@ for act-order weights, so the result differs from dequantise-then-matmul only by
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +40,7 @@ import triton
 import triton.language as tl
 
 from flashnext.ops.arrival import arrival_counters, arrive_last
+from flashnext.ops.int4_dequant_triton import dequantize_triton
 from flashnext.ops.int4_groups import group_zero_scale
 from flashnext.weights.int4_layout import Int4Weight
 
@@ -206,6 +210,9 @@ class GemvConfig:
 
 
 GEMV_MAX_M = 8        # w4a16_matmul sends M <= GEMV_MAX_M to the GEMV kernel
+# With FLASHNEXT_W4A16_PREFILL=dequant, M >= DEQUANT_MIN_M dequantises the weight and multiplies with cuBLAS
+# (ops/int4_dequant_triton.py); off until scripts/gpu_prefill_gemm.py has timed it against the GEMM kernel.
+DEQUANT_MIN_M = 256
 PROGRAMS_PER_SM = 4   # GEMV grid target: enough programs for bytes in flight on every SM
 # Configs measured on the H200 (scripts/gpu_w4a16.py prints this table's entries): (N, K, M bucket) →
 # GemvConfig. Shapes not listed take gemv_config's heuristic. Flash-Next and Qwen3-Next shapes, sweep of 2026-11-29
@@ -346,6 +353,8 @@ def w4a16_matmul(x: torch.Tensor, w: Int4Weight, config: LaunchConfig | GemvConf
         x = x.contiguous()
     if m == 0:
         return x.new_empty(0, n)
+    if config is None and m >= DEQUANT_MIN_M and os.environ.get("FLASHNEXT_W4A16_PREFILL", "triton") == "dequant":
+        return x @ dequantize_triton(w, x.dtype)
     if config is None:
         config = gemv_config(m, n, k, w.group_size, x.device) if m <= GEMV_MAX_M else \
             default_config(m, n, k, w.group_size, x.device)

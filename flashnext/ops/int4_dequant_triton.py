@@ -1,0 +1,64 @@
+"""INT4 kernel layout → a 16-bit [K, N] weight in one pass, for prefill-sized W4A16 matmuls through cuBLAS.
+
+At prefill sizes (thousands of rows) a W4A16 GEMM is compute-bound, and the Triton GEMM kernel ran at ~0.38×
+bf16 cuBLAS on the H200 (BENCHMARKS.md). Dequantising the one weight a call needs into a scratch tensor
+costs reading its 0.5 byte and writing its 2 bytes per weight — for Flash-Next's in_proj_qkv (10240 × 2560) ~15
+µs against ~590 µs of cuBLAS at 8,192 rows — so `w4a16_matmul` may send large M here (`FLASHNEXT_W4A16_PREFILL
+=dequant`; vLLM's AWQ path does the same above 256 tokens). Only one weight's scratch exists at a time; the
+model keeps INT4.
+
+The reference is `weights.int4_layout.dequantize` (fp32 [N, K] in activation order): this returns its
+transpose in the requested dtype, rows in activation order (act-order scatters packed row k to row perm[k]).
+Each weight is scale · (q − zero) rounded once to the dtype: the rounding the bf16 matmul adds over the
+reference (which keeps the product in fp32) is that one rounding per weight.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashnext.weights.int4_layout import Int4Weight
+
+
+@triton.jit
+def _dequant_kernel(qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, N, K, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                    HAS_PERM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)          # packed rows: K/8 of them
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    p_ok = offs_p < K // 8
+    n_ok = offs_n < N
+    ok = p_ok[:, None] & n_ok[None, :]
+    packed = tl.load(qw_ptr + offs_p[:, None] * N + offs_n[None, :], mask=ok, other=0)
+    for j in tl.static_range(8):
+        k = offs_p * 8 + j                                      # packed row order
+        q = (packed >> (4 * j)) & 0xF
+        group = k // GROUP
+        scale = tl.load(s_ptr + group[:, None] * N + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            zero = tl.load(z_ptr + group[:, None] * N + offs_n[None, :], mask=ok, other=0).to(tl.int32)
+        else:
+            zero = 8
+        w = scale * (q - zero).to(tl.float32)
+        if HAS_PERM:
+            row = tl.load(perm_ptr + k, mask=p_ok, other=0)
+        else:
+            row = k
+        tl.store(out_ptr + row[:, None].to(tl.int64) * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def dequantize_triton(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """→ [K, N] in `dtype`: dequantize(w).t() rounded once (a 2-D weight; stacked experts are not handled)."""
+    assert w.qweight.dim() == 2, "one weight at a time"
+    k, n = w.in_features, w.out_features
+    out = torch.empty(k, n, dtype=dtype, device=w.qweight.device)
+    block_p, block_n = 8, 128
+    grid = (triton.cdiv(k // 8, block_p), triton.cdiv(n, block_n))
+    zeros = w.zeros if w.zeros is not None else w.scales   # never read without HAS_ZEROS
+    perm = w.perm if w.perm is not None else w.qweight
+    _dequant_kernel[grid](w.qweight, w.scales, zeros, perm, out, n, k, GROUP=w.group_size,
+                          HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None, BLOCK_P=block_p,
+                          BLOCK_N=block_n, num_warps=4)
+    return out
