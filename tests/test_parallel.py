@@ -359,3 +359,25 @@ def test_engine_disk_tier_across_ranks_survives_restart(tmp_path, caplog):
     assert got == want
     assert cached == [TURN2_HIT, 0] and disk_loads == 2
     assert "another rank cannot read its share" in caplog.text
+
+
+def test_a_dead_worker_ends_the_server_instead_of_hanging_it():
+    # Without the watch, rank 0's next collective would wait for the killed rank for ever.
+    import subprocess
+    import sys
+
+    script = """
+import logging, os, signal, time
+logging.basicConfig(level=logging.INFO)
+from flashnext.engine.args import EngineArgs
+from flashnext.parallel import launch
+engine = launch.launch_engine(EngineArgs(model="tiny-qwen3-next", device="cpu", dtype="float32", max_num_seqs=2,
+                                         max_model_len=128, tensor_parallel=2))
+os.kill(launch._started[-1][0][0].pid, signal.SIGKILL)
+time.sleep(60)
+print("still running")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "flashnext-rank1 exited with code -9" in out.stderr and "still running" not in out.stdout

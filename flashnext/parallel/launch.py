@@ -10,7 +10,9 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import os
 import signal
+import threading
 
 import torch
 import torch.distributed as dist
@@ -25,7 +27,9 @@ from flashnext.parallel.runtime import (ParallelPlan, attach_broadcaster, attach
                                         init_process, rank_device, send_ops, send_stop, worker_loop, world_size)
 
 log = logging.getLogger("flashnext.parallel")
-_started: list = []   # (worker processes, rank 0's device, its SnapshotMirror) of the engine this process launched
+# (workers, rank 0's device, its SnapshotMirror, their watch's stop event) of the engine this process launched
+_started: list = []
+WATCH_INTERVAL_S = 0.5
 
 
 def _plan(args: EngineArgs, rank: int) -> ParallelPlan:
@@ -96,15 +100,23 @@ def launch_engine(args: EngineArgs):
                for rank in range(1, world)]
     for w in workers:
         w.start()
-    loaded, device, _ = _load(args, 0, port)
-    mirror = SnapshotMirror(send_ops)
-    attach_broadcaster(loaded.model, mirror)
-    engine = LLMEngine(args, loaded=loaded)
+    stop_watch = threading.Event()
+    threading.Thread(target=_watch, args=(workers, stop_watch), daemon=True, name="flashnext-rank-watch").start()
+    try:
+        loaded, device, _ = _load(args, 0, port)
+        mirror = SnapshotMirror(send_ops)
+        attach_broadcaster(loaded.model, mirror)
+        engine = LLMEngine(args, loaded=loaded)
+    except BaseException:
+        stop_watch.set()
+        for w in workers:
+            w.terminate()
+        raise
     if engine.prefix_cache is not None:
         mirror.attach(engine.prefix_cache)
     if engine.runner.graphs is not None:
         attach_decode_announcer(engine.runner.graphs, mirror)
-    _started.append((workers, device, mirror))
+    _started.append((workers, device, mirror, stop_watch))
     atexit.register(shutdown)
     log.info("rank 0 of %d (tensor parallel %d, expert parallel %d); workers %s", world, args.tensor_parallel,
              args.expert_parallel, [w.pid for w in workers])
@@ -114,7 +126,8 @@ def launch_engine(args: EngineArgs):
 def shutdown(timeout: float = 30.0) -> None:
     """Rank 0: tell the workers to leave their loop, wait for them, leave the group (also run at exit)."""
     while _started:
-        workers, device, mirror = _started.pop()
+        workers, device, mirror, stop_watch = _started.pop()
+        stop_watch.set()
         if dist.is_initialized():
             mirror.sync()    # e.g. what LLMEngine.shutdown just wrote down to disk: the workers write theirs
             send_stop(device)
@@ -127,6 +140,19 @@ def shutdown(timeout: float = 30.0) -> None:
                 w.terminate()
     if dist.is_initialized():  # launch_engine failed before its workers were recorded
         dist.destroy_process_group()
+
+
+def _watch(workers: list, stop: threading.Event) -> None:
+    """Rank 0: a worker that dies (killed, out of memory, failed to load) leaves every other rank waiting in
+    its next collective for ever — a server that hangs instead of failing. End the process instead, so that
+    a supervisor restarts it; the disk tier is not written (the dead rank's share is gone anyway)."""
+    while not stop.wait(WATCH_INTERVAL_S):
+        dead = [w for w in workers if w.exitcode is not None]
+        if dead:
+            log.critical("%s exited with code %s while serving; the other ranks cannot go on without it: exiting",
+                         dead[0].name, dead[0].exitcode)
+            logging.shutdown()
+            os._exit(1)
 
 
 def _run_rank(rank: int, world: int, port: int, device: str, fn, fn_args) -> None:
