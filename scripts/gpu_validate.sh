@@ -41,10 +41,14 @@ if [[ $parts == *" exact "* ]]; then
   part sparse_prefill python3 scripts/gpu_sparse_prefill.py
   part gdn_prefill python3 scripts/gpu_gdn_prefill.py
   part decode python3 scripts/gpu_decode.py --fp32-only
+  part decode_branches env FLASHNEXT_DECODE_BRANCHES=1 python3 scripts/gpu_decode.py --fp32-only
   part expert_cache python3 scripts/gpu_expert_cache.py
 fi
 if [[ $parts == *" profile "* ]]; then
   part decode_step python3 scripts/gpu_decode.py --skip-exactness --model mem:flash-next --quantize int4
+  # the projections of one input and the shared expert as parallel graph branches (ops/branches.py): faster?
+  part decode_step_branches env FLASHNEXT_DECODE_BRANCHES=1 python3 scripts/gpu_decode.py --skip-exactness \
+    --model mem:flash-next --quantize int4
   part prefill_gemm python3 scripts/gpu_prefill_gemm.py --m 8192
   part prefill python3 scripts/gpu_prefill.py --model mem:flash-next --quantize int4 --tokens 10000 --chunk 2048 --chunk 8192
   # the dense INT4 GEMMs through a dequantised weight and cuBLAS instead (docs/int4.md): does the whole prefill gain?

@@ -64,7 +64,7 @@ def test_decode_fp16_activations():
 def test_decode_token_bits_independent_of_batch():
     """A token's output has the same bits alone and in a batch (the splits do not depend on M), and the
     arrival counters are left zeroed for the next call."""
-    from flashnext.ops.arrival import _BUFFERS
+    from flashnext.ops.arrival import buffers
     from flashnext.ops.moe_int4_decode_triton import DecodeConfig, moe_int4_decode
 
     x, ids, weights, w_gate_up, w_down = case(3, 3, 32, 16, asym=True)
@@ -72,4 +72,4 @@ def test_decode_token_bits_independent_of_batch():
     batch = moe_int4_decode(x, ids, weights, w_gate_up, w_down, config)
     alone = moe_int4_decode(x[1:2], ids[1:2], weights[1:2], w_gate_up, w_down, config)
     assert torch.equal(batch[1:2], alone)
-    assert not any(buf.any() for buf in _BUFFERS[x.device])
+    assert buffers(x.device) and not any(buf.any() for buf in buffers(x.device))

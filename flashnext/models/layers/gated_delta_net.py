@@ -12,6 +12,7 @@ from torch import nn
 from flashnext.models.context import ForwardContext
 from flashnext.models.decode_batch import DecodeBatch
 from flashnext.models.layers.norms import GatedRMSNorm
+from flashnext.ops import branches
 from flashnext.ops.causal_conv1d import causal_conv1d
 from flashnext.ops.gdn_decode import gdn_decode
 from flashnext.ops.gated_delta_rule import gated_delta_rule
@@ -50,14 +51,17 @@ class GatedDeltaNet(nn.Module):
     def _project(self, x: torch.Tensor):
         """→ mixed qkv [N, conv_dim] as [all q | all k | all v], z [N, Hv, Dv], b and a [N, Hv]."""
         n = x.shape[0]
+        # the projections of one input: parallel branches of the decode graph (ops.branches)
         if self.split:
-            z = self.in_proj_z(x).view(n, self.num_v_heads, self.head_v_dim)
-            b, a = self.project_ba(x) if self.project_ba is not None else (self.in_proj_b(x), self.in_proj_a(x))
-            return self.in_proj_qkv(x), z, b, a
+            mixed, z, (b, a) = branches.parallel(
+                x, lambda: self.in_proj_qkv(x), lambda: self.in_proj_z(x).view(n, self.num_v_heads, self.head_v_dim),
+                lambda: self.project_ba(x) if self.project_ba is not None else (self.in_proj_b(x), self.in_proj_a(x)))
+            return mixed, z, b, a
         r = self.num_v_heads // self.num_k_heads
-        qkvz = self.in_proj_qkvz(x).view(n, self.num_k_heads, -1)
-        q, k, v, z = torch.split(qkvz, [self.head_k_dim, self.head_k_dim, r * self.head_v_dim, r * self.head_v_dim], dim=-1)
-        b, a = torch.split(self.in_proj_ba(x).view(n, self.num_k_heads, 2 * r), [r, r], dim=-1)
+        qkvz, ba = branches.parallel(x, lambda: self.in_proj_qkvz(x), lambda: self.in_proj_ba(x))
+        q, k, v, z = torch.split(qkvz.view(n, self.num_k_heads, -1),
+                                 [self.head_k_dim, self.head_k_dim, r * self.head_v_dim, r * self.head_v_dim], dim=-1)
+        b, a = torch.split(ba.view(n, self.num_k_heads, 2 * r), [r, r], dim=-1)
         mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
         return mixed, z.reshape(n, self.num_v_heads, self.head_v_dim), b.reshape(n, -1), a.reshape(n, -1)
 

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashnext.ops import branches
 from flashnext.ops.gated_elementwise import gated_add, silu_mul
 from flashnext.ops.router_topk import router_topk
 from flashnext.weights.config import ModelConfig
@@ -86,8 +87,14 @@ class SparseMoe(nn.Module):
         return gated_add(self.experts(x, weights, ids), self.shared_expert(x), shared_gate)
 
     def decode(self, x):
+        # the shared expert needs only x: a parallel branch of the decode graph (ops.branches)
+        (routed, shared_gate), shared = branches.parallel(x, lambda: self._routed_decode(x),
+                                                          lambda: self.shared_expert(x))
+        return gated_add(routed, shared, shared_gate)
+
+    def _routed_decode(self, x):
         weights, ids, shared_gate = self._route(x)
-        return gated_add(self.experts.decode(x, weights, ids), self.shared_expert(x), shared_gate)
+        return self.experts.decode(x, weights, ids), shared_gate
 
     def _route(self, x):
         """→ routing weights [N, k], expert ids [N, k], shared-expert gate logit [N, 1]."""
