@@ -15,8 +15,8 @@ runs at the full budget (larger chunks keep the GEMMs busier).
 With a prefix cache, an admitted request first resumes from the deepest cached snapshot of its tokens
 (never all of them: the last token must run to give logits); a snapshot is taken at the end of the first
 prefill chunk that reaches or crosses each multiple of the snapshot interval inside the prompt, at the end
-of the prompt, at the end of the conversation before the chat template's generation prompt (history_len:
-where the next turn diverges) and at the end of every reply.
+of the prompt — or, for a chat request, where its conversation ends before the template's generation prompt
+(history_len: where the next turn diverges) — and at the end of every reply.
 """
 from __future__ import annotations
 
