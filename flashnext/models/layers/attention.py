@@ -8,6 +8,7 @@ from torch import nn
 from flashnext.models.context import ForwardContext, Segment
 from flashnext.models.decode_batch import DecodeBatch
 from flashnext.models.layers.norms import ZeroCenteredRMSNorm
+from flashnext.ops import branches
 from flashnext.ops.decode_attention import decode_attention
 from flashnext.ops.norm_rope import norm_rope
 from flashnext.ops.prefill_attention import prefill_attention
@@ -54,12 +55,13 @@ class GatedAttention(nn.Module):
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """One token per row: write its K/V into the row's page, attend over the pages (ops.decode_attention)."""
-        q, gate, k, v = self._qkv(x, cos, sin)
+        # the token selection (QSA's indexer) reads only x and its own keys: a parallel branch (ops.branches)
+        (q, gate, k, v), selection = branches.parallel(x, lambda: self._qkv(x, cos, sin),
+                                                       lambda: self.decode_selection(x, cos, sin, batch))
         k_cache, v_cache = batch.kv.k[self.layer_idx], batch.kv.v[self.layer_idx]
         rows = batch.token_rows
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, rows, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, rows, v)
-        selection = self.decode_selection(x, cos, sin, batch)
         token_index, token_valid = selection if selection is not None else (None, None)
         out = decode_attention(q, k_cache, v_cache, batch.block_table, batch.seq_lens, self.scaling,
                                token_index=token_index, token_valid=token_valid)
