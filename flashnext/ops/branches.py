@@ -3,9 +3,8 @@
 A batch-1 decode step is ~1,400 kernels, each too small to fill the H200 (BENCHMARKS.md: the GEMVs run at
 15–30% of bandwidth, latency-bound). Parts that share only their input can run at the same time: the three
 projections of GatedDeltaNet's input, the shared expert beside the routed experts, QSA's token selection beside
-the attention projections. `parallel(x, f, g, …)` runs
-f on the current stream and each other function on a side stream forked from it, then joins them; captured,
-the graph holds them as concurrent branches. Each branch counts its split-K kernels on its own arrival
+the attention projections. `parallel(x, f, g, …)` runs f on the current stream and each other function on a
+side stream forked from it, then joins them; captured, the graph holds them as concurrent branches. Each branch counts its split-K kernels on its own arrival
 counters (ops/arrival.py lanes). Outputs made on a side stream are recorded on the current one, so the
 allocator does not hand their memory to the side stream's next work while the current stream still reads it.
 
