@@ -29,3 +29,16 @@ def test_each_lane_counts_on_its_own_buffer():
         side = arrival_counters(device, 10)
         assert arrival_counters(device, 10) is side
     assert side is not main and arrival_counters(device, 10) is main
+
+
+def test_the_engine_and_models_import_no_triton():
+    # The CPU tests choose Triton's interpreter when they are collected (TRITON_INTERPRET): a kernel decorated
+    # before that — by a model file importing a Triton module at the top — is built for a GPU, and every
+    # interpreted kernel calling it fails ("Cannot call @triton.jit'd outside of the scope of a kernel").
+    import subprocess
+    import sys
+
+    code = ("import sys, flashnext.engine.llm_engine, flashnext.models.qwen4_exp, flashnext.models.qwen3_next, "
+            "flashnext.models.qwen3_5_moe, flashnext.server.app; print('triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

@@ -19,8 +19,6 @@ from typing import Callable
 
 import torch
 
-from flashnext.ops.arrival import in_lane
-
 _SIDE_STREAMS: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
 
 
@@ -51,6 +49,10 @@ def parallel(x: torch.Tensor, *fns: Callable[[], object]) -> tuple:
     """(fns[0](), fns[1](), …); `x` (an input of them all) names the device."""
     if not enabled(x):
         return tuple(f() for f in fns)
+    # Here, not at the top: the model files import this module, and importing Triton's kernels before a CPU test
+    # has chosen the interpreter (TRITON_INTERPRET) would compile them for a GPU that is not there.
+    from flashnext.ops.arrival import in_lane
+
     main = torch.cuda.current_stream(x.device)
     results: list[object] = [None] * len(fns)
     sides = []
