@@ -282,6 +282,36 @@ def test_restart_needs_a_server_the_bench_started(capsys, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_only_picks_benchmarks_of_all_and_names_a_wrong_one(capsys, tmp_path):
+    assert cli.main(["bench", "all", "--url", "http://127.0.0.1:9", "--only", "agentic,bogus",
+                     "--out-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "unknown benchmark bogus" in err and "ConnectError" not in err
+    assert cli.main(["bench", "idle", "--url", "http://127.0.0.1:9", "--only", "idle", "--out-dir", str(tmp_path)]) == 1
+    assert "--only picks benchmarks for `flashnext bench all`" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_only_runs_just_the_named_benchmarks_in_protocol_order(monkeypatch, capsys, tmp_path):
+    import contextlib
+    import types
+
+    ran = []
+
+    @contextlib.asynccontextmanager
+    async def no_server(args):
+        yield types.SimpleNamespace(server=None)
+
+    async def record(name, target, args, progress):
+        ran.append(name)
+        raise BenchError("not run here")
+
+    monkeypatch.setattr(cli, "open_target", no_server)
+    monkeypatch.setattr(cli, "run_one", record)
+    assert cli.main(["bench", "all", "--url", "http://x", "--only", "idle, agentic", "--out-dir", str(tmp_path)]) == 1
+    assert ran == ["agentic", "idle"]
+
+
 def test_idle_table_says_when_the_server_restarted():
     from flashnext.bench.idle import table
 

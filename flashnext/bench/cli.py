@@ -52,6 +52,7 @@ def _bench_flags() -> argparse.ArgumentParser:
     _add(g, "--out-dir", default="bench/results", help="where results JSON and plots go")
     _add(g, "--no-plots", action="store_true", help="skip the PNG plots")
     _add(g, "--floor", help="floor to compare against (flash-next, qwen3-next-80b); default: from the model name")
+    _add(g, "--only", help="all: just these benchmarks (comma-separated, e.g. agentic,idle), still one server")
     g = p.add_argument_group("workload (defaults are PERF.md's protocol)")
     _add(g, "--seed", type=int, default=0, help="seed of the deterministic filler text and tool results")
     _add(g, "--warmups", type=int, help="warm-up requests (default: decode 3, prefill 1)")
@@ -108,6 +109,15 @@ def run_bench(args) -> int:
 
 async def _run(args) -> int:
     names = ALL if args.bench == "all" else [args.bench]
+    if args.only:
+        if args.bench != "all":
+            raise BenchError("--only picks benchmarks for `flashnext bench all`; name one benchmark instead.")
+        wanted = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = [n for n in wanted if n not in ALL]
+        if unknown or not wanted:
+            raise BenchError(f"--only {args.only!r}: unknown benchmark {unknown[0] if unknown else '(none)'}; "
+                             f"choose from {', '.join(ALL)}.")
+        names = [n for n in ALL if n in wanted]
     if args.model is None and "startup" in names:
         if args.bench == "startup":
             raise BenchError("startup needs --model: it times our own server from process start.")
