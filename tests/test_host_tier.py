@@ -32,25 +32,26 @@ def test_blocks_stored_together_load_as_one_run_of_views():
     hs = hashes(5)
     sizes = store.store_blocks(hs, read_blocks(kv, [7, 2, 9, 0, 4]))
     assert sizes == [sum(t.nbytes for t in read_block(kv, 0).values())] * 5
-    (run,) = store.load_blocks(hs)
-    batch = store.batches[store.rows[hs[0]][0]]
-    for name, t in run.items():
-        assert t.data_ptr() == batch[name].data_ptr() and len(t) == 5   # a view of the stored batch
+    runs = store.load_blocks(hs)       # 5 blocks = pieces of 4 + 1 (power-of-two pinned allocations)
+    assert [len(next(iter(run.values()))) for run in runs] == [4, 1]
+    for run in runs:
+        batch = store.batches[store.rows[hs[0 if run is runs[0] else 4]][0]]
+        assert all(t.data_ptr() == batch[name].data_ptr() for name, t in run.items())   # views of the store
     for row, block in enumerate([7, 2, 9, 0, 4]):
         for name, t in read_block(kv, block).items():
-            assert torch.equal(run[name][row], t) and torch.equal(store.load_block(hs[row])[name], t)
+            assert torch.equal(batch_rows(runs, [row])[name][0], t) and torch.equal(store.load_block(hs[row])[name], t)
     assert len(store.load_blocks([hs[0], hs[1], hs[3]])) == 2
 
 
 def test_a_batch_is_freed_with_its_last_block():
     kv, store = pool(seed=2), HostStore()
-    hs = hashes(3)
-    store.store_blocks(hs, read_blocks(kv, [0, 1, 2]))
+    hs = hashes(4)     # one power-of-two piece: one batch
+    store.store_blocks(hs, read_blocks(kv, [0, 1, 2, 3]))
     store.store_block(b"single" * 3, read_block(kv, 5))
-    for h in hs[:2]:
+    for h in hs[:3]:
         store.drop_block(h)
     assert len(store.batches) == 2
-    store.drop_block(hs[2])
+    store.drop_block(hs[3])
     assert len(store.batches) == 1 and len(store.load_blocks([b"single" * 3])) == 1
 
 

@@ -3,9 +3,10 @@ through at the end of every turn) wait here, in pinned memory when CUDA is prese
 are plain DMA, until a request hits them or they are evicted in turn (to disk when configured).
 The index is TierIndex; this is where the payloads sit (on several ranks, one such store per rank).
 
-Blocks that come down together (a conversation's new blocks) stay together: one pinned tensor per tensor of
-the KV pool holds the whole batch, each block is a row of it, and blocks stored in one batch load back as
-one run (views, no copy) — one transfer per tensor instead of one per block and tensor. A batch's memory is
+Blocks that come down together (a conversation's new blocks) stay together: pinned tensors per tensor of the
+KV pool hold the batch (in a few pieces of power-of-two block counts), each block is a row, and blocks stored
+together load back as a few runs of views (no copy) — a few transfers per tensor instead of one per block
+and tensor. A batch's memory is
 freed when its last block is dropped; until then the tier's byte count (its blocks') can be below what the
 batch holds.
 """
@@ -29,11 +30,18 @@ class HostStore(TierStore):
         self._next_batch = 0
 
     def store_blocks(self, hashes: list[bytes], batch: BlockData) -> list[int]:
-        batch_id, self._next_batch = self._next_batch, self._next_batch + 1
-        self.batches[batch_id] = copy_tensors(batch, "cpu", self.pin)
-        self.live_rows[batch_id] = len(hashes)
-        for row, h in enumerate(hashes):
-            self.rows[h] = (batch_id, row)
+        # Pieces of power-of-two block counts (3,625 blocks: 2,048 + 1,024 + 512 + 32 + 8 + 1): the pinned
+        # allocator rounds every allocation up to a power of two, and a block's tensors are powers of two
+        # (16 KB of K or V per layer for Flash-Next), so the pinned memory is what the tier counts.
+        at = 0
+        for size in _powers_of_two(len(hashes)):
+            batch_id, self._next_batch = self._next_batch, self._next_batch + 1
+            piece = {name: t[at: at + size] for name, t in batch.items()}
+            self.batches[batch_id] = copy_tensors(piece, "cpu", self.pin)
+            self.live_rows[batch_id] = size
+            for row, h in enumerate(hashes[at: at + size]):
+                self.rows[h] = (batch_id, row)
+            at += size
         return [tensor_bytes(batch) // len(hashes)] * len(hashes)
 
     def store_block(self, h: bytes, data: BlockData) -> int:
@@ -71,3 +79,8 @@ class HostStore(TierStore):
 
     def drop_snapshot(self, key: bytes) -> None:
         del self.snapshot_data[key]
+
+
+def _powers_of_two(n: int) -> list[int]:
+    """n as a sum of distinct powers of two, largest first."""
+    return [1 << b for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1]
