@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# On the 2-GPU machine (nvidia-h200-x2), issue #12 in one device call: NCCL exactness of the decode graphs and of
+# the eager path, then the concurrency bench (prefill TTFT and decode tok/s per stream) with expert parallel and
+# tensor parallel against one GPU, on the 4-of-48-layer Qwen3-Next bf16 checkpoint. Carry .whl/. Each step has
+# its own time limit, so one that hangs (the scripts print every rank's stack first) cannot take the others' time.
+#
+#   bash scripts/gpu_parallel_bench.sh          # at most ~9.5 minutes (the limits add up to 550 s); results JSON and logs in $OUT (or /tmp/gpu_parallel)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >/dev/null 2>&1 && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+out=${OUT:-/tmp/gpu_parallel}
+ckpt=${CKPT:-/tmp/q3n4}
+mkdir -p "$out"
+nvidia-smi -L
+# the checkpoint, in the background while the exactness scripts run
+[ -f "$ckpt/config.json" ] || (python3 -m flashnext.cli synth --preset qwen3-next-80b --dtype bf16 --layers 4 \
+  --out "$ckpt" > "$out/synth.log" 2>&1 &)
+HANG_S=130 timeout 150 python3 scripts/gpu_parallel_graphs.py 2>&1 | grep -v "Loading weights" | tee "$out/graphs.txt"
+timeout 110 python3 scripts/gpu_parallel.py --dtype float32 --hang-s 95 2>&1 | grep -v "Loading weights" \
+  | tail -20 | tee "$out/parallel_fp32.txt"
+for _ in $(seq 60); do [ -f "$ckpt/config.json" ] && break; sleep 2; done
+bench() {  # bench LIMIT_S SERVER_ARGS
+  timeout "$1" python3 -m flashnext.bench concurrency --model "$ckpt" --streams 1,2,4 --prompt-tokens 4096 \
+    --gen-tokens 128 --floor qwen3-next-80b --out-dir "$out" --no-plots --server-args "$2" 2>&1 | tail -9
+}
+echo "== expert parallel 2";  bench 110 "--expert-parallel 2 --kv-cache-gb 8"
+echo "== tensor parallel 2";  bench 100 "--tensor-parallel 2 --kv-cache-gb 8"
+echo "== one GPU";            CUDA_VISIBLE_DEVICES=0 bench 80 "--kv-cache-gb 8"
