@@ -26,6 +26,10 @@ for _ in $(seq 60); do [ -f "$ckpt/config.json" ] && break; sleep 2; done
 bench() {  # bench LIMIT_S SERVER_ARGS
   timeout "$1" python3 -m flashnext.bench concurrency --model "$ckpt" --streams 1,2,4 --prompt-tokens 4096 \
     --gen-tokens 128 --floor qwen3-next-80b --out-dir "$out" --no-plots --server-args "$2" 2>&1 | tail -9
+  # a bench cut by its limit leaves its server (and the server's rank processes) holding the GPUs
+  pkill -9 -f "flashnext.cli serve" || true
+  pkill -9 -f "multiprocessing.spawn" || true
+  sleep 2
 }
 echo "== expert parallel 2";  bench 110 "--expert-parallel 2 --kv-cache-gb 8"
 echo "== tensor parallel 2";  bench 100 "--tensor-parallel 2 --kv-cache-gb 8"
