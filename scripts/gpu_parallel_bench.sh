@@ -19,17 +19,21 @@ nvidia-smi -L
 # the checkpoint, in the background while the exactness scripts run
 [ -f "$ckpt/config.json" ] || (python3 -m flashnext.cli synth --preset qwen3-next-80b --dtype bf16 --layers 4 \
   --out "$ckpt" > "$out/synth.log" 2>&1 &)
+cleanup() {  # a step cut by its limit leaves its rank processes (and a bench its server) holding the GPUs
+  pkill -9 -f "flashnext.cli serve" || true
+  pkill -9 -f "multiprocessing.spawn" || true
+  sleep 2
+}
 HANG_S=130 timeout 150 python3 scripts/gpu_parallel_graphs.py 2>&1 | grep -v "Loading weights" | tee "$out/graphs.txt"
+cleanup
 timeout 110 python3 scripts/gpu_parallel.py --dtype float32 --hang-s 95 2>&1 | grep -v "Loading weights" \
   | tail -20 | tee "$out/parallel_fp32.txt"
+cleanup
 for _ in $(seq 60); do [ -f "$ckpt/config.json" ] && break; sleep 2; done
 bench() {  # bench LIMIT_S SERVER_ARGS
   timeout "$1" python3 -m flashnext.bench concurrency --model "$ckpt" --streams 1,2,4 --prompt-tokens 4096 \
     --gen-tokens 128 --floor qwen3-next-80b --out-dir "$out" --no-plots --server-args "$2" 2>&1 | tail -9
-  # a bench cut by its limit leaves its server (and the server's rank processes) holding the GPUs
-  pkill -9 -f "flashnext.cli serve" || true
-  pkill -9 -f "multiprocessing.spawn" || true
-  sleep 2
+  cleanup
 }
 echo "== expert parallel 2";  bench 110 "--expert-parallel 2 --kv-cache-gb 8"
 echo "== tensor parallel 2";  bench 100 "--tensor-parallel 2 --kv-cache-gb 8"
