@@ -29,7 +29,7 @@ cleanup
 timeout 110 python3 scripts/gpu_parallel.py --dtype float32 --hang-s 95 2>&1 | grep -v "Loading weights" \
   | tail -20 | tee "$out/parallel_fp32.txt"
 cleanup
-for _ in $(seq 60); do [ -f "$ckpt/config.json" ] && break; sleep 2; done
+for _ in $(seq 60); do [ -f "$ckpt/tokenizer.json" ] && break; sleep 2; done; sleep 2   # the tokenizer is written last
 bench() {  # bench LIMIT_S SERVER_ARGS
   timeout "$1" python3 -m flashnext.bench concurrency --model "$ckpt" --streams 1,2,4 --prompt-tokens 4096 \
     --gen-tokens 128 --floor qwen3-next-80b --out-dir "$out" --no-plots --server-args "$2" 2>&1 | tail -9
