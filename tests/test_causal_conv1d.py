@@ -2,13 +2,9 @@
 (the layers' own math, held to transformers by the parity tests) for prompts shorter and longer than the tail,
 dilated taps (PLE), an fp32 tail under 16-bit activations, and chunked calls equal one call."""
 import importlib.util
-import os
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():  # the interpreter must be chosen before triton decorates the kernels
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from flashnext.ops.causal_conv1d import causal_conv1d_reference
 

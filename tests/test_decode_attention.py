@@ -1,16 +1,10 @@
 """Paged decode attention: the reference against plain per-sequence SDPA over gathered rows (dense and
 sparse), and the Triton split-K kernel (CPU: TRITON_INTERPRET=1) against the reference at odd sizes."""
 import importlib.util
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
-
-# Triton reads TRITON_INTERPRET when its modules are imported and its kernels decorated, and other tests may
-# import triton (through transformers) before ours run: choose the interpreter at collection, on CPU only.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from flashnext.ops.decode_attention import decode_attention, decode_attention_reference
 

@@ -1,13 +1,9 @@
 """silu·mul and the shared-expert gated add: the Triton kernels (TRITON_INTERPRET=1 on CPU) equal the torch
 expressions the model used, with strided views as the stacked projections hand them over."""
 import importlib.util
-import os
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():  # the interpreter must be chosen before triton decorates the kernels
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from flashnext.ops.gated_elementwise import gated_add_reference, silu_mul_reference
 

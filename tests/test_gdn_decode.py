@@ -2,16 +2,10 @@
 layouts, both gate activations), and the Triton kernels (CPU: TRITON_INTERPRET=1) against the reference at odd
 sizes, with strided inputs, untouched slots and several consecutive steps."""
 import importlib.util
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
-
-# Triton reads TRITON_INTERPRET when its modules are imported and its kernels decorated: choose the interpreter
-# at collection, on CPU only (as tests/test_w4a16.py does).
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from oracle import TINY, randomise
 

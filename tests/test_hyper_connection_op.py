@@ -2,16 +2,10 @@
 Triton kernels (CPU: TRITON_INTERPRET=1, fp32 only — the interpreter gets bf16 wrong) against the reference at
 odd sizes, with the K splits, row tiles and row blocks that the decode shapes use."""
 import importlib.util
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
-
-# Triton reads TRITON_INTERPRET when its modules are imported and its kernels decorated: choose the
-# interpreter at collection, on CPU only (as tests/test_w4a16.py does).
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from flashnext.models.layers.hyper_connection import HyperConnection
 from flashnext.ops.hyper_connection import hc_inject, hc_inject_reference, hc_mix, hc_mix_reference

@@ -1,14 +1,9 @@
 """Paged prefill attention: the reference against a per-query loop written from the definition (causal, QSA
 selection with tails), and the Triton flash-attention kernel (CPU: TRITON_INTERPRET=1) against the reference at
 odd sizes: segments that start mid-page, queries not a multiple of the tile, shuffled pages, GQA."""
-import os
 
 import pytest
 import torch
-
-# Triton reads TRITON_INTERPRET when its kernels are decorated: choose the interpreter at collection, on CPU only.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from flashnext.ops.prefill_attention import prefill_attention_reference
 

@@ -2,13 +2,9 @@
 as the torch reference, over consecutive steps that complete blocks, with a strided raw key like q_proj's split.
 (The reference itself is held to the eager model by tests/test_decode_step.py.)"""
 import importlib.util
-import os
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():  # the interpreter must be chosen before triton decorates the kernels
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from flashnext.models.layers.rope import RotaryEmbedding
 from flashnext.ops.qsa_key_append import qsa_key_append_reference

@@ -1,13 +1,9 @@
 """QSA decode block scores: the Triton kernel (TRITON_INTERPRET=1 on CPU) equals the torch reference (which the
 decode-step tests hold to the eager model), through shuffled block tables, with incomplete blocks at -inf."""
 import importlib.util
-import os
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():  # the interpreter must be chosen before triton decorates the kernels
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from flashnext.ops.qsa_scores import qsa_block_scores_reference
 

@@ -7,10 +7,6 @@ import pytest
 import torch
 from torch import nn
 
-# Triton reads TRITON_INTERPRET when a kernel is decorated: choose the interpreter at collection, on CPU only.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 from flashnext.models import build_model
 from flashnext.models.layers.row_table import HOST_TABLE_BYTES, RowTable, choose_placement
 from flashnext.weights.pinned import host_empty

@@ -1,15 +1,9 @@
 """INT4 kernel layout and W4A16 matmul: layout helpers against the GPTQ helpers, the reference against plain
 dequantise + matmul, and the Triton kernels (CPU: TRITON_INTERPRET=1) against the reference at odd sizes."""
 import importlib.util
-import os
 
 import pytest
 import torch
-
-# Triton reads TRITON_INTERPRET when its modules are imported and its kernels decorated, and other tests may
-# import triton (through transformers) before ours run: choose the interpreter at collection, on CPU only.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from flashnext.weights.int4 import dequantize_gptq, quantize_gptq_rtn
 from flashnext.weights.int4_layout import Int4Weight, dequantize, from_gptq, quantize_rtn
