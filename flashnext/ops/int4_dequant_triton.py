@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashnext.ops.int4_groups import optional_tensors
 from flashnext.weights.int4_layout import Int4Weight
 
 
@@ -56,8 +57,7 @@ def dequantize_triton(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(k, n, dtype=dtype, device=w.qweight.device)
     block_p, block_n = 8, 128
     grid = (triton.cdiv(k // 8, block_p), triton.cdiv(n, block_n))
-    zeros = w.zeros if w.zeros is not None else w.scales   # never read without HAS_ZEROS
-    perm = w.perm if w.perm is not None else w.qweight
+    zeros, perm = optional_tensors(w)
     _dequant_kernel[grid](w.qweight, w.scales, zeros, perm, out, n, k, GROUP=w.group_size,
                           HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None, BLOCK_P=block_p,
                           BLOCK_N=block_n, num_warps=4)

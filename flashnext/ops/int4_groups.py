@@ -1,7 +1,16 @@
-"""A Triton helper the INT4 decode kernels share (w4a16_triton's GEMV, moe_int4_decode_triton): the zero point and
-scale of one quantisation group for a tile's columns, in the kernel layout of docs/int4.md."""
+"""Helpers the INT4 kernels share: the zero point and scale of one quantisation group for a tile's columns (the
+decode kernels: w4a16_triton's GEMV, moe_int4_decode_triton), in the kernel layout of docs/int4.md, and the
+tensors a launch passes for a weight's optional zeros and act-order permutation."""
+import torch
 import triton
 import triton.language as tl
+
+from flashnext.weights.int4_layout import Int4Weight
+
+
+def optional_tensors(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """zeros and perm, or a dummy pointer never read (the kernels' HAS_ZEROS / HAS_PERM are constexprs)."""
+    return (w.zeros if w.zeros is not None else w.scales), (w.perm if w.perm is not None else w.qweight)
 
 
 @triton.jit

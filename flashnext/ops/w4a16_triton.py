@@ -41,7 +41,7 @@ import triton.language as tl
 
 from flashnext.ops.arrival import arrival_counters, arrive_last
 from flashnext.ops.int4_dequant_triton import dequantize_triton
-from flashnext.ops.int4_groups import group_zero_scale
+from flashnext.ops.int4_groups import group_zero_scale, optional_tensors
 from flashnext.weights.int4_layout import Int4Weight
 
 
@@ -310,11 +310,6 @@ def supports(w: Int4Weight) -> bool:
     return w.group_size >= 16 and w.group_size & (w.group_size - 1) == 0 and w.qweight.dim() == 2
 
 
-def _optional(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """zeros and perm, or a dummy pointer never read (HAS_ZEROS / HAS_PERM are constexprs)."""
-    return (w.zeros if w.zeros is not None else w.scales), (w.perm if w.perm is not None else w.qweight)
-
-
 def _gemv(x: torch.Tensor, w: Int4Weight, cfg: GemvConfig) -> torch.Tensor:
     m, k = x.shape
     n = w.out_features
@@ -327,7 +322,7 @@ def _gemv(x: torch.Tensor, w: Int4Weight, cfg: GemvConfig) -> torch.Tensor:
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     counters = arrival_counters(x.device, blocks) if split > 1 else out
-    zeros, perm = _optional(w)
+    zeros, perm = optional_tensors(w)
     block_m = 16 if cfg.use_dot else m_bucket(m)
     # the last program adds ~32 fp32 registers per thread of partials per load (not a function of the split,
     # which would compile a kernel per split count)
@@ -368,7 +363,7 @@ def w4a16_matmul(x: torch.Tensor, w: Int4Weight, config: LaunchConfig | GemvConf
     atomic = split > 1
     out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic else torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
-    zeros, perm = _optional(w)
+    zeros, perm = optional_tensors(w)
     _w4a16_kernel[grid](
         x, w.qweight, w.scales, zeros, perm, out,
         m, n, k, x.stride(0), out.stride(0), k_per_split,
