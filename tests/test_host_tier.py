@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flashnext.cache import cache_entry
-from flashnext.cache.cache_entry import batch_rows, read_block, read_blocks, write_blocks
+from flashnext.cache.cache_entry import batch_rows, read_block, read_blocks, run_rows, write_blocks
 from flashnext.cache.host_tier import HostStore
 from flashnext.cache.kv_pool import KVPool
 from flashnext.weights.config import parse_config
@@ -33,7 +33,7 @@ def test_blocks_stored_together_load_as_one_run_of_views():
     sizes = store.store_blocks(hs, read_blocks(kv, [7, 2, 9, 0, 4]))
     assert sizes == [sum(t.nbytes for t in read_block(kv, 0).values())] * 5
     runs = store.load_blocks(hs)       # 5 blocks = pieces of 4 + 1 (power-of-two pinned allocations)
-    assert [len(next(iter(run.values()))) for run in runs] == [4, 1]
+    assert [run_rows(run) for run in runs] == [4, 1]
     for run in runs:
         batch = store.batches[store.rows[hs[0 if run is runs[0] else 4]][0]]
         assert all(t.data_ptr() == batch[name].data_ptr() for name, t in run.items())   # views of the store

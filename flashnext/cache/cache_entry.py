@@ -62,13 +62,18 @@ def read_blocks(kv, blocks: list[int]) -> dict[str, torch.Tensor]:
     return {name: t.index_select(0, index) for name, t in _pool_tensors(kv)}
 
 
+def run_rows(run: dict[str, torch.Tensor]) -> int:
+    """Blocks in one run (a batch: name → [rows, …])."""
+    return len(next(iter(run.values())))
+
+
 def batch_rows(runs: list[dict[str, torch.Tensor]], rows: list[int]) -> dict[str, torch.Tensor]:
     """Rows `rows` of the blocks that `runs` (batches whose rows, in order, are the blocks) hold, as one batch:
     a view when they are consecutive rows of one run, else a copy."""
     starts, at = [], 0
     for run in runs:
         starts.append(at)
-        at += len(next(iter(run.values())))
+        at += run_rows(run)
 
     def locate(row):
         i = bisect.bisect_right(starts, row) - 1

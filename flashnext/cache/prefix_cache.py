@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from flashnext.cache.cache_entry import (ROOT_HASH, Snapshot, batch_rows, block_hash, read_block, read_blocks,
-                                         snapshot_key, write_block, write_blocks)
+                                         run_rows, snapshot_key, write_block, write_blocks)
 from flashnext.cache.kv_pool import KVPool
 from flashnext.cache.state_pool import StatePool
 from flashnext.cache.tier_index import TierIndex
@@ -166,7 +166,7 @@ class PrefixCache:
         False when the KV pool has no room."""
         bs, node, pinned, ok = self.block_size, self.root, [], True
         rows, targets = [], []     # the entry's blocks the device lacks, and the device blocks they go to
-        for i in range(sum(len(next(iter(run.values()))) for run in runs)):
+        for i in range(sum(map(run_rows, runs))):
             key = tuple(tokens[i * bs:(i + 1) * bs])
             child = node.children.get(key)
             if child is None:
