@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# On the 2-GPU machine (nvidia-h200-x2), issue #12 in one device call: NCCL exactness of the decode graphs and of
-# the eager path, then the concurrency bench (prefill TTFT and decode tok/s per stream) with expert parallel and
-# tensor parallel against one GPU, on the 4-of-48-layer Qwen3-Next bf16 checkpoint. Carry .whl/. Each step has
-# its own time limit, so one that hangs (the scripts print every rank's stack first) cannot take the others' time.
+# On the 2-GPU machine (nvidia-h200-x2), issue #12: NCCL exactness of the decode graphs and of the eager path
+# ("exact"); the concurrency bench (prefill TTFT and decode tok/s per stream, "concurrency") and the decode and
+# prefill benches ("serve") with expert parallel and tensor parallel against one GPU, on the 4-of-48-layer
+# Qwen3-Next bf16 checkpoint. PARTS picks them (default: all three, more than one 10-minute device call: split
+# them). Carry .whl/. Each step has its own time limit, so one that hangs (the scripts print every rank's stack
+# first) cannot take the others' time.
 #
-#   bash scripts/gpu_parallel_bench.sh          # at most ~9.5 minutes (the limits add up to 550 s); results JSON and logs in $OUT (or /tmp/gpu_parallel)
+#   PARTS="exact concurrency" bash scripts/gpu_parallel_bench.sh   # at most ~9.5 minutes (limits add up to 550 s)
+#   PARTS=serve bash scripts/gpu_parallel_bench.sh                 # at most ~7 minutes
+# Results JSON and logs in $OUT (or /tmp/gpu_parallel).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
@@ -24,17 +28,29 @@ cleanup() {  # a step cut by its limit leaves its rank processes (and a bench it
   pkill -9 -f "multiprocessing.spawn" || true
   sleep 2
 }
-HANG_S=130 timeout 150 python3 scripts/gpu_parallel_graphs.py 2>&1 | grep -v "Loading weights" | tee "$out/graphs.txt"
-cleanup
-timeout 110 python3 scripts/gpu_parallel.py --dtype float32 --hang-s 95 2>&1 | grep -v "Loading weights" \
-  | tail -20 | tee "$out/parallel_fp32.txt"
-cleanup
+parts=" ${PARTS:-exact concurrency serve} "
+if [[ $parts == *" exact "* ]]; then
+  HANG_S=130 timeout 150 python3 scripts/gpu_parallel_graphs.py 2>&1 | grep -v "Loading weights" | tee "$out/graphs.txt"
+  cleanup
+  timeout 110 python3 scripts/gpu_parallel.py --dtype float32 --hang-s 95 2>&1 | grep -v "Loading weights" \
+    | tail -20 | tee "$out/parallel_fp32.txt"
+  cleanup
+fi
 for _ in $(seq 60); do [ -f "$ckpt/tokenizer.json" ] && break; sleep 2; done; sleep 2   # the tokenizer is written last
-bench() {  # bench LIMIT_S SERVER_ARGS
-  timeout "$1" python3 -m flashnext.bench concurrency --model "$ckpt" --streams 1,2,4 --prompt-tokens 4096 \
-    --gen-tokens 128 --floor qwen3-next-80b --out-dir "$out" --no-plots --server-args "$2" 2>&1 | tail -9
+layouts() {  # layouts BENCH_ARGS...: one server per layout, each with its limit (startup is most of it)
+  echo "== one GPU";           CUDA_VISIBLE_DEVICES=0 bench 90 "--kv-cache-gb 8" "$@"
+  echo "== tensor parallel 2"; bench 110 "--tensor-parallel 2 --kv-cache-gb 8" "$@"
+  echo "== expert parallel 2"; bench 120 "--expert-parallel 2 --kv-cache-gb 8" "$@"
+}
+bench() {  # bench LIMIT_S SERVER_ARGS BENCH_ARGS...
+  local limit=$1 server_args=$2; shift 2
+  timeout "$limit" python3 -m flashnext.bench "$@" --model "$ckpt" --floor qwen3-next-80b --out-dir "$out" --no-plots \
+    --server-args "$server_args" 2>&1 | grep -v "^wrote" | tail -24
   cleanup
 }
-echo "== expert parallel 2";  bench 110 "--expert-parallel 2 --kv-cache-gb 8"
-echo "== tensor parallel 2";  bench 100 "--tensor-parallel 2 --kv-cache-gb 8"
-echo "== one GPU";            CUDA_VISIBLE_DEVICES=0 bench 80 "--kv-cache-gb 8"
+if [[ $parts == *" concurrency "* ]]; then
+  layouts concurrency --streams 1,2,4 --prompt-tokens 4096 --gen-tokens 128
+fi
+if [[ $parts == *" serve "* ]]; then
+  layouts all --only decode,prefill --depths 0,10000 --lengths 10000 --warmups 1 --runs 3 --max-tokens 128
+fi

@@ -10,9 +10,11 @@ Query t at position p sees token j iff j <= p and, with a selection, j lies in t
 (j >= ((p + 1) // ratio) · ratio) or chosen[t, j // ratio] (chosen covers only blocks complete before p).
 
 `prefill_attention_reference` is the specification: gather the sequence's rows, SDPA over QUERY_BLOCK queries at
-a time with the visibility mask (memory O(QUERY_BLOCK · total)). `prefill_attention` dispatches: CUDA tensors →
-the Triton flash-attention kernel (ops/prefill_attention_triton.py: bf16 tensor cores, online softmax, no mask
-or score matrix in memory), anything else → the reference. FLASHNEXT_PREFILL_ATTENTION=reference forces the
+a time with the visibility mask (memory O(QUERY_BLOCK · total)). `prefill_attention` dispatches: bf16/fp16 CUDA
+tensors → the Triton flash-attention kernel (ops/prefill_attention_triton.py: bf16 tensor cores, online softmax,
+no mask or score matrix in memory), anything else → the reference. fp32 on CUDA takes the reference too: ptxas
+spent over 100 s on the kernel's IEEE-fp32 tiles on the H200 (session 5, two exactness scripts cut by their time
+limits inside that compile), and fp32 serves only exactness checks, where SDPA is the better oracle anyway. FLASHNEXT_PREFILL_ATTENTION=reference forces the
 reference (to bisect a wrong answer on the GPU).
 """
 from __future__ import annotations
@@ -63,7 +65,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       context_len: int, scale: float, chosen: torch.Tensor | None = None,
                       ratio: int = 1) -> torch.Tensor:
     """See the module docstring."""
-    if q.device.type != "cuda" or os.environ.get("FLASHNEXT_PREFILL_ATTENTION", "triton") == "reference":
+    if (q.device.type != "cuda" or q.dtype == torch.float32
+            or os.environ.get("FLASHNEXT_PREFILL_ATTENTION", "triton") == "reference"):
         return prefill_attention_reference(q, k_cache, v_cache, blocks, context_len, scale, chosen, ratio)
     from flashnext.ops.prefill_attention_triton import prefill_attention_triton
 
