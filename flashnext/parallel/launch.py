@@ -116,7 +116,7 @@ def launch_engine(args: EngineArgs):
         mirror.attach(engine.prefix_cache)
     if engine.runner.graphs is not None:
         attach_decode_announcer(engine.runner.graphs, mirror)
-    _started.append((workers, device, mirror, stop_watch))
+    _started.append((workers, device, mirror, stop_watch, engine.runner.graphs))
     atexit.register(shutdown)
     log.info("rank 0 of %d (tensor parallel %d, expert parallel %d); workers %s", world, args.tensor_parallel,
              args.expert_parallel, [w.pid for w in workers])
@@ -126,11 +126,13 @@ def launch_engine(args: EngineArgs):
 def shutdown(timeout: float = 30.0) -> None:
     """Rank 0: tell the workers to leave their loop, wait for them, leave the group (also run at exit)."""
     while _started:
-        workers, device, mirror, stop_watch = _started.pop()
+        workers, device, mirror, stop_watch, graphs = _started.pop()
         stop_watch.set()
         if dist.is_initialized():
             mirror.sync()    # e.g. what LLMEngine.shutdown just wrote down to disk: the workers write theirs
             send_stop(device)
+            if graphs is not None:
+                graphs.release()   # the workers release theirs at the stop (DecodeGraphs.release says why)
             # Before joining: NCCL's teardown waits for every rank, and the workers are in theirs now (joining
             # first deadlocked on the H200s until the join timed out, then hung on the terminated rank).
             dist.destroy_process_group()
