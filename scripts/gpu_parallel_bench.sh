@@ -6,7 +6,7 @@
 # them). Carry .whl/. Each step has its own time limit, so one that hangs (the scripts print every rank's stack
 # first) cannot take the others' time.
 #
-#   PARTS=exact bash scripts/gpu_parallel_bench.sh         # at most ~6 minutes
+#   PARTS=exact bash scripts/gpu_parallel_bench.sh         # at most ~6 minutes (GRAPHS_ONLY=1: ~3.5, the graphs)
 #   PARTS=concurrency bash scripts/gpu_parallel_bench.sh   # at most ~5.5 minutes
 #   PARTS=serve bash scripts/gpu_parallel_bench.sh         # at most ~5.5 minutes
 # Results JSON and logs in $OUT (or /tmp/gpu_parallel).
@@ -21,24 +21,25 @@ out=${OUT:-/tmp/gpu_parallel}
 ckpt=${CKPT:-/tmp/q3n4}
 mkdir -p "$out"
 nvidia-smi -L
-# the checkpoint, in the background while the exactness scripts run
-[ -f "$ckpt/config.json" ] || (python3 -m flashnext.cli synth --preset qwen3-next-80b --dtype bf16 --layers 4 \
-  --out "$ckpt" > "$out/synth.log" 2>&1 &)
+parts=" ${PARTS:-exact concurrency serve} "
+# the checkpoint (~90 s), in the background while the exactness scripts run (which synthesise their own)
+[[ $parts == " exact " ]] || [ -f "$ckpt/config.json" ] || (python3 -m flashnext.cli synth --preset qwen3-next-80b \
+  --dtype bf16 --layers 4 --out "$ckpt" > "$out/synth.log" 2>&1 &)
 cleanup() {  # a step cut by its limit leaves its rank processes (and a bench its server) holding the GPUs
   pkill -9 -f "flashnext.cli serve" || true
   pkill -9 -f "multiprocessing.spawn" || true
   sleep 2
 }
-parts=" ${PARTS:-exact concurrency serve} "
 if [[ $parts == *" exact "* ]]; then
   # fresh machine: most of these limits is compiling the Triton kernels (and fla's) for fp32
   HANG_S=180 timeout 200 python3 scripts/gpu_parallel_graphs.py 2>&1 | grep -v "Loading weights" | tee "$out/graphs.txt"
   cleanup
-  timeout 170 python3 scripts/gpu_parallel.py --dtype float32 --hang-s 150 2>&1 | grep -v "Loading weights" \
-    > "$out/parallel_fp32.txt"
-  tail -20 "$out/parallel_fp32.txt"
+  [ -n "${GRAPHS_ONLY:-}" ] || timeout 170 python3 scripts/gpu_parallel.py --dtype float32 --hang-s 150 2>&1 \
+    | grep -v "Loading weights" > "$out/parallel_fp32.txt"
+  tail -20 "$out/parallel_fp32.txt" 2>/dev/null
   cleanup
 fi
+[[ $parts == " exact " ]] && exit 0
 for _ in $(seq 60); do [ -f "$ckpt/tokenizer.json" ] && break; sleep 2; done; sleep 2   # the tokenizer is written last
 layouts() {  # layouts BENCH_ARGS...: one server per layout, each with its limit (startup is most of it)
   echo "== one GPU";           CUDA_VISIBLE_DEVICES=0 bench 120 "--kv-cache-gb 8" "$@"
