@@ -205,12 +205,16 @@ def test_engine_expert_parallel_with_expert_cache():
     assert got == want
 
 
-def _rank_int4(rank, world, out_path):
+def _rank_int4(rank, world, out_path, model_name, quantize):
+    from flashnext.models.layers.int4_experts import Int4Experts
     from flashnext.parallel.runtime import ParallelPlan, attach_broadcaster, send_stop, worker_loop
 
     torch.set_num_threads(1)
-    model = load_model("tiny-qwen3-next", "cpu", torch.float32, quantize="int4",
+    model = load_model(model_name, "cpu", torch.float32, quantize=quantize,
                        parallel=ParallelPlan(rank, world, 1, 2)).model
+    # the rank loaded its share of the experts only (load_checkpoint's expert_range), packed
+    shares = [m.num_experts for m in model.modules() if isinstance(m, Int4Experts)]
+    assert shares and set(shares) == {model.cfg.num_experts // 2}, shares
     if rank == 0:
         attach_broadcaster(model)
         torch.save(Session(model, 128).extend(_prompt(), all_logits=True), out_path)
@@ -219,14 +223,20 @@ def _rank_int4(rank, world, out_path):
         worker_loop(model, torch.float32, torch.device("cpu"))
 
 
-def test_expert_parallel_int4_experts(tmp_path):
-    """Whole INT4 experts move to their rank: EP=2 over Int4Experts equals one process exactly."""
+@pytest.mark.parametrize("source", ["--quantize int4", "int4 checkpoint"])
+def test_expert_parallel_int4_experts(source, tmp_path):
+    """Whole INT4 experts on their rank: EP=2 over Int4Experts equals one process exactly, whether the experts
+    were quantised after loading or read packed from a GPTQ checkpoint (each rank reading only its share)."""
     from flashnext.parallel import spawn_ranks
+    from flashnext.weights.synth import synthesize
 
     torch.set_num_threads(1)
-    want = Session(load_model("tiny-qwen3-next", "cpu", torch.float32, quantize="int4").model, 128).extend(
+    name, quantize = "tiny-qwen3-next", "int4"
+    if source == "int4 checkpoint":
+        name, quantize = str(synthesize("tiny-qwen3-next", tmp_path / "int4", dtype="int4")), None
+    want = Session(load_model(name, "cpu", torch.float32, quantize=quantize).model, 128).extend(
         _prompt(), all_logits=True)
-    spawn_ranks(_rank_int4, 2, str(tmp_path / "out.pt"))
+    spawn_ranks(_rank_int4, 2, str(tmp_path / "out.pt"), name, quantize)
     assert rel_err(torch.load(tmp_path / "out.pt"), want) < TOL
 
 

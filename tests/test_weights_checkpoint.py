@@ -219,6 +219,49 @@ def test_fused_experts_transposed_and_per_expert_quantised(tmp_path):
         load_checkpoint(write(tmp_path / "m", tensors), expected, progress=False)
 
 
+def test_expert_range_reads_only_that_share(tmp_path, monkeypatch):
+    """Expert parallel's loading: experts [2, 4) of 5 come back stacked [2, ...], equal to those rows of the full
+    load, from fused, transposed-fused and per-expert (bf16 and packed int4) checkpoints; the other experts'
+    tensors are never read, and are not reported as unexpected."""
+    from flashnext.weights import checkpoint
+    from flashnext.weights.int4_layout import Int4Weight
+
+    experts, inter, hidden = 5, 16, 32
+    gate_up, down = torch.randn(experts, 2 * inter, hidden), torch.randn(experts, hidden, inter)
+    prefix = "model.layers.0.mlp.experts"
+    expected = {f"{prefix}.gate_up_proj": ((experts, 2 * inter, hidden), torch.float32),
+                f"{prefix}.down_proj": ((experts, hidden, inter), torch.float32)}
+    per_expert, per_expert_int4 = {}, {}
+    for e in range(experts):
+        for proj, w in (("gate_proj", gate_up[e, :inter]), ("up_proj", gate_up[e, inter:]), ("down_proj", down[e])):
+            per_expert[f"{prefix}.{e}.{proj}.weight"] = w
+            per_expert_int4.update({f"{prefix}.{e}.{proj}.{k}": v for k, v in quantize_gptq_rtn(w, 16).items()})
+    folders = {"fused": write(tmp_path / "f", {f"{prefix}.gate_up_proj": gate_up, f"{prefix}.down_proj": down}),
+               "transposed": write(tmp_path / "t", {f"{prefix}.gate_up_proj": gate_up.transpose(1, 2).contiguous(),
+                                                    f"{prefix}.down_proj": down.transpose(1, 2).contiguous()}),
+               "per expert": write(tmp_path / "p", per_expert), "int4": write(tmp_path / "q", per_expert_int4)}
+    read = []
+    original = checkpoint._Tensors.read
+    monkeypatch.setattr(checkpoint._Tensors, "read", lambda self, name, device: read.append(name) or
+                        original(self, name, device))
+    for kind, folder in folders.items():
+        options = dict(dtype=torch.float32, progress=False, packed_int4=frozenset(expected) if kind == "int4"
+                       else frozenset())
+        full = load_checkpoint(folder, expected, **options)
+        read.clear()
+        share = load_checkpoint(folder, expected, expert_range=(2, 2), **options)
+        for name in expected:
+            got, want = share[name], full[name]
+            if isinstance(want, Int4Weight):
+                assert isinstance(got, Int4Weight) and got.qweight.shape[0] == 2, kind
+                got, want = got.qweight, want.qweight
+            assert torch.equal(got, want[2:4]), (kind, name)
+        assert not [n for n in read if any(f"experts.{e}." in n for e in (0, 1, 4))], (kind, read)
+        assert bool(read) == (kind in ("per expert", "int4")), kind   # fused ones: read_rows, the share's rows
+    with pytest.raises(ValueError, match=r"expert range \(4, 2\) does not fit the model's experts \[5\]"):
+        load_checkpoint(folders["fused"], expected, expert_range=(4, 2), progress=False)
+
+
 def test_ngram_shards_checked_against_config(tmp_path):
     expected = {"model.layers.1.ple.ple_embedding.ngram_embedding.weight": ((12, 4), torch.float32)}
     shards = {f"model.language_model.layers.1.ple.ple_embedding.ngram_embedding.shard_{i}.weight": torch.randn(4, 4)

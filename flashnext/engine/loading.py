@@ -170,8 +170,18 @@ def _load_checkpoint_model(name, device, dtype, quantize, parallel, ple_placemen
         if key.endswith("ngram_embedding.weight"):
             if choose_placement(ple_placement, math.prod(shape) * dtype.itemsize) == "host":
                 host.add(key)
+    # Expert parallel: each rank reads only its own routed experts (most of the model), so a model that fits
+    # the GPUs together loads although no single GPU could hold it whole.
+    expert_range = None
+    if parallel is not None and parallel.ep > 1 and cfg.num_experts:
+        from flashnext.parallel.shard import check_divisible, local_experts_on_meta
+
+        check_divisible(cfg, 1, parallel.ep)
+        share = cfg.num_experts // parallel.ep
+        expert_range = (parallel.rank * share, share)
+        local_experts_on_meta(model, share)   # `expected` keeps the checkpoint's full expert counts
     weights = load_checkpoint(path, expected, dtype=dtype, device=device, progress=True, packed_int4=packed,
-                              host_names=frozenset(host))
+                              host_names=frozenset(host), expert_range=expert_range)
     derived = {k: v for k, v in model.state_dict().items() if v.device.type != "meta"}
     for key, value in derived.items():
         if key in weights and not torch.equal(weights[key].cpu(), value):
@@ -191,7 +201,8 @@ def _load_checkpoint_model(name, device, dtype, quantize, parallel, ple_placemen
     if parallel is not None and parallel.world > 1:
         from flashnext.parallel.shard import shard_model
 
-        shard_model(model, parallel.rank, parallel.world, tp=parallel.tp, ep=parallel.ep)
+        shard_model(model, parallel.rank, parallel.world, tp=parallel.tp, ep=parallel.ep,
+                    experts_loaded_local=expert_range is not None)
         cfg = model.cfg
         nbytes = _state_bytes(model, device)
     if quantize == "int4":

@@ -117,6 +117,15 @@ class _Tensors:
         file, key = self.where[name]
         return self.handles[file].get_tensor(key).to(device)
 
+    def read_rows(self, name: str, first: int, count: int, device: torch.device) -> torch.Tensor:
+        """Rows first … first + count - 1 of a tensor; only those are read from the file."""
+        return self._slice(name)[first: first + count].to(device)
+
+    def skip(self, belongs) -> None:
+        """Count the tensors for whose name belongs(name) holds as used without reading them (another rank's
+        experts), so that they are not reported as unexpected."""
+        self.used.update(n for n in self.where if belongs(n))
+
 
 @dataclass
 class _Recipe:
@@ -128,9 +137,11 @@ class _Recipe:
 
 class _Planner:
     def __init__(self, tensors: _Tensors, quant: QuantizationConfig, config: dict, device, dtype,
-                 packed_int4: frozenset[str] = frozenset()):
+                 packed_int4: frozenset[str] = frozenset(), expert_share: tuple[int, int] | None = None):
         self.t, self.quant, self.config, self.device, self.dtype = tensors, quant, config, device, dtype
         self.packed_int4 = packed_int4
+        # (first, total): stacked experts [E, ...] hold experts first … first + E - 1 of the checkpoint's total
+        self.expert_share = expert_share
 
     # A 2-D weight `X.weight` stored plain, as int4 (`X.qweight` ...) or as fp8 (+ `X.weight_scale_inv`).
     def weight(self, name: str, shape: tuple[int, ...], packed: bool | None = None) -> _Recipe | None:
@@ -195,12 +206,15 @@ class _Planner:
         t = self.t
         if t.has(name):
             got = t.shape(name)
+            first, total = self.expert_share or (0, shape[0])
             # Qwen3-VL-MoE-style checkpoints store the fused experts as [E, in, out]; transpose when the shape
             # can only mean that (transformers' Transpose(check_dims=True)).
-            if got != tuple(shape) and got == (shape[0], shape[2], shape[1]):
-                return _Recipe([t.use(name)], lambda: t.read(name, self.device).transpose(1, 2).contiguous())
-            self._check_shape(name, got, shape)
-            return _Recipe([t.use(name)], lambda: t.read(name, self.device))
+            if got[1:] != tuple(shape[1:]) and got[1:] == (shape[2], shape[1]):
+                self._check_shape(name, (got[0], got[2], got[1]), (total, *shape[1:]))
+                return _Recipe([t.use(name)], lambda: t.read_rows(name, first, shape[0], self.device)
+                               .transpose(1, 2).contiguous())
+            self._check_shape(name, got, (total, *shape[1:]))
+            return _Recipe([t.use(name)], lambda: t.read_rows(name, first, shape[0], self.device))
         num_experts, rows, cols = shape
         projections = ["gate_proj", "up_proj"] if kind == "gate_up_proj" else ["down_proj"]
         split = [rows // len(projections)] * len(projections)
@@ -208,7 +222,8 @@ class _Planner:
             return None
         packed = name in self.packed_int4 and t.has(f"{prefix}.0.{projections[0]}.qweight")
         pieces, missing = [], []
-        for e in range(num_experts):
+        first = self.expert_share[0] if self.expert_share else 0
+        for e in range(first, first + num_experts):
             recipes = []
             for proj, piece_rows in zip(projections, split):
                 piece = f"{prefix}.{e}.{proj}.weight"
@@ -219,6 +234,9 @@ class _Planner:
             pieces.append(recipes)
         if missing:
             raise CheckpointError(f"checkpoint is missing {len(missing)} expert tensor(s): {_listing(missing)}")
+        if self.expert_share:   # the other ranks' experts: not read here, and not unexpected
+            others = re.compile(rf"{re.escape(prefix)}\.(\d+)\.({'|'.join(projections)})\.[a-z_]+$")
+            t.skip(lambda n: (m := others.match(n)) is not None and int(m.group(1)) < self.expert_share[1])
         return self._stacked_int4(shape, pieces, split) if packed else self._stacked(shape, pieces, split)
 
     def _stacked_int4(self, shape: tuple[int, ...], pieces: list[list[_Recipe]], split: list[int]) -> _Recipe:
@@ -290,14 +308,17 @@ def load_checkpoint(
     progress: bool = True,
     packed_int4: frozenset[str] = frozenset(),
     host_names: frozenset[str] = frozenset(),
+    expert_range: tuple[int, int] | None = None,
 ) -> dict[str, torch.Tensor | Int4Weight]:
     """Read the checkpoint folder `path` into tensors keyed and shaped like `expected` ({name: (shape, dtype)}).
 
     Floating tensors come back in `dtype` (quantised ones dequantised), integer buffers in their expected dtype,
     all on `device`. Names in `packed_int4` that the checkpoint stores as 4-bit GPTQ come back as Int4Weight
     (the kernel layout; scales keep the checkpoint's dtype) instead. Names in `host_names` are read into CPU
-    memory whatever `device` is (routed experts that an expert cache keeps in host RAM). Raises CheckpointError naming the problem for missing, unexpected or misshapen tensors,
-    unreadable files and missing shards.
+    memory whatever `device` is (routed experts that an expert cache keeps in host RAM). `expert_range`
+    (first, count): of every routed expert set only these experts are read, stacked [count, ...] (expert
+    parallel: one rank's share, so no rank ever holds the others'). Raises CheckpointError naming the problem
+    for missing, unexpected or misshapen tensors, unreadable files and missing shards.
     """
     folder = Path(path)
     config_file = folder / "config.json"
@@ -305,7 +326,17 @@ def load_checkpoint(
     device = torch.device(device)
     tensors = _Tensors(folder)
     quant = read_quantization_config(config)
-    planners = {on_host: _Planner(tensors, quant, config, torch.device("cpu") if on_host else device, dtype, packed_int4)
+    share = None
+    if expert_range is not None:
+        first, count = expert_range
+        totals = {shape[0] for name, (shape, _) in expected.items() if _EXPERT_KEY.match(name)}
+        if len(totals) > 1 or not all(0 <= first < first + count <= total for total in totals):
+            raise ValueError(f"expert range {expert_range} does not fit the model's experts {sorted(totals)}")
+        share = (first, totals.pop()) if totals else None
+        expected = {name: ((count, *shape[1:]) if _EXPERT_KEY.match(name) else shape, dt)
+                    for name, (shape, dt) in expected.items()}
+    planners = {on_host: _Planner(tensors, quant, config, torch.device("cpu") if on_host else device, dtype,
+                                  packed_int4, share)
                 for on_host in (False, True)}
     recipes, missing = {}, []
     for name, (shape, _) in expected.items():
