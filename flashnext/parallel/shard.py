@@ -8,6 +8,9 @@ routed experts, whole (a 640-wide expert does not split into g128 INT4 tiles; an
 routed output is summed over ranks (`LocalExperts`). Everything else — embeddings, norms, router, shared
 expert, dense MLPs, PLE, the QSA indexer, lm_head — stays replicated, so logits come out whole on every
 rank. The returned config has the local head counts: pools built from it hold only the local heads.
+Packed INT4 projections (a GPTQ/AutoRound checkpoint) split the same way: a column-parallel one keeps columns
+of its [K/8, N] codes, scales and zeros; a row-parallel one keeps whole input groups, in order (act-order
+or a group across ranks is refused with the setting named).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from torch import nn
 from flashnext.models.layers.attention import GatedAttention
 from flashnext.models.layers.gated_delta_net import GatedDeltaNet
 from flashnext.models.layers.int4_experts import Int4Experts
+from flashnext.models.layers.int4_linear import Int4Linear
 from flashnext.models.layers.moe import Experts
 from flashnext.parallel.layers import LocalExperts, ReducedOutput
 from flashnext.weights.config import ModelConfig
@@ -55,34 +59,63 @@ def _set(module: nn.Module, name: str, value: torch.Tensor) -> None:
     setattr(module, name, nn.Parameter(value.contiguous().clone(), requires_grad=False))
 
 
-def _linear(linear: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-    if not isinstance(linear, nn.Linear):
-        raise ValueError(f"tensor parallel needs unquantised projections to split, got {type(linear).__name__} "
-                         "(a packed int4 checkpoint); use --quantize int4 on a bf16 checkpoint, it quantises after "
-                         "sharding")
-    _set(linear, "weight", weight)
+def _rows(linear: nn.Module) -> torch.Tensor:
+    """The projection's output row ids: cut like its weight's rows would be, they say which rows a rank keeps."""
+    return torch.arange(linear.out_features)
+
+
+def _keep_rows(linear: nn.Module, rows: torch.Tensor) -> None:
+    """Column parallel: keep output rows `rows` of a plain or INT4 projection (INT4: columns of its [K/8, N]
+    packed codes, scales and zeros; the input side, act-order included, is untouched)."""
+    bias = None if linear.bias is None else linear.bias[rows]
+    if isinstance(linear, Int4Linear):
+        for name in ("qweight", "scales", "zeros"):
+            if getattr(linear, name) is not None:
+                setattr(linear, name, getattr(linear, name)[:, rows].contiguous())
+        linear.out_features = len(rows)
+    elif isinstance(linear, nn.Linear):
+        _set(linear, "weight", linear.weight[rows])
+        linear.out_features = len(rows)
+    else:
+        raise ValueError(f"tensor parallel does not know how to split {type(linear).__name__}")
     if bias is not None:
         _set(linear, "bias", bias)
-    linear.out_features, linear.in_features = weight.shape
 
 
-def _row_parallel(linear: nn.Linear, rank: int, world: int) -> None:
+def _row_parallel(linear: nn.Module, rank: int, world: int) -> None:
+    """Keep the rank's contiguous share of the inputs; the outputs are partial sums (ReducedOutput adds them)."""
     # The bias is added once: rank 0 keeps it, the others add zeros before the sum.
-    bias = None if linear.bias is None else (linear.bias if rank == 0 else torch.zeros_like(linear.bias))
-    _linear(linear, _part(linear.weight, 1, rank, world), bias)
+    if linear.bias is not None and rank > 0:
+        _set(linear, "bias", torch.zeros_like(linear.bias))
+    share = linear.in_features // world
+    if isinstance(linear, Int4Linear):
+        g = linear.group_size
+        if linear.perm is not None or share % g:
+            raise ValueError(f"tensor parallel {world} cannot split an int4 projection's {linear.in_features} "
+                             f"inputs (group size {g}{', act-order' if linear.perm is not None else ''}): a rank's "
+                             "share must be whole groups in order; use --expert-parallel for this checkpoint")
+        first = rank * share
+        linear.qweight = linear.qweight[first // 8: (first + share) // 8].contiguous()
+        for name in ("scales", "zeros"):
+            if getattr(linear, name) is not None:
+                setattr(linear, name, getattr(linear, name)[first // g: (first + share) // g].contiguous())
+    elif isinstance(linear, nn.Linear):
+        _set(linear, "weight", _part(linear.weight, 1, rank, world))
+    else:
+        raise ValueError(f"tensor parallel does not know how to split {type(linear).__name__}")
+    linear.in_features = share
 
 
 def shard_gated_delta_net(m: GatedDeltaNet, rank: int, world: int) -> None:
     kd, vd = m.key_dim, m.value_dim
     if m.split:
-        _linear(m.in_proj_qkv, _parts(m.in_proj_qkv.weight, [kd, kd, vd], rank, world))
+        _keep_rows(m.in_proj_qkv, _parts(_rows(m.in_proj_qkv), [kd, kd, vd], rank, world))
         for proj in (m.in_proj_z, m.in_proj_b, m.in_proj_a):
-            _linear(proj, _part(proj.weight, 0, rank, world))
+            _keep_rows(proj, _part(_rows(proj), 0, rank, world))
     else:
         # Fused per key-head group: [Hk, q | k | v·r | z·r] and [Hk, b·r | a·r]; whole groups go to a rank.
         for proj in (m.in_proj_qkvz, m.in_proj_ba):
-            w = proj.weight.view(m.num_k_heads, -1, proj.weight.shape[-1])
-            _linear(proj, _part(w, 0, rank, world).flatten(0, 1))
+            _keep_rows(proj, _part(_rows(proj).view(m.num_k_heads, -1), 0, rank, world).flatten())
     _set(m.conv1d, "weight", _parts(m.conv1d.weight, [kd, kd, vd], rank, world))
     m.conv1d.in_channels = m.conv1d.out_channels = m.conv1d.groups = m.conv1d.weight.shape[0]
     _set(m, "dt_bias", _part(m.dt_bias, 0, rank, world))
@@ -95,17 +128,13 @@ def shard_gated_delta_net(m: GatedDeltaNet, rank: int, world: int) -> None:
 
 
 def shard_attention(m: GatedAttention, rank: int, world: int) -> None:
-    d = m.head_dim
-
-    def heads(linear: nn.Linear, count: int) -> None:   # rows are per head: [count, rows_per_head]
-        w = linear.weight.view(count, -1, linear.weight.shape[-1])
-        b = None if linear.bias is None else _part(linear.bias.view(count, -1), 0, rank, world).flatten()
-        _linear(linear, _part(w, 0, rank, world).flatten(0, 1), b)
+    def heads(linear: nn.Module, count: int) -> None:   # rows are per head: [count, rows_per_head]
+        _keep_rows(linear, _part(_rows(linear).view(count, -1), 0, rank, world).flatten())
 
     heads(m.q_proj, m.num_heads)          # per head [query | gate]
     heads(m.k_proj, m.num_kv_heads)
     heads(m.v_proj, m.num_kv_heads)
-    assert m.o_proj.in_features == m.num_heads * d
+    assert m.o_proj.in_features == m.num_heads * m.head_dim
     _row_parallel(m.o_proj, rank, world)
     m.num_heads //= world
     m.num_kv_heads //= world
