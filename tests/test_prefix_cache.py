@@ -48,6 +48,19 @@ def tokens(seed, n):
     return [rng.randrange(3, 480) for _ in range(n)]
 
 
+def disk_tier(engine):
+    tier = engine.prefix_cache.lower
+    while tier.lower is not None:
+        tier = tier.lower
+    assert tier.name == "disk"
+    return tier
+
+
+def restart_point(engine):
+    """What ending the process does for a restarted engine: the disk writer's files are all written."""
+    disk_tier(engine).store.flush()
+
+
 def pools_idle(engine):
     engine.prefix_cache.clear()
     assert engine.kv.num_free == engine.kv.num_blocks and all(c == 0 for c in engine.kv.refcount)
@@ -129,6 +142,7 @@ def test_disk_restart_corrupt_and_foreign(flash, tmp_path, caplog):
     turn2 = prompt + reply + tokens(9, 4)
     expected = cold(first, turn2, 6)
     # A new engine on the same directory (a server restart) resumes turn 2 from disk.
+    restart_point(first)
     second = make(loaded=flash.loaded, kv_disk_dir=str(tmp_path))
     assert run(second, turn2) == (expected, 65)
     pools_idle(second)
@@ -146,6 +160,7 @@ def test_disk_restart_corrupt_and_foreign(flash, tmp_path, caplog):
     assert "fails its checksum" in caplog.text
     # Files of another model are ignored at start.
     run(first, turn2)
+    restart_point(first)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="flashnext.cache"):
         foreign = make("tiny-qwen3-next", kv_disk_dir=str(tmp_path))
@@ -183,11 +198,9 @@ def test_shutdown_persists_to_disk(flash, tmp_path, host_gb):
     expected = cold(first, turn2, 6)
     if host_gb:
         first.prefix_cache.evict_all()          # the entries now sit in the host tier only
-    disk = first.prefix_cache.lower
-    while disk.lower is not None:
-        disk = disk.lower
-    assert disk.name == "disk" and not disk.snaps       # nothing written down before the shutdown
-    first.shutdown()
+    disk = disk_tier(first)
+    assert not disk.snaps       # nothing written down before the shutdown
+    first.shutdown()            # persist waits for the disk writer too
     assert disk.snaps
     second = make(loaded=flash.loaded, kv_disk_dir=str(tmp_path))
     out, cached = run(second, turn2)

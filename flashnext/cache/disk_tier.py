@@ -7,6 +7,13 @@ the weights index or first shard header, dtype and block size) and a sha256 of i
 snapshot headers are indexed; a foreign or unreadable file is skipped with a warning, and a payload whose
 checksum fails is never loaded (its entry is dropped, the request is computed from scratch).
 
+Files are written (and deleted) in the background, by one writer thread per store in the order they were
+issued: the engine loop pays only for getting the payload into host memory (a copy from the device, or
+nothing for the host tier's pinned tensors), not for the checksum and the disk. Anything that reads files
+(a load, a peer's check) first waits for the writes before it; so does a clean shutdown
+(`PrefixCache.persist`, a worker's stop), and interpreter exit joins the thread. A write that fails (disk
+full) is logged; its entry then fails to load like a damaged file: dropped, the request computed.
+
 On several ranks each rank keeps its share of every entry under `<dir>/rank<r>/` (same layout), and the
 identity also names the rank and the parallel layout, so files of another layout are ignored with a
 warning. Only rank 0's snapshot headers carry the index (blocks, tail, position); an entry is indexed only
@@ -18,6 +25,8 @@ import hashlib
 import json
 import logging
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -29,6 +38,7 @@ from flashnext.cache.tier_index import BlockData, CorruptEntry, SnapshotData, Sn
 log = logging.getLogger("flashnext.cache")
 
 FORMAT = "flashnext-prefix-cache-v1"
+HEADER_BYTES = 1024   # what a file's safetensors header adds to its payload, about (the tier counts it)
 
 
 def model_identity(model_path, dtype: torch.dtype, block_size: int) -> str:
@@ -52,7 +62,7 @@ def checksum(tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(tensors):
         h.update(name.encode())
-        h.update(tensors[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        h.update(tensors[name].contiguous().view(-1).view(torch.uint8).numpy())   # the buffer itself: no copy
     return h.hexdigest()
 
 
@@ -66,6 +76,26 @@ class DiskStore(TierStore):
         self.snapshot_dir = self.dir / "snapshots"
         self.block_dir.mkdir(parents=True, exist_ok=True)
         self.snapshot_dir.mkdir(parents=True, exist_ok=True)
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="flashnext-disk-writer")
+        self._lock = threading.Lock()
+        self._pending: dict[Path, int] = {}   # files being written → their bytes (payload + header estimate)
+        self._queued = 0                      # writes and deletes not yet done
+
+    def _submit(self, fn, *args, **kwargs) -> None:
+        with self._lock:
+            self._queued += 1
+        self._writer.submit(self._run, fn, *args, **kwargs)
+
+    def _run(self, fn, *args, **kwargs) -> None:
+        try:
+            fn(*args, **kwargs)
+        finally:
+            with self._lock:
+                self._queued -= 1
+
+    def flush(self) -> None:
+        if self._queued:   # one writer, first in first out: when this no-op has run, everything before has
+            self._writer.submit(lambda: None).result()
 
     def block_path(self, h: bytes) -> Path:
         return self.block_dir / f"{h.hex()}.safetensors"
@@ -78,6 +108,7 @@ class DiskStore(TierStore):
 
     def missing(self, key: bytes, blocks: list[bytes]) -> str | None:
         """Why this store cannot serve an entry from its headers and file names alone (None: it can)."""
+        self.flush()
         path = self.snapshot_path(key)
         try:
             with safe_open(str(path), "pt") as f:
@@ -89,14 +120,37 @@ class DiskStore(TierStore):
         return f"{absent} of its KV block files are missing in {self.dir}" if absent else None
 
     def _write(self, path: Path, tensors: dict[str, torch.Tensor], extra: dict[str, str]) -> int:
+        """Hand the file to the writer; returns its bytes as the tier counts them. The payload is in host memory
+        when this returns (device blocks are reused at once; the host tier's tensors are never written to)."""
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-        meta = {"format": FORMAT, "model": self.identity, "checksum": checksum(tensors), **extra}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values()) + HEADER_BYTES
+        with self._lock:
+            self._pending[path] = nbytes
+        self._submit(self._write_file, path, tensors, extra)
+        return nbytes
+
+    def _write_file(self, path: Path, tensors: dict[str, torch.Tensor], extra: dict[str, str]) -> None:
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, path)
-        return path.stat().st_size
+        try:
+            meta = {"format": FORMAT, "model": self.identity, "checksum": checksum(tensors), **extra}
+            save_file(tensors, str(tmp), metadata=meta)
+            os.replace(tmp, path)
+        except Exception as e:   # noqa: BLE001 - e.g. disk full: the entry will fail to load and be dropped
+            log.warning("disk cache: could not write %s: %s", path, e)
+            tmp.unlink(missing_ok=True)
+        finally:
+            with self._lock:
+                self._pending.pop(path, None)
+
+    def _size(self, path: Path) -> int | None:
+        """Bytes of a file that is written or being written; None when neither."""
+        with self._lock:
+            if path in self._pending:
+                return self._pending[path]
+        return path.stat().st_size if path.exists() else None
 
     def _read(self, path: Path) -> dict[str, torch.Tensor]:
+        self.flush()
         try:
             with safe_open(str(path), "pt") as f:
                 meta = f.metadata() or {}
@@ -113,7 +167,8 @@ class DiskStore(TierStore):
 
     def store_block(self, h: bytes, data: BlockData) -> int:
         path = self.block_path(h)
-        return path.stat().st_size if path.exists() else self._write(path, data, {"kind": "block"})
+        size = self._size(path)
+        return size if size is not None else self._write(path, data, {"kind": "block"})
 
     def store_blocks(self, hashes: list[bytes], batch: BlockData) -> list[int]:
         """One file per block as always, but the batch comes to the host in one copy per tensor first."""
@@ -141,10 +196,10 @@ class DiskStore(TierStore):
         return state, tail_kv
 
     def drop_block(self, h: bytes) -> None:
-        self.block_path(h).unlink(missing_ok=True)
+        self._submit(self.block_path(h).unlink, missing_ok=True)   # after a pending write of it
 
     def drop_snapshot(self, key: bytes) -> None:
-        self.snapshot_path(key).unlink(missing_ok=True)
+        self._submit(self.snapshot_path(key).unlink, missing_ok=True)
 
 
 def disk_stores(directory, identity: str, tp: int = 1, ep: int = 1) -> list[DiskStore]:

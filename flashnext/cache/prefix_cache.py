@@ -255,6 +255,7 @@ class PrefixCache:
                     runs, snap = entry
                     disk.put(tier.snaps[key].blocks, lambda rows, runs=runs: batch_rows(runs, rows), key, snap)
                     written += 1
+        disk.store.flush()   # the files are written in the background (cache/disk_tier.py): on disk before exit
         return written
 
     def clear(self) -> None:

@@ -69,6 +69,9 @@ class TierStore:
     def drop_snapshot(self, key: bytes) -> None:
         raise NotImplementedError
 
+    def flush(self) -> None:
+        """Wait until every store and drop issued so far is done (for a store that writes in the background)."""
+
 
 class TierIndex:
     def __init__(self, store: TierStore, capacity_bytes: int, block_size: int, lower: TierIndex | None = None):

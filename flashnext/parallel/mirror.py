@@ -124,6 +124,11 @@ class WorkerCache:
         self.fetched: dict[bytes, SnapshotData] = {}              # name → snapshot payload
         self.fetched_blocks: tuple[list, dict[bytes, int]] = ([], {})  # runs (load_blocks), row of each name
 
+    def flush(self) -> None:
+        """Before the rank stops: what its stores write in the background is written."""
+        for store in self.stores:
+            store.flush()
+
     def apply(self, ops: list[int], kv, states) -> bool:
         """Replay rank 0's ops on this rank's pools and stores; False when a fetch failed here. Consecutive block
         ops of one kind (a conversation's blocks stored, fetched or installed) run as one batch, as rank 0's do."""

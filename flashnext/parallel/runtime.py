@@ -178,6 +178,7 @@ def worker_loop(model: torch.nn.Module, dtype: torch.dtype, device: torch.device
         cmd, n_tok, n_seg, n_blk, pool_id, num_blocks, block_size, num_slots, n_ops = _broadcast(
             torch.empty(_HEADER, dtype=torch.long, device=device)).tolist()
         if cmd == STOP:
+            cache.flush()
             for graphs in graphs_of.values():   # before the caller leaves the NCCL group (DecodeGraphs.release)
                 graphs.release()
             return steps

@@ -1,0 +1,70 @@
+"""The disk tier's store writes in the background (flashnext/cache/disk_tier.py): the checksum and the file
+write run on its writer thread, not the caller's; a load, a peer's check or flush() sees everything issued
+before it; deletes keep their order after writes; a failed write loses only its entry."""
+import logging
+import threading
+
+import pytest
+import torch
+
+from flashnext.cache import disk_tier
+from flashnext.cache.disk_tier import HEADER_BYTES, DiskStore
+from flashnext.cache.tier_index import SnapshotMeta
+
+
+def _block(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"k.3": torch.randn(16, 2, 8, generator=g), "v.3": torch.randn(16, 2, 8, generator=g)}
+
+
+def _snapshot(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"conv.0": torch.randn(4, 6, generator=g), "ssm.0": torch.randn(2, 8, 8, generator=g)}, _block(seed + 1)
+
+
+def test_writes_run_on_the_writer_thread_and_loads_see_them(tmp_path, monkeypatch):
+    threads = []
+    original = disk_tier.checksum
+    monkeypatch.setattr(disk_tier, "checksum", lambda t: threads.append(threading.current_thread().name) or original(t))
+    store = DiskStore(tmp_path, "model-a")
+    block, snap = _block(0), _snapshot(1)
+    size = store.store_block(b"\x01" * 8, block)
+    assert size == sum(t.numel() * t.element_size() for t in block.values()) + HEADER_BYTES
+    assert store.store_block(b"\x01" * 8, block) == size          # pending or written: stored once
+    store.store_snapshot(b"\x02" * 8, snap, SnapshotMeta([b"\x01" * 8], (5, 6), 18, 0))
+    # a load right away waits for the writes before it, and checks them (the checksum runs again, here)
+    got = store.load_block(b"\x01" * 8)
+    assert all(torch.equal(got[k], block[k]) for k in block)
+    state, tail = store.load_snapshot(b"\x02" * 8)
+    assert all(torch.equal(state[k], snap[0][k]) for k in snap[0]) and all(torch.equal(tail[k], snap[1][k])
+                                                                           for k in snap[1])
+    writes = threads[:2]
+    assert writes and all(name.startswith("flashnext-disk-writer") for name in writes), threads
+    assert store.missing(b"\x02" * 8, [b"\x01" * 8]) is None
+
+
+def test_drops_follow_writes_in_order(tmp_path):
+    store = DiskStore(tmp_path, "model-a")
+    for i in range(20):
+        store.store_block(bytes([i]) * 8, _block(i))
+    for i in range(0, 20, 2):
+        store.drop_block(bytes([i]) * 8)
+    store.flush()
+    names = sorted(p.name for p in (tmp_path / "blocks").iterdir())
+    assert names == sorted(f"{bytes([i]).hex() * 8}.safetensors" for i in range(1, 20, 2))
+
+
+def test_a_failed_write_is_logged_and_its_entry_fails_to_load(tmp_path, monkeypatch, caplog):
+    store = DiskStore(tmp_path, "model-a")
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(disk_tier, "save_file", full_disk)
+    with caplog.at_level(logging.WARNING, logger="flashnext.cache"):
+        store.store_block(b"\x03" * 8, _block(3))
+        store.flush()
+    assert "could not write" in caplog.text and "No space left" in caplog.text
+    with pytest.raises(OSError):          # TierIndex.load drops such an entry and the request is computed
+        store.load_block(b"\x03" * 8)
+    assert not list((tmp_path / "blocks").iterdir())
