@@ -68,3 +68,44 @@ def test_a_failed_write_is_logged_and_its_entry_fails_to_load(tmp_path, monkeypa
     with pytest.raises(OSError):          # TierIndex.load drops such an entry and the request is computed
         store.load_block(b"\x03" * 8)
     assert not list((tmp_path / "blocks").iterdir())
+
+
+def _entry(tier, hashes, key, seed):
+    """Put an entry of len(hashes) blocks into `tier`."""
+    from flashnext.cache.cache_entry import Snapshot
+
+    blocks = [_block(seed + i) for i in range(len(hashes))]
+    state, _ = _snapshot(seed)
+    tier.put(hashes, lambda rows: {k: torch.stack([blocks[r][k] for r in rows]) for k in blocks[0]}, key,
+             Snapshot(16 * len(hashes) + 2, (7, 9), state, None))
+
+
+def test_restart_deletes_what_no_entry_needs_and_keeps_foreign_files(tmp_path, caplog):
+    """Blocks of a snapshot deleted by hand, a snapshot without its blocks, a temporary file of an interrupted
+    write and an entry dropped to fit the budget: gone after a restart (they are not counted in --kv-disk-gb,
+    so they would fill the disk); another model's files stay."""
+    from flashnext.cache.disk_tier import DiskTier
+
+    store = DiskStore(tmp_path, "model-a")
+    tier = DiskTier(store, 1 << 30, 16)
+    a, b, c = [bytes([i]) * 16 for i in (1, 2, 3)]
+    _entry(tier, [a, b], b"\xaa" * 16, 0)         # kept
+    _entry(tier, [a, c], b"\xbb" * 16, 10)        # its snapshot file will be deleted by hand: c is orphaned
+    _entry(tier, [bytes([4]) * 16], b"\xcc" * 16, 20)   # its block file will be deleted: the snapshot is useless
+    foreign = DiskStore(tmp_path, "model-b")
+    foreign.store_block(bytes([5]) * 16, _block(5))
+    foreign.flush()
+    store.flush()
+    store.snapshot_path(b"\xbb" * 16).unlink()
+    store.block_path(bytes([4]) * 16).unlink()
+    (store.block_dir / "0f.safetensors.tmp4242").write_bytes(b"partial")
+    with caplog.at_level(logging.INFO, logger="flashnext.cache"):
+        again = DiskTier(DiskStore(tmp_path, "model-a"), 1 << 30, 16)
+    assert list(again.snaps) == [b"\xaa" * 16]
+    blocks = sorted(p.name for p in store.block_dir.iterdir())
+    assert blocks == sorted(f"{h.hex()}.safetensors" for h in (a, b, bytes([5]) * 16)), blocks
+    assert sorted(p.name for p in store.snapshot_dir.iterdir()) == [f"{'aa' * 16}.safetensors"]
+    assert "deleted 3 files that no cached conversation needs" in caplog.text
+    # a budget that holds nothing: the entry is dropped at the scan, and its files with it
+    DiskTier(DiskStore(tmp_path, "model-a"), 1, 16)
+    assert sorted(p.name for p in store.block_dir.iterdir()) == [f"{(bytes([5]) * 16).hex()}.safetensors"]

@@ -251,3 +251,34 @@ class DiskTier(TierIndex):
         if self.snaps:
             log.info("disk cache: %d snapshots (%.2f GiB) in %s", len(self.snaps), self.bytes / (1 << 30), store.dir)
         self._fit()
+        self._collect()
+
+    def _collect(self) -> None:
+        """Delete the files of ours that no indexed entry needs, in this store and the other ranks': blocks
+        whose snapshots are gone (a crash between the writes, a file deleted by hand, an entry dropped to fit
+        --kv-disk-gb), snapshots the index dropped, and temporary files of interrupted writes. Otherwise they
+        would fill the disk past --kv-disk-gb, since only indexed entries are counted. Files of another model or
+        layout stay (their own server may use them)."""
+        removed = 0
+        for store in [self.store, *self.peers]:
+            store.flush()
+            for path in [*store.block_dir.glob("*.tmp*"), *store.snapshot_dir.glob("*.tmp*")]:
+                path.unlink(missing_ok=True)
+                removed += 1
+            kept = [(store.block_dir, self.block_refs), (store.snapshot_dir, self.snaps)]
+            for directory, index in kept:
+                for path in directory.glob("*.safetensors"):
+                    try:
+                        if bytes.fromhex(path.stem) in index or not store.ours(_header(path)):
+                            continue
+                    except Exception:   # noqa: BLE001 - a name or header that is not ours: not ours to delete
+                        continue
+                    path.unlink(missing_ok=True)
+                    removed += 1
+        if removed:
+            log.info("disk cache: deleted %d files that no cached conversation needs", removed)
+
+
+def _header(path: Path) -> dict:
+    with safe_open(str(path), "pt") as f:
+        return f.metadata() or {}
