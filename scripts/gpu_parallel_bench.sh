@@ -17,6 +17,7 @@ if [ -d .whl ]; then
     >/dev/null 2>&1 && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+source scripts/gpu_triton_cache.sh   # carry .tcache too: compiled kernels from the last call
 out=${OUT:-/tmp/gpu_parallel}
 ckpt=${CKPT:-/tmp/q3n4}
 mkdir -p "$out"

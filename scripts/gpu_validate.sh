@@ -17,6 +17,7 @@ if [ -d .whl ]; then
     >/dev/null 2>&1 && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 FLASHNEXT_CACHE=${FLASHNEXT_CACHE:-/tmp/fncache}
+source scripts/gpu_triton_cache.sh   # carry .tcache too: compiled kernels from the last call
 out=${OUT:-/tmp/gpu_validate}
 mkdir -p "$out"
 failed=()
