@@ -64,9 +64,9 @@ class DecodeGraphs:
         self.capture = self.device.type == "cuda"
 
     def release(self) -> None:
-        """Free every captured graph; later steps run the same fixed-shape step uncaptured. Several GPUs: before leaving the NCCL group,
-        or its teardown waits for ever on the collectives captured inside (pytorch/pytorch#115388; on 2 × H200
-        both ranks hung in destroy_process_group)."""
+        """Free every captured graph; later steps run the same fixed-shape step uncaptured. Several GPUs: before
+        leaving the NCCL group, or its teardown waits for ever on the collectives captured inside
+        (pytorch/pytorch#115388; on 2 × H200 both ranks hung in destroy_process_group)."""
         if self.capture:
             torch.cuda.synchronize(self.device)
         for graph, _ in self.graphs.values():

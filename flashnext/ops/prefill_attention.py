@@ -14,8 +14,8 @@ a time with the visibility mask (memory O(QUERY_BLOCK · total)). `prefill_atten
 tensors → the Triton flash-attention kernel (ops/prefill_attention_triton.py: bf16 tensor cores, online softmax,
 no mask or score matrix in memory), anything else → the reference. fp32 on CUDA takes the reference too: ptxas
 spent over 100 s on the kernel's IEEE-fp32 tiles on the H200 (session 5, two exactness scripts cut by their time
-limits inside that compile), and fp32 serves only exactness checks, where SDPA is the better oracle anyway. FLASHNEXT_PREFILL_ATTENTION=reference forces the
-reference (to bisect a wrong answer on the GPU).
+limits inside that compile), and fp32 serves only exactness checks, where SDPA is the better oracle anyway.
+FLASHNEXT_PREFILL_ATTENTION=reference forces the reference (to bisect a wrong answer on the GPU).
 """
 from __future__ import annotations
 

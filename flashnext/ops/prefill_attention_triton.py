@@ -5,7 +5,8 @@ tiles of BLOCK_N up to its last query's position (causal), gathering each key ti
 (any page size), so neither the [T, total] scores nor a mask exist in memory. Q·Kᵀ and P·V run on tensor cores
 in the inputs' dtype with fp32 accumulation (fp32 inputs: IEEE fp32 dots, for the interpreter tests; on CUDA
 ops/prefill_attention.py sends fp32 to the reference); a QSA selection is read as one byte per (query, block of
-`ratio` tokens) inside the loop. Heavy tiles (the last queries see the most keys) are scheduled first. Results differ from the reference only by summation order and P's rounding to q's dtype.
+`ratio` tokens) inside the loop. Heavy tiles (the last queries see the most keys) are scheduled first. Results
+differ from the reference only by summation order and P's rounding to q's dtype.
 """
 from __future__ import annotations
 
