@@ -257,6 +257,53 @@ def test_tensor_parallel_refuses_int4_groups_across_ranks(tmp_path):
         load_model(str(folder), "cpu", torch.float32, parallel=ParallelPlan(0, 2, 2, 1))
 
 
+def _rank_shared_ple(rank, world, out_path, share):
+    from flashnext.models.layers.row_table import RowTable
+    from flashnext.parallel.runtime import ParallelPlan, attach_broadcaster, send_stop, worker_loop
+
+    torch.set_num_threads(1)
+    model = load_model("tiny-flash-next", "cpu", torch.float32, ple_placement="host",
+                       parallel=ParallelPlan(rank, world, 2, 1, share)).model
+    tables = [m.weight for m in model.modules() if isinstance(m, RowTable) and m.placement == "host"]
+    assert tables and all(t.untyped_storage().filename == share for t in tables), "not the shared mapping"
+    if rank == 0:
+        attach_broadcaster(model)
+        torch.save(Session(model, 128).extend(_prompt(), all_logits=True), out_path)
+        send_stop(torch.device("cpu"))
+    else:
+        worker_loop(model, torch.float32, torch.device("cpu"))
+
+
+def test_ranks_share_one_host_ple_table(tmp_path):
+    """Rank 0 reads the host-placed PLE table into a shared file mapping, rank 1 maps the same file instead of
+    reading its own copy; the files are gone once both have it, and TP=2 still equals one process."""
+    from flashnext.parallel import spawn_ranks
+    from flashnext.weights.shared_table import share_path
+
+    torch.set_num_threads(1)
+    want = Session(load_model("tiny-flash-next", "cpu", torch.float32, ple_placement="host").model, 128).extend(
+        _prompt(), all_logits=True)
+    share = str(share_path(tmp_path / "shm", os.getpid(), 1))
+    spawn_ranks(_rank_shared_ple, 2, str(tmp_path / "out.pt"), share)
+    assert rel_err(torch.load(tmp_path / "out.pt"), want) < TOL
+    assert not list((tmp_path / "shm").iterdir())
+
+
+def test_ple_share_falls_back_to_a_copy_per_rank_without_room(tmp_path, monkeypatch, caplog):
+    import logging
+    from collections import namedtuple
+
+    from flashnext.weights import shared_table
+
+    statvfs = namedtuple("statvfs", "f_bavail f_frsize")
+    monkeypatch.setattr(shared_table.os, "statvfs", lambda path: statvfs(1, 4096))
+    path = tmp_path / "flashnext-ple-1-2"
+    with caplog.at_level(logging.WARNING, logger="flashnext.weights"):
+        rank0 = shared_table.TableShare(path, "t", (1000, 8), torch.float32, 0, 2).begin()
+    assert rank0 == ({}, frozenset()) and "every rank keeps its own copy" in caplog.text
+    assert shared_table.TableShare(path, "t", (1000, 8), torch.float32, 1, 2, timeout_s=1).begin() == ({}, frozenset())
+
+
 # ---- the prefix cache's host and disk tiers across ranks (parallel/mirror.py) ----
 PROMPT, REPLY = 70, 4
 TURN2_HIT = PROMPT + REPLY - 1      # turn 2 resumes after all but the last reply token

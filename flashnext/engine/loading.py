@@ -180,8 +180,13 @@ def _load_checkpoint_model(name, device, dtype, quantize, parallel, ple_placemen
         share = cfg.num_experts // parallel.ep
         expert_range = (parallel.rank * share, share)
         local_experts_on_meta(model, share)   # `expected` keeps the checkpoint's full expert counts
+    # Several ranks: one host copy of a host-bound PLE table, read by rank 0 and mapped by the others.
+    share = _table_share(parallel, host, expected, dtype)
+    into, not_read = share.begin() if share else ({}, frozenset())
     weights = load_checkpoint(path, expected, dtype=dtype, device=device, progress=True, packed_int4=packed,
-                              host_names=frozenset(host), expert_range=expert_range)
+                              host_names=frozenset(host), expert_range=expert_range, into=into, not_read=not_read)
+    if share:
+        share.after_load(weights)
     derived = {k: v for k, v in model.state_dict().items() if v.device.type != "meta"}
     for key, value in derived.items():
         if key in weights and not torch.equal(weights[key].cpu(), value):
@@ -210,4 +215,18 @@ def _load_checkpoint_model(name, device, dtype, quantize, parallel, ple_placemen
         log.info("quantised %d dense projections and %d routed-expert sets to int4 (RTN, group 128)", len(dense),
                  len(experts))
         nbytes = _state_bytes(model, device)
+    if share:
+        share.finish()
     return model, cfg, path, nbytes
+
+
+def _table_share(parallel, host: set[str], expected: dict, dtype: torch.dtype):
+    """This rank's TableShare of the PLE table when several ranks would each hold it in host memory."""
+    if parallel is None or parallel.world == 1 or not parallel.ple_share:
+        return None
+    key = next((k for k in host if k.endswith("ngram_embedding.weight")), None)
+    if key is None:
+        return None
+    from flashnext.weights.shared_table import TableShare
+
+    return TableShare(parallel.ple_share, key, expected[key][0], dtype, parallel.rank, parallel.world)

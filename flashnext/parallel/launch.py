@@ -32,13 +32,19 @@ _started: list = []
 WATCH_INTERVAL_S = 0.5
 
 
-def _plan(args: EngineArgs, rank: int) -> ParallelPlan:
+def _plan(args: EngineArgs, rank: int, port: int) -> ParallelPlan:
+    share = None
+    if args.ple_share_dir:
+        from flashnext.weights.shared_table import share_path
+
+        rank0_pid = os.getpid() if rank == 0 else os.getppid()   # rank 0 spawned the workers
+        share = str(share_path(args.ple_share_dir, rank0_pid, port))
     return ParallelPlan(rank, world_size(args.tensor_parallel, args.expert_parallel), args.tensor_parallel,
-                        args.expert_parallel)
+                        args.expert_parallel, share)
 
 
 def _load(args: EngineArgs, rank: int, port: int):
-    plan = _plan(args, rank)
+    plan = _plan(args, rank, port)
     device = rank_device(args.device, rank)
     init_process(rank, plan.world, port, device)
     dtype = resolve_dtype(args.dtype, device, args.model)

@@ -43,6 +43,7 @@ class ParallelPlan:
     world: int
     tp: int = 1
     ep: int = 1
+    ple_share: str | None = None   # the file through which the ranks share a host PLE table (weights/shared_table.py)
 
 
 def world_size(tp: int, ep: int) -> int:

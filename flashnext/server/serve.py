@@ -102,6 +102,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--expert-parallel", type=int,
          help="GPUs to split the routed experts over, whole experts per GPU: 1 or the --tensor-parallel size "
               "(docs/parallel.md; default 1)")
+    _add(parser, "--ple-share-dir",
+         help="several GPUs: the ranks share one copy of a host-placed PLE table (51-102 GB for Flash-Next) "
+              "through a file here, in RAM for /dev/shm; \"\" keeps one copy per rank (default /dev/shm)")
     _add(parser, "--tool-call-parser", default="auto", choices=["auto", "hermes", "qwen3_coder"],
          help="tool-call format in the model's output (auto: from the chat template)")
     _add(parser, "--sse-keepalive", type=float, default=2.0,
@@ -131,7 +134,8 @@ _ENGINE_FLAGS = {"model": "model", "device": "device", "max_num_batched_tokens":
                  "prefix_snapshot_interval": "prefix_snapshot_interval", "prefix_cache_gb": "prefix_cache_gb",
                  "kv_host_gb": "kv_host_gb", "kv_host_write_through": "kv_host_write_through",
                  "kv_disk_dir": "kv_disk_dir", "kv_disk_gb": "kv_disk_gb", "tensor_parallel": "tensor_parallel",
-                 "expert_parallel": "expert_parallel", "expert_vram_gb": "expert_vram_gb",
+                 "expert_parallel": "expert_parallel", "ple_share_dir": "ple_share_dir",
+                 "expert_vram_gb": "expert_vram_gb",
                  "expert_cache_policy": "expert_cache_policy", "expert_prefetch": "expert_prefetch", "routing_trace": "routing_trace"}
 
 

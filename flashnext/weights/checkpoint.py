@@ -137,9 +137,11 @@ class _Recipe:
 
 class _Planner:
     def __init__(self, tensors: _Tensors, quant: QuantizationConfig, config: dict, device, dtype,
-                 packed_int4: frozenset[str] = frozenset(), expert_share: tuple[int, int] | None = None):
+                 packed_int4: frozenset[str] = frozenset(), expert_share: tuple[int, int] | None = None,
+                 into: dict[str, torch.Tensor] | None = None):
         self.t, self.quant, self.config, self.device, self.dtype = tensors, quant, config, device, dtype
         self.packed_int4 = packed_int4
+        self.into = into or {}   # name → the tensor to fill instead of a new one (a table shared by ranks)
         # (first, total): stacked experts [E, ...] hold experts first … first + E - 1 of the checkpoint's total
         self.expert_share = expert_share
 
@@ -282,7 +284,9 @@ class _Planner:
 
         def build() -> torch.Tensor:
             # Filled shard by shard: the real table is ~100 GB, too big for a temporary concatenation.
-            out = torch.empty(shape, dtype=self.dtype, device=self.device)
+            out = self.into.get(name)
+            if out is None:
+                out = torch.empty(shape, dtype=self.dtype, device=self.device)
             start = 0
             for shard, r in zip(shards, rows):
                 out[start: start + r].copy_(shard.build())
@@ -309,6 +313,8 @@ def load_checkpoint(
     packed_int4: frozenset[str] = frozenset(),
     host_names: frozenset[str] = frozenset(),
     expert_range: tuple[int, int] | None = None,
+    into: dict[str, torch.Tensor] | None = None,
+    not_read: frozenset[str] = frozenset(),
 ) -> dict[str, torch.Tensor | Int4Weight]:
     """Read the checkpoint folder `path` into tensors keyed and shaped like `expected` ({name: (shape, dtype)}).
 
@@ -317,8 +323,11 @@ def load_checkpoint(
     (the kernel layout; scales keep the checkpoint's dtype) instead. Names in `host_names` are read into CPU
     memory whatever `device` is (routed experts that an expert cache keeps in host RAM). `expert_range`
     (first, count): of every routed expert set only these experts are read, stacked [count, ...] (expert
-    parallel: one rank's share, so no rank ever holds the others'). Raises CheckpointError naming the problem
-    for missing, unexpected or misshapen tensors, unreadable files and missing shards.
+    parallel: one rank's share, so no rank ever holds the others'). `into` {name: tensor}: fill these tensors
+    (in `dtype`, where they are) and return them, e.g. a table in memory that several ranks share; `not_read`:
+    names checked and counted as used but not read nor returned (a rank that maps another rank's copy).
+    Raises CheckpointError naming the problem for missing, unexpected or misshapen tensors, unreadable files
+    and missing shards.
     """
     folder = Path(path)
     config_file = folder / "config.json"
@@ -336,7 +345,7 @@ def load_checkpoint(
         expected = {name: ((count, *shape[1:]) if _EXPERT_KEY.match(name) else shape, dt)
                     for name, (shape, dt) in expected.items()}
     planners = {on_host: _Planner(tensors, quant, config, torch.device("cpu") if on_host else device, dtype,
-                                  packed_int4, share)
+                                  packed_int4, share, into)
                 for on_host in (False, True)}
     recipes, missing = {}, []
     for name, (shape, _) in expected.items():
@@ -351,10 +360,12 @@ def load_checkpoint(
     if unexpected:
         raise CheckpointError(f"checkpoint {folder} has {len(unexpected)} tensor(s) this model does not use: "
                               f"{_listing(unexpected)}")
-    total = sum(tensors.nbytes(s) for recipe in recipes.values() for s in recipe.sources)
+    total = sum(tensors.nbytes(s) for name, recipe in recipes.items() if name not in not_read for s in recipe.sources)
     result = {}
     with tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", disable=not progress) as bar:
         for name, recipe in recipes.items():
+            if name in not_read:
+                continue
             shape, expected_dtype = expected[name]
             out_dtype = dtype if expected_dtype.is_floating_point else expected_dtype
             built = recipe.build()
@@ -365,6 +376,8 @@ def load_checkpoint(
             else:
                 tensor = built.to(out_dtype)
                 assert tuple(tensor.shape) == tuple(shape), (name, tensor.shape, shape)
+                if into and name in into and tensor is not into[name]:   # a table stored whole, not in shards
+                    tensor = into[name].copy_(tensor)
                 result[name] = tensor
             bar.update(sum(tensors.nbytes(s) for s in recipe.sources))
     return result
