@@ -205,10 +205,22 @@ def test_engine_expert_parallel_with_expert_cache():
     assert got == want
 
 
+def _prompt_logits_from_ranks(rank, model, out_path):
+    """Rank 0 saves the prompt logits of a Session over the sharded model; the other ranks follow it."""
+    from flashnext.parallel.runtime import attach_broadcaster, send_stop, worker_loop
+
+    if rank == 0:
+        attach_broadcaster(model)
+        torch.save(Session(model, 128).extend(_prompt(), all_logits=True), out_path)
+        send_stop(torch.device("cpu"))
+    else:
+        worker_loop(model, torch.float32, torch.device("cpu"))
+
+
 def _rank_int4(rank, world, out_path, model_name, quantize, tp, ep):
     from flashnext.models.layers.int4_experts import Int4Experts
     from flashnext.models.layers.int4_linear import Int4Linear
-    from flashnext.parallel.runtime import ParallelPlan, attach_broadcaster, send_stop, worker_loop
+    from flashnext.parallel.runtime import ParallelPlan
 
     torch.set_num_threads(1)
     model = load_model(model_name, "cpu", torch.float32, quantize=quantize,
@@ -217,12 +229,7 @@ def _rank_int4(rank, world, out_path, model_name, quantize, tp, ep):
     shares = {m.num_experts for m in model.modules() if isinstance(m, Int4Experts)}
     assert shares == {model.cfg.num_experts // ep}, shares
     assert any(isinstance(m, Int4Linear) for m in model.modules())
-    if rank == 0:
-        attach_broadcaster(model)
-        torch.save(Session(model, 128).extend(_prompt(), all_logits=True), out_path)
-        send_stop(torch.device("cpu"))
-    else:
-        worker_loop(model, torch.float32, torch.device("cpu"))
+    _prompt_logits_from_ranks(rank, model, out_path)
 
 
 # (--quantize int4 with tensor parallel rounds each rank's share: the tiny models' small projections get other
@@ -259,19 +266,14 @@ def test_tensor_parallel_refuses_int4_groups_across_ranks(tmp_path):
 
 def _rank_shared_ple(rank, world, out_path, share):
     from flashnext.models.layers.row_table import RowTable
-    from flashnext.parallel.runtime import ParallelPlan, attach_broadcaster, send_stop, worker_loop
+    from flashnext.parallel.runtime import ParallelPlan
 
     torch.set_num_threads(1)
     model = load_model("tiny-flash-next", "cpu", torch.float32, ple_placement="host",
                        parallel=ParallelPlan(rank, world, 2, 1, share)).model
     tables = [m.weight for m in model.modules() if isinstance(m, RowTable) and m.placement == "host"]
     assert tables and all(t.untyped_storage().filename == share for t in tables), "not the shared mapping"
-    if rank == 0:
-        attach_broadcaster(model)
-        torch.save(Session(model, 128).extend(_prompt(), all_logits=True), out_path)
-        send_stop(torch.device("cpu"))
-    else:
-        worker_loop(model, torch.float32, torch.device("cpu"))
+    _prompt_logits_from_ranks(rank, model, out_path)
 
 
 def test_ranks_share_one_host_ple_table(tmp_path):
