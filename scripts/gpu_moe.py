@@ -1,6 +1,7 @@
 """On the GPU machine: the INT4 MoE kernels at the real shapes — correct against the torch reference, and how
 fast: decode M = 1, 2, 4, 8 (the decode GEMV kernels of moe_int4_decode_triton against the grouped kernels of
-moe_int4_triton, which decode ran before) and prefill M = 4096 (grouped), with small config sweeps.
+moe_int4_triton, which decode ran before) and prefill M = 4096 (grouped, and FLASHNEXT_MOE_PREFILL=dequant's
+dequantised experts through torch's grouped GEMM), with small config sweeps.
 
 Flash-Next (H 2560, I 640) and Qwen3-Next (H 2048, I 512): E 512, top-10, g 128, symmetric (plus asymmetric
 and act-order correctness checks). Routing comes from a random zero-mean router on random activations, so
@@ -22,6 +23,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from flashnext.ops.moe_int4 import moe_int4_reference
 from flashnext.ops.moe_int4_decode_triton import DEFAULT, DecodeConfig, moe_int4_decode
+from flashnext.ops.moe_int4_dequant import moe_int4_dequant
 from flashnext.ops.moe_int4_triton import DECODE, PREFILL, MoeConfig, moe_int4_triton
 from flashnext.weights.int4_layout import Int4Weight
 from gpu_common import rel
@@ -71,7 +73,8 @@ def check(name, h, i) -> bool:
         for m in (1, 8, 300):
             x, ids, w = routing(m, h, seed=m)
             ref = moe_int4_reference(x.float(), ids, w, wgu, wd)
-            kernels = [("grouped", moe_int4_triton)] + ([("decode", moe_int4_decode)] if m <= 8 else [])
+            kernels = [("grouped", moe_int4_triton)] + ([("decode", moe_int4_decode)] if m <= 8 else
+                                                        [("dequant", moe_int4_dequant)])
             for label, fn in kernels:
                 e16 = rel(fn(x, ids, w, wgu, wd), ref)
                 e32 = rel(fn(x.float(), ids, w, wgu, wd), ref)
@@ -128,6 +131,8 @@ def bench(name, h, i, quick):
             runs += [("decode", moe_int4_decode, c) for c in (DECODE_SWEEP[:1] if quick else DECODE_SWEEP)]
         else:
             runs = [("grouped", moe_int4_triton, c) for c in (PREFILL_SWEEP[:1] if quick else PREFILL_SWEEP)]
+            # FLASHNEXT_MOE_PREFILL=dequant: the layer's experts dequantised, then torch's grouped GEMM
+            runs.append(("dequant", lambda x, ids, w, a, b, cfg: moe_int4_dequant(x, ids, w, a, b), None))
         results = []
         for label, op, cfg in runs:
             fn = lambda: op(x, ids, w, wgu, wd, cfg)  # noqa: E731
@@ -151,6 +156,8 @@ def bench(name, h, i, quick):
 
 
 def _cfg(c) -> str:
+    if c is None:
+        return "(cuBLAS grouped)"
     if isinstance(c, DecodeConfig):
         return f"n{c.block_n} k{c.block_k} s{c.split_k}/{c.split_down} w{c.num_warps} st{c.num_stages}"
     return f"m{c.block_m} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}"

@@ -52,9 +52,10 @@ if [[ $parts == *" profile "* ]]; then
     --model mem:flash-next --quantize int4
   part prefill_gemm python3 scripts/gpu_prefill_gemm.py --m 8192
   part prefill python3 scripts/gpu_prefill.py --model mem:flash-next --quantize int4 --tokens 10000 --chunk 2048 --chunk 8192
-  # the dense INT4 GEMMs through a dequantised weight and cuBLAS instead (docs/int4.md): does the whole prefill gain?
-  part prefill_dequant env FLASHNEXT_W4A16_PREFILL=dequant python3 scripts/gpu_prefill.py --model mem:flash-next \
-    --quantize int4 --tokens 10000 --chunk 8192
+  # the dense INT4 GEMMs and the routed experts through dequantised weights and cuBLAS (grouped for the
+  # experts) instead (docs/int4.md): does the whole prefill gain? (scripts/gpu_moe.py times the MoE alone)
+  part prefill_dequant env FLASHNEXT_W4A16_PREFILL=dequant FLASHNEXT_MOE_PREFILL=dequant python3 scripts/gpu_prefill.py \
+    --model mem:flash-next --quantize int4 --tokens 10000 --chunk 8192
 fi
 if [[ $parts == *" bench "* ]]; then
   for m in flash-next qwen3-next-80b; do

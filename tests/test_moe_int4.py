@@ -92,3 +92,29 @@ def test_triton_fp16_activations(m):
     assert got.dtype == torch.float16
     # h and the output are rounded to fp16 (as the 16-bit model rounds them): ~3e-4 here.
     assert rel_err(got, moe_int4_reference(x.float(), ids, weights.float(), w_gate_up, w_down)) < 2e-3
+
+
+@pytest.mark.parametrize(PARAMS, CASES)
+def test_dequant_grouped_gemm_equals_reference(m, k, h, i, g_up, g_down, asym, act_order, block_m):
+    """FLASHNEXT_MOE_PREFILL=dequant: a layer's experts dequantised at once (the stacked dequantise kernel,
+    interpreted) and the sorted rows through the grouped GEMM; fp32 equals the reference to summation order.
+    With 8 experts and few tokens some experts get no rows: their groups are empty."""
+    from flashnext.ops.moe_int4_dequant import moe_int4_dequant
+
+    x, ids, weights, w_gate_up, w_down = case(m, 8, k, h, i, g_up, g_down, asym, act_order)
+    got = moe_int4_dequant(x, ids, weights, w_gate_up, w_down)
+    assert rel_err(got, moe_int4_reference(x, ids, weights, w_gate_up, w_down)) < 1e-5
+
+
+def test_dequant_grouped_gemm_fp16_and_the_loop_fallback(monkeypatch):
+    """16-bit activations round each weight and h once (as the kernels round h); a torch without a CPU
+    grouped GEMM takes one matmul per expert, with the same result."""
+    from flashnext.ops import moe_int4_dequant
+
+    x, ids, weights, w_gate_up, w_down = case(40, 8, 3, 64, 48, 32, 16, asym=True)
+    want = moe_int4_reference(x, ids, weights, w_gate_up, w_down)
+    got = moe_int4_dequant.moe_int4_dequant(x.half(), ids, weights.half(), w_gate_up, w_down)
+    assert got.dtype == torch.float16 and rel_err(got, want) < 2e-3
+    fast = moe_int4_dequant.moe_int4_dequant(x, ids, weights, w_gate_up, w_down)
+    monkeypatch.setattr(moe_int4_dequant, "_cpu_grouped_mm", lambda: False)
+    assert rel_err(moe_int4_dequant.moe_int4_dequant(x, ids, weights, w_gate_up, w_down), fast) < 1e-6

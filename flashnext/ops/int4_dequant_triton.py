@@ -5,7 +5,8 @@ bf16 cuBLAS on the H200 (BENCHMARKS.md). Dequantising the one weight a call need
 costs reading its 0.5 byte and writing its 2 bytes per weight — for Flash-Next's in_proj_qkv (10240 × 2560) ~15
 µs against ~590 µs of cuBLAS at 8,192 rows — so `w4a16_matmul` may send large M here (`FLASHNEXT_W4A16_PREFILL
 =dequant`; vLLM's AWQ path does the same above 256 tokens). Only one weight's scratch exists at a time; the
-model keeps INT4.
+model keeps INT4. Stacked experts [E, K/8, N] dequantise in one launch (a grid axis per expert) for the MoE
+prefill path of ops/moe_int4_dequant.py.
 
 The reference is `weights.int4_layout.dequantize` (fp32 [N, K] in activation order): this returns its
 transpose in the requested dtype, rows in activation order (act-order scatters packed row k to row perm[k]).
@@ -27,6 +28,14 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, N, K, GROUP: tl.con
                     HAS_PERM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
+    expert = tl.program_id(2).to(tl.int64)   # stacked experts: one [K, N] after the other, contiguous
+    qw_ptr += expert * (K // 8) * N
+    s_ptr += expert * (K // GROUP) * N
+    out_ptr += expert * K * N
+    if HAS_ZEROS:
+        z_ptr += expert * (K // GROUP) * N
+    if HAS_PERM:
+        perm_ptr += expert * K
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)          # packed rows: K/8 of them
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     p_ok = offs_p < K // 8
@@ -51,12 +60,13 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, N, K, GROUP: tl.con
 
 
 def dequantize_triton(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
-    """→ [K, N] in `dtype`: dequantize(w).t() rounded once (a 2-D weight; stacked experts are not handled)."""
-    assert w.qweight.dim() == 2, "one weight at a time"
+    """→ [K, N] in `dtype`: dequantize(w).t() rounded once; stacked experts [E, K/8, N] → [E, K, N]."""
+    assert w.qweight.dim() in (2, 3) and all(t.is_contiguous() for t in w.tensors().values())
+    experts = w.qweight.shape[0] if w.qweight.dim() == 3 else 1
     k, n = w.in_features, w.out_features
-    out = torch.empty(k, n, dtype=dtype, device=w.qweight.device)
+    out = torch.empty(*w.qweight.shape[:-2], k, n, dtype=dtype, device=w.qweight.device)
     block_p, block_n = 8, 128
-    grid = (triton.cdiv(k // 8, block_p), triton.cdiv(n, block_n))
+    grid = (triton.cdiv(k // 8, block_p), triton.cdiv(n, block_n), experts)
     zeros, perm = optional_tensors(w)
     _dequant_kernel[grid](w.qweight, w.scales, zeros, perm, out, n, k, GROUP=w.group_size,
                           HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None, BLOCK_P=block_p,
