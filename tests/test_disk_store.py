@@ -109,3 +109,32 @@ def test_restart_deletes_what_no_entry_needs_and_keeps_foreign_files(tmp_path, c
     # a budget that holds nothing: the entry is dropped at the scan, and its files with it
     DiskTier(DiskStore(tmp_path, "model-a"), 1, 16)
     assert sorted(p.name for p in store.block_dir.iterdir()) == [f"{(bytes([5]) * 16).hex()}.safetensors"]
+
+
+def test_cache_file_reader_equals_safetensors(tmp_path):
+    """The one-read parser gives safetensors' tensors and disk_tier.checksum's digest, for every dtype the tiers
+    store and an empty tensor; a damaged header or a tensor past the end of the file is refused."""
+    from safetensors.torch import load_file, save_file
+
+    from flashnext.cache.cache_file import UnreadableFile, read_cache_file
+    from flashnext.cache.disk_tier import checksum
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"k.3": torch.randn(16, 2, 8, generator=g).bfloat16(), "state.ssm": torch.randn(3, 5, generator=g),
+               "conv": torch.randn(4, generator=g).half(), "ids": torch.arange(7), "empty": torch.zeros(0, 4),
+               "keys": torch.randn(16, 4, generator=g).to(torch.float8_e4m3fn)}
+    path = tmp_path / "f.safetensors"
+    save_file(tensors, str(path), metadata={"checksum": "x", "kind": "block"})
+    meta, got, digest = read_cache_file(path)
+    want = load_file(str(path))
+    assert meta == {"checksum": "x", "kind": "block"} and got.keys() == want.keys()
+    assert all(got[k].dtype == want[k].dtype and torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8))
+               for k in want)
+    assert digest == checksum(want)
+    data = bytearray(path.read_bytes())
+    (tmp_path / "header").write_bytes(data[:8] + b"{nonsense" + data[17:])
+    with pytest.raises(UnreadableFile, match="damaged header"):
+        read_cache_file(tmp_path / "header")
+    (tmp_path / "short").write_bytes(data[:-64])
+    with pytest.raises(UnreadableFile, match="outside the file"):
+        read_cache_file(tmp_path / "short")

@@ -33,12 +33,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from flashnext.cache.cache_file import UnreadableFile, read_cache_file
 from flashnext.cache.tier_index import BlockData, CorruptEntry, SnapshotData, SnapshotMeta, TierIndex, TierStore
 
 log = logging.getLogger("flashnext.cache")
 
 FORMAT = "flashnext-prefix-cache-v1"
 HEADER_BYTES = 1024   # what a file's safetensors header adds to its payload, about (the tier counts it)
+# Threads that read a conversation's block files back: the reads and the hashing release the GIL, the tensor views
+# do not; on 2 cores two readers were slower than one (1.9 s against 1.4 s for 1,000 Flash-Next blocks).
+READERS = min(8, (os.cpu_count() or 1) // 2)
 
 
 def model_identity(model_path, dtype: torch.dtype, block_size: int) -> str:
@@ -151,19 +155,29 @@ class DiskStore(TierStore):
 
     def _read(self, path: Path) -> dict[str, torch.Tensor]:
         self.flush()
+        return self._read_written(path)
+
+    def _read_written(self, path: Path) -> dict[str, torch.Tensor]:
         try:
-            with safe_open(str(path), "pt") as f:
-                meta = f.metadata() or {}
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except OSError:
-            raise
-        except Exception as e:   # noqa: BLE001 - safetensors raises its own error types for damaged files
-            raise CorruptEntry(f"{path} is unreadable: {e}") from None
+            meta, tensors, digest = read_cache_file(path)
+        except UnreadableFile as e:
+            raise CorruptEntry(str(e)) from None
         if not self.ours(meta):
             raise CorruptEntry(f"{path} was written by another model, layout or format version")
-        if meta.get("checksum") != checksum(tensors):
+        if meta.get("checksum") != digest:
             raise CorruptEntry(f"{path} fails its checksum")
         return tensors
+
+    def load_blocks(self, hashes: list[bytes]) -> list[BlockData]:
+        """The blocks, read by READERS threads; one run per block."""
+        self.flush()
+        paths = [self.block_path(h) for h in hashes]
+        if READERS > 1 and len(paths) > 1:
+            with ThreadPoolExecutor(READERS, thread_name_prefix="flashnext-disk-reader") as pool:
+                blocks = list(pool.map(self._read_written, paths))
+        else:
+            blocks = [self._read_written(p) for p in paths]
+        return [{name: t.unsqueeze(0) for name, t in block.items()} for block in blocks]
 
     def store_block(self, h: bytes, data: BlockData) -> int:
         path = self.block_path(h)
