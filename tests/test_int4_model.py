@@ -7,7 +7,6 @@ import random
 import pytest
 import torch
 
-from flashnext.engine.args import EngineArgs
 from flashnext.engine.llm import LLM
 from flashnext.engine.loading import load_model
 from flashnext.engine.sampling_params import SamplingParams

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from flashnext.weights.checkpoint import CheckpointError, load_checkpoint
