@@ -22,6 +22,9 @@ def test_stacked_model_equals_unstacked(arch, int4):
         quantize_experts_int4(plain)
     stacked = copy.deepcopy(plain)
     assert stack_projections(stacked) > 0
+    kinds = {name for m in stacked.modules() for name in ("project_qkv", "project_qkvz")
+             if isinstance(getattr(m, name, None), StackedProjection)}
+    assert "project_qkv" in kinds and ("project_qkvz" in kinds) == (arch != "qwen3_next")   # split GDN layouts
     ids = torch.randint(2, 500, (40,), generator=torch.Generator().manual_seed(0))
     want = Session(plain, 64).extend(ids, all_logits=True)
     got_session = Session(stacked, 64)

@@ -1,8 +1,9 @@
 """Projections that read the same input, stacked into one matrix so that one kernel computes them all.
 
 A captured Flash-Next decode step is ~3,000 kernels; small projections of one input (GatedDeltaNet's b and a,
-the router and the shared-expert gate, the shared expert's gate and up) each cost a launch and a
-latency-bound GEMV of their own. `stack_projections(model)` — run once the model sits on its final device,
+and its qkv and z; attention's q, k and v; the router and the shared-expert gate, the shared expert's gate and
+up) each cost a launch and a latency-bound GEMV of their own. Their outputs come back as column slices of one
+result (row stride the stacked width): the kernels that read them take any row stride. `stack_projections(model)` — run once the model sits on its final device,
 after loading and sharding — gives the owning modules a `StackedProjection` that they call instead. The
 modules and their checkpoint keys stay as they are: 16-bit weights become row views of the stacked matrix
 (no copy); INT4 weights are concatenated along N, a copy, since their [K/8, N] layout has no row views.
@@ -47,7 +48,7 @@ class StackedProjection:
         return y.split(self.sizes, dim=-1)
 
 
-STACKED_ATTRIBUTES = ("project_ba", "route_and_gate", "gate_up")
+STACKED_ATTRIBUTES = ("project_ba", "project_qkvz", "project_qkv", "route_and_gate", "gate_up")
 
 
 def unstack_projections(model: nn.Module) -> None:
@@ -61,24 +62,26 @@ def unstack_projections(model: nn.Module) -> None:
 
 def stack_projections(model: nn.Module) -> int:
     """Give every module with projections of one input its stacked form; returns how many were stacked."""
+    from flashnext.models.layers.attention import GatedAttention
     from flashnext.models.layers.gated_delta_net import GatedDeltaNet
     from flashnext.models.layers.moe import DenseMLP, SparseMoe
 
     count = 0
     for module in model.modules():
-        pair = None
+        groups = []
         if isinstance(module, GatedDeltaNet) and module.split:
-            pair = ("project_ba", module.in_proj_b, module.in_proj_a)
+            groups = [("project_ba", module.in_proj_b, module.in_proj_a),
+                      ("project_qkvz", module.in_proj_qkv, module.in_proj_z)]
+        elif isinstance(module, GatedAttention):
+            groups = [("project_qkv", module.q_proj, module.k_proj, module.v_proj)]
         elif isinstance(module, SparseMoe):
-            pair = ("route_and_gate", module.gate, module.shared_expert_gate)
+            groups = [("route_and_gate", module.gate, module.shared_expert_gate)]
         elif isinstance(module, DenseMLP):
-            pair = ("gate_up", module.gate_proj, module.up_proj)
-        if pair is None:
-            continue
-        name, *parts = pair
-        try:
-            setattr(module, name, StackedProjection(*parts))
-            count += 1
-        except ValueError:
-            pass  # e.g. act-order INT4: the projections keep running one by one
+            groups = [("gate_up", module.gate_proj, module.up_proj)]
+        for name, *parts in groups:
+            try:
+                setattr(module, name, StackedProjection(*parts))
+                count += 1
+            except ValueError:
+                pass  # e.g. act-order INT4 or a bias: the projections keep running one by one
     return count

@@ -27,6 +27,7 @@ class GatedAttention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, 2 * self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.project_qkv = None   # q, k and v in one GEMM once the model is loaded (models/stacked.py)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
@@ -47,11 +48,12 @@ class GatedAttention(nn.Module):
 
     def _qkv(self, x, cos, sin):
         n = x.shape[0]
-        q, gate = self.q_proj(x).view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q, k, v = self.project_qkv(x) if self.project_qkv is not None else (self.q_proj(x), self.k_proj(x),
+                                                                           self.v_proj(x))
+        q, gate = q.view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin)
-        k = norm_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps,
-                      cos, sin)
-        return q, gate, k, self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        k = norm_rope(k.view(n, self.num_kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps, cos, sin)
+        return q, gate, k, v.view(n, self.num_kv_heads, self.head_dim)
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """One token per row: write its K/V into the row's page, attend over the pages (ops.decode_attention)."""

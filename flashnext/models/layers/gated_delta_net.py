@@ -37,7 +37,8 @@ class GatedDeltaNet(nn.Module):
             self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
             self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
             self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
-            self.project_ba = None  # b and a in one GEMM once the model is loaded (models/stacked.py)
+            self.project_ba = None    # b and a in one GEMM once the model is loaded (models/stacked.py)
+            self.project_qkvz = None  # qkv and z likewise
         else:
             self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
             self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
@@ -53,10 +54,11 @@ class GatedDeltaNet(nn.Module):
         n = x.shape[0]
         # the projections of one input: parallel branches of the decode graph (ops.branches)
         if self.split:
-            mixed, z, (b, a) = branches.parallel(
-                x, lambda: self.in_proj_qkv(x), lambda: self.in_proj_z(x).view(n, self.num_v_heads, self.head_v_dim),
+            (mixed, z), (b, a) = branches.parallel(
+                x, lambda: self.project_qkvz(x) if self.project_qkvz is not None else (self.in_proj_qkv(x),
+                                                                                      self.in_proj_z(x)),
                 lambda: self.project_ba(x) if self.project_ba is not None else (self.in_proj_b(x), self.in_proj_a(x)))
-            return mixed, z, b, a
+            return mixed, z.view(n, self.num_v_heads, self.head_v_dim), b, a
         r = self.num_v_heads // self.num_k_heads
         qkvz, ba = branches.parallel(x, lambda: self.in_proj_qkvz(x), lambda: self.in_proj_ba(x))
         q, k, v, z = torch.split(qkvz.view(n, self.num_k_heads, -1),
