@@ -9,11 +9,13 @@ mappings live on, and the memory is freed with the last of them, also when a ran
 own mapping for the GPU's gather (weights/pinned.py; the pages are shared, the registration per process).
 
 Files are named `flashnext-ple-<rank 0's pid>-<port>`; files of a rank 0 that no longer runs are deleted when
-a new one is created. Without room in the directory the caller falls back to one private copy per rank.
+a new one is created (so is the decision file of a launch that kept private copies: no rank says when all have
+read it). Without room in the directory the caller falls back to one private copy per rank.
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -52,10 +54,7 @@ def _remove_stale(directory: Path) -> None:
 
 
 def _map(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    numel = 1
-    for n in shape:
-        numel *= n
-    return torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
+    return torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
 
 
 def _create(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
@@ -63,9 +62,7 @@ def _create(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     room (docker's /dev/shm is 64 MB unless the container has --ipc=host or --shm-size)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(path.parent)
-    nbytes = dtype.itemsize
-    for n in shape:
-        nbytes *= n
+    nbytes = math.prod(shape) * dtype.itemsize
     stat = os.statvfs(path.parent)
     free = stat.f_bavail * stat.f_frsize
     if free < nbytes:
@@ -100,18 +97,16 @@ class TableShare:
 
     def begin(self) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
         """→ (tensors for load_checkpoint's `into`, names for its `not_read`)."""
+        decided = self._mark("decided")   # rank 0 writes "shared" or "private" here; the workers wait for it
         if self.rank == 0:
             table = _create(self.path, self.shape, self.dtype)
             self.shared = table is not None
-            self._mark("shared" if self.shared else "private").touch()   # the workers wait for this decision
+            tmp = self._mark("deciding")
+            tmp.write_text("shared" if self.shared else "private")
+            tmp.replace(decided)
             return ({self.key: table} if self.shared else {}), frozenset()
-        shared, private = self._mark("shared"), self._mark("private")
-        deadline = time.monotonic() + self.timeout_s
-        while not (shared.exists() or private.exists()):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank 0 did not decide how to hold {self.path} within {self.timeout_s:.0f} s")
-            time.sleep(POLL_S)
-        self.shared = shared.exists()
+        _wait_for([decided], self.timeout_s, f"rank 0 did not decide how to hold {self.path}")
+        self.shared = decided.read_text() == "shared"
         return {}, (frozenset({self.key}) if self.shared else frozenset())
 
     def after_load(self, weights: dict) -> None:
@@ -130,6 +125,6 @@ class TableShare:
             return
         mapped = [self._mark(f"mapped{r}") for r in range(1, self.world)]
         _wait_for(mapped, self.timeout_s, f"not every rank mapped the shared PLE table {self.path}")
-        for p in (self.path, *mapped, *(self._mark(m) for m in ("shared", "private", "ready"))):
+        for p in (self.path, *mapped, self._mark("decided"), self._mark("ready")):
             p.unlink(missing_ok=True)
         log.info("the %d ranks share one copy of the PLE table", self.world)
