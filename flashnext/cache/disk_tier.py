@@ -9,9 +9,9 @@ checksum fails is never loaded (its entry is dropped, the request is computed fr
 
 Files are written (and deleted) in the background, by one writer thread per store in the order they were
 issued: the engine loop pays only for getting the payload into host memory (a copy from the device, or
-nothing for the host tier's pinned tensors), not for the checksum and the disk. Anything that reads files
-(a load, a peer's check) first waits for the writes before it; so does a clean shutdown
-(`PrefixCache.persist`, a worker's stop), and interpreter exit joins the thread. A write that fails (disk
+nothing for the host tier's pinned tensors), not for the checksum and the disk. A load first waits for the
+writes before it; so does a clean shutdown (`PrefixCache.persist`, a worker's stop), and interpreter exit
+joins the thread. A write that fails (disk
 full) is logged; its entry then fails to load like a damaged file: dropped, the request computed.
 
 On several ranks each rank keeps its share of every entry under `<dir>/rank<r>/` (same layout), and the
@@ -25,7 +25,6 @@ import hashlib
 import json
 import logging
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,7 +32,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from flashnext.cache.cache_entry import tensor_bytes
 from flashnext.cache.cache_file import UnreadableFile, read_cache_file
+from flashnext.weights.shared_table import process_alive
 from flashnext.cache.tier_index import BlockData, CorruptEntry, SnapshotData, SnapshotMeta, TierIndex, TierStore
 
 log = logging.getLogger("flashnext.cache")
@@ -81,25 +82,15 @@ class DiskStore(TierStore):
         self.block_dir.mkdir(parents=True, exist_ok=True)
         self.snapshot_dir.mkdir(parents=True, exist_ok=True)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="flashnext-disk-writer")
-        self._lock = threading.Lock()
-        self._pending: dict[Path, int] = {}   # files being written → their bytes (payload + header estimate)
-        self._queued = 0                      # writes and deletes not yet done
+        self._last = None      # the writer's last task: first in first out, so when it is done all before are
+        self._readers = None   # threads reading a conversation's block files back (READERS > 1), made on first use
 
     def _submit(self, fn, *args, **kwargs) -> None:
-        with self._lock:
-            self._queued += 1
-        self._writer.submit(self._run, fn, *args, **kwargs)
-
-    def _run(self, fn, *args, **kwargs) -> None:
-        try:
-            fn(*args, **kwargs)
-        finally:
-            with self._lock:
-                self._queued -= 1
+        self._last = self._writer.submit(fn, *args, **kwargs)
 
     def flush(self) -> None:
-        if self._queued:   # one writer, first in first out: when this no-op has run, everything before has
-            self._writer.submit(lambda: None).result()
+        if self._last is not None:
+            self._last.result()
 
     def block_path(self, h: bytes) -> Path:
         return self.block_dir / f"{h.hex()}.safetensors"
@@ -111,13 +102,12 @@ class DiskStore(TierStore):
         return meta.get("format") == FORMAT and meta.get("model") == self.identity
 
     def missing(self, key: bytes, blocks: list[bytes]) -> str | None:
-        """Why this store cannot serve an entry from its headers and file names alone (None: it can)."""
-        self.flush()
+        """Why this store cannot serve an entry from its headers and file names alone (None: it can). Rank 0
+        asks it of the other ranks' stores at start, before any rank writes."""
         path = self.snapshot_path(key)
         try:
-            with safe_open(str(path), "pt") as f:
-                if not self.ours(f.metadata() or {}):
-                    return f"{path} was written by another model, layout or format version"
+            if not self.ours(_header(path)):
+                return f"{path} was written by another model, layout or format version"
         except Exception as e:   # noqa: BLE001 - a missing or unreadable header alike: not there to load
             return f"{path} is unreadable: {e}"
         absent = sum(not self.block_path(h).exists() for h in blocks)
@@ -127,11 +117,8 @@ class DiskStore(TierStore):
         """Hand the file to the writer; returns its bytes as the tier counts them. The payload is in host memory
         when this returns (device blocks are reused at once; the host tier's tensors are never written to)."""
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values()) + HEADER_BYTES
-        with self._lock:
-            self._pending[path] = nbytes
         self._submit(self._write_file, path, tensors, extra)
-        return nbytes
+        return tensor_bytes(tensors) + HEADER_BYTES
 
     def _write_file(self, path: Path, tensors: dict[str, torch.Tensor], extra: dict[str, str]) -> None:
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -142,16 +129,6 @@ class DiskStore(TierStore):
         except Exception as e:   # noqa: BLE001 - e.g. disk full: the entry will fail to load and be dropped
             log.warning("disk cache: could not write %s: %s", path, e)
             tmp.unlink(missing_ok=True)
-        finally:
-            with self._lock:
-                self._pending.pop(path, None)
-
-    def _size(self, path: Path) -> int | None:
-        """Bytes of a file that is written or being written; None when neither."""
-        with self._lock:
-            if path in self._pending:
-                return self._pending[path]
-        return path.stat().st_size if path.exists() else None
 
     def _read(self, path: Path) -> dict[str, torch.Tensor]:
         self.flush()
@@ -173,16 +150,17 @@ class DiskStore(TierStore):
         self.flush()
         paths = [self.block_path(h) for h in hashes]
         if READERS > 1 and len(paths) > 1:
-            with ThreadPoolExecutor(READERS, thread_name_prefix="flashnext-disk-reader") as pool:
-                blocks = list(pool.map(self._read_written, paths))
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="flashnext-disk-reader")
+            blocks = list(self._readers.map(self._read_written, paths))
         else:
             blocks = [self._read_written(p) for p in paths]
         return [{name: t.unsqueeze(0) for name, t in block.items()} for block in blocks]
 
     def store_block(self, h: bytes, data: BlockData) -> int:
-        path = self.block_path(h)
-        size = self._size(path)
-        return size if size is not None else self._write(path, data, {"kind": "block"})
+        # Always written: the index stores only blocks it lacks (TierIndex.put), and a block dropped and stored
+        # again must not be skipped while its deletion still waits in the writer's queue.
+        return self._write(self.block_path(h), data, {"kind": "block"})
 
     def store_blocks(self, hashes: list[bytes], batch: BlockData) -> list[int]:
         """One file per block as always, but the batch comes to the host in one copy per tensor first."""
@@ -237,8 +215,7 @@ class DiskTier(TierIndex):
         paths = sorted(store.snapshot_dir.glob("*.safetensors"), key=lambda p: p.stat().st_mtime)
         for path in paths:
             try:
-                with safe_open(str(path), "pt") as f:
-                    meta = f.metadata() or {}
+                meta = _header(path)
                 key = bytes.fromhex(path.stem)
                 if not store.ours(meta):
                     log.warning("disk cache: ignoring %s: written by another model, layout or format version", path)
@@ -274,11 +251,13 @@ class DiskTier(TierIndex):
         would fill the disk past --kv-disk-gb, since only indexed entries are counted. Files of another model or
         layout stay (their own server may use them)."""
         removed = 0
+        self.store.flush()   # the deletions of the entries _fit dropped
         for store in [self.store, *self.peers]:
-            store.flush()
             for path in [*store.block_dir.glob("*.tmp*"), *store.snapshot_dir.glob("*.tmp*")]:
-                path.unlink(missing_ok=True)
-                removed += 1
+                pid = path.suffix[len(".tmp"):]
+                if pid.isdigit() and not process_alive(int(pid)):   # a write its process did not finish
+                    path.unlink(missing_ok=True)
+                    removed += 1
             kept = [(store.block_dir, self.block_refs), (store.snapshot_dir, self.snaps)]
             for directory, index in kept:
                 for path in directory.glob("*.safetensors"):

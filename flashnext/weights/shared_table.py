@@ -32,7 +32,7 @@ def share_path(directory, rank0_pid: int, port: int) -> Path:
     return Path(directory) / f"{PREFIX}{rank0_pid}-{port}"
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -48,7 +48,7 @@ def _remove_stale(directory: Path) -> None:
             pid = int(path.name[len(PREFIX):].split("-")[0])
         except ValueError:
             continue
-        if not _alive(pid):
+        if not process_alive(pid):
             path.unlink(missing_ok=True)
             log.info("removed %s, left by a server that no longer runs", path)
 
