@@ -49,8 +49,8 @@ def parallel(x: torch.Tensor, *fns: Callable[[], object]) -> tuple:
     """(fns[0](), fns[1](), …); `x` (an input of them all) names the device."""
     if not enabled(x):
         return tuple(f() for f in fns)
-    # Here, not at the top: the model files import this module, and importing Triton's kernels before a CPU test
-    # has chosen the interpreter (TRITON_INTERPRET) would compile them for a GPU that is not there.
+    # Here, not at the top: the model files import this module, and Triton is only a test extra (a CPU install
+    # has none); this line runs only with CUDA side streams.
     from flashnext.ops.arrival import in_lane
 
     main = torch.cuda.current_stream(x.device)

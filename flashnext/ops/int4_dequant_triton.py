@@ -42,15 +42,15 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, N, K, GROUP: tl.con
     n_ok = offs_n < N
     ok = p_ok[:, None] & n_ok[None, :]
     packed = tl.load(qw_ptr + offs_p[:, None] * N + offs_n[None, :], mask=ok, other=0)
+    group = offs_p * 8 // GROUP                                 # the 8 rows of a word share it (8 divides GROUP)
+    scale = tl.load(s_ptr + group[:, None] * N + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + group[:, None] * N + offs_n[None, :], mask=ok, other=0).to(tl.int32)
+    else:
+        zero = 8
     for j in tl.static_range(8):
         k = offs_p * 8 + j                                      # packed row order
         q = (packed >> (4 * j)) & 0xF
-        group = k // GROUP
-        scale = tl.load(s_ptr + group[:, None] * N + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            zero = tl.load(z_ptr + group[:, None] * N + offs_n[None, :], mask=ok, other=0).to(tl.int32)
-        else:
-            zero = 8
         w = scale * (q - zero).to(tl.float32)
         if HAS_PERM:
             row = tl.load(perm_ptr + k, mask=p_ok, other=0)
