@@ -51,8 +51,7 @@ def test_fixed_shape_runner_equals_eager(model):
     assert any(seen_mixed), "no step mixed prefill chunks with fixed-shape decodes"
     assert {size for size, _ in runner.graphs.graphs} >= {1, 2, 4}   # several buckets, padded rows included
     runner.graphs.release()   # what a rank does before leaving its NCCL group: later steps still run, uncaptured
-    assert not runner.graphs.graphs and runner.graphs.pool is None
-    assert _run(engine, prompts, arrivals) == want
+    assert _run(engine, prompts, arrivals) == want and runner.graphs.graphs   # the buckets came back
 
 
 def test_advanced_sampling_batch_equals_rebuilt():

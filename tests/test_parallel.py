@@ -2,6 +2,7 @@
 16 greedy decode steps (fp32, rel 1e-5, same tokens), and the engine at tensor_parallel=2 generates the
 same greedy tokens as at world size 1 — also when later turns come back from the prefix cache's device, host
 or disk tier, which every rank keeps its own share of."""
+import dataclasses
 import os
 
 import pytest
@@ -225,7 +226,8 @@ def _rank_int4(rank, world, out_path, model_name, quantize, tp, ep):
     torch.set_num_threads(1)
     model = load_model(model_name, "cpu", torch.float32, quantize=quantize,
                        parallel=ParallelPlan(rank, world, tp, ep)).model
-    # the rank loaded its share of the experts only (load_checkpoint's expert_range), packed
+    # the rank holds its share of the experts, packed (that only the share is read from the checkpoint is
+    # test_weights_checkpoint's test_expert_range_reads_only_that_share)
     shares = {m.num_experts for m in model.modules() if isinstance(m, Int4Experts)}
     assert shares == {model.cfg.num_experts // ep}, shares
     assert any(isinstance(m, Int4Linear) for m in model.modules())
@@ -289,6 +291,20 @@ def test_ranks_share_one_host_ple_table(tmp_path):
     spawn_ranks(_rank_shared_ple, 2, str(tmp_path / "out.pt"), share)
     assert rel_err(torch.load(tmp_path / "out.pt"), want) < TOL
     assert not list((tmp_path / "shm").iterdir())
+
+
+def test_ple_share_dir_off_keeps_a_copy_per_rank():
+    import argparse
+
+    from flashnext.engine.args import EngineArgs
+    from flashnext.parallel.launch import _plan
+    from flashnext.server.serve import add_serve_arguments, engine_args_from
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = engine_args_from(parser.parse_args(["--model", "tiny-flash-next", "--ple-share-dir", "off"]))
+    assert args.ple_share_dir == "off" and _plan(dataclasses.replace(args, tensor_parallel=2), 0, 1).ple_share is None
+    assert _plan(EngineArgs(tensor_parallel=2), 0, 1).ple_share.startswith("/dev/shm/flashnext-ple-")
 
 
 def test_ple_share_falls_back_to_a_copy_per_rank_without_room(tmp_path, monkeypatch, caplog):

@@ -33,7 +33,7 @@ class EngineArgs:
     # Several GPUs of one host (docs/parallel.md): each 1 or the number of GPUs; flashnext.parallel.launch_engine
     tensor_parallel: int = 1              # attention / GatedDeltaNet heads split across GPUs
     expert_parallel: int = 1              # routed experts split across GPUs (whole experts)
-    ple_share_dir: str = "/dev/shm"       # several GPUs: one host copy of a host-placed PLE table here ("": per rank)
+    ple_share_dir: str = "/dev/shm"       # several GPUs: one host copy of a host-placed PLE table here ("off": per rank)
     # Prefix cache (docs/prefix_cache.md)
     enable_prefix_caching: bool = True
     prefix_snapshot_interval: int = 1024  # a snapshot at the first chunk end past each multiple (0: none)

@@ -177,44 +177,48 @@ def _load_checkpoint_model(name, device, dtype, quantize, parallel, ple_placemen
         from flashnext.parallel.shard import check_divisible, local_experts_on_meta
 
         check_divisible(cfg, 1, parallel.ep)
-        share = cfg.num_experts // parallel.ep
-        expert_range = (parallel.rank * share, share)
-        local_experts_on_meta(model, share)   # `expected` keeps the checkpoint's full expert counts
+        per_rank = cfg.num_experts // parallel.ep
+        expert_range = (parallel.rank * per_rank, per_rank)
+        local_experts_on_meta(model, per_rank)   # `expected` keeps the checkpoint's full expert counts
     # Several ranks: one host copy of a host-bound PLE table, read by rank 0 and mapped by the others.
     share = _table_share(parallel, host, expected, dtype)
-    into, not_read = share.begin() if share else ({}, frozenset())
-    weights = load_checkpoint(path, expected, dtype=dtype, device=device, progress=True, packed_int4=packed,
-                              host_names=frozenset(host), expert_range=expert_range, into=into, not_read=not_read)
-    if share:
-        share.after_load(weights)
-    derived = {k: v for k, v in model.state_dict().items() if v.device.type != "meta"}
-    for key, value in derived.items():
-        if key in weights and not torch.equal(weights[key].cpu(), value):
-            raise ValueError(f"{path}: {key} differs from what config.json derives (ngram settings or seed?)")
-    kept_packed = use_int4_weights(model, weights)
-    if kept_packed:
-        log.info("keeping %d int4 projections / expert sets of the checkpoint packed", len(kept_packed))
-    model.load_state_dict({**weights, **derived}, strict=True, assign=True)
-    # Non-persistent buffers (RoPE frequencies) were built on "meta": rebuild them on the device.
-    for module in model.modules():
-        if isinstance(module, RotaryEmbedding):
-            module.inv_freq = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta).inv_freq
-    weights = None  # the table's device copy is freed once it moves; the model holds every other tensor
-    _place_ple_tables(model, ple_placement)
-    _move_to(model, device, keep_host_experts=experts_on_host)
-    nbytes = _state_bytes(model, device)
-    if parallel is not None and parallel.world > 1:
-        from flashnext.parallel.shard import shard_model
+    try:
+        into, not_read = share.begin() if share else ({}, frozenset())
+        weights = load_checkpoint(path, expected, dtype=dtype, device=device, progress=True, packed_int4=packed,
+                                  host_names=frozenset(host), expert_range=expert_range, into=into, not_read=not_read)
+        if share:
+            share.after_load(weights)
+        derived = {k: v for k, v in model.state_dict().items() if v.device.type != "meta"}
+        for key, value in derived.items():
+            if key in weights and not torch.equal(weights[key].cpu(), value):
+                raise ValueError(f"{path}: {key} differs from what config.json derives (ngram settings or seed?)")
+        kept_packed = use_int4_weights(model, weights)
+        if kept_packed:
+            log.info("keeping %d int4 projections / expert sets of the checkpoint packed", len(kept_packed))
+        model.load_state_dict({**weights, **derived}, strict=True, assign=True)
+        # Non-persistent buffers (RoPE frequencies) were built on "meta": rebuild them on the device.
+        for module in model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.inv_freq = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta).inv_freq
+        weights = None  # the table's device copy is freed once it moves; the model holds every other tensor
+        _place_ple_tables(model, ple_placement)
+        _move_to(model, device, keep_host_experts=experts_on_host)
+        nbytes = _state_bytes(model, device)
+        if parallel is not None and parallel.world > 1:
+            from flashnext.parallel.shard import shard_model
 
-        shard_model(model, parallel.rank, parallel.world, tp=parallel.tp, ep=parallel.ep,
-                    experts_loaded_local=expert_range is not None)
-        cfg = model.cfg
-        nbytes = _state_bytes(model, device)
-    if quantize == "int4":
-        dense, experts = quantize_dense_int4(model), quantize_experts_int4(model, compute_device=device)
-        log.info("quantised %d dense projections and %d routed-expert sets to int4 (RTN, group 128)", len(dense),
-                 len(experts))
-        nbytes = _state_bytes(model, device)
+            shard_model(model, parallel.rank, parallel.world, tp=parallel.tp, ep=parallel.ep)
+            cfg = model.cfg
+            nbytes = _state_bytes(model, device)
+        if quantize == "int4":
+            dense, experts = quantize_dense_int4(model), quantize_experts_int4(model, compute_device=device)
+            log.info("quantised %d dense projections and %d routed-expert sets to int4 (RTN, group 128)", len(dense),
+                     len(experts))
+            nbytes = _state_bytes(model, device)
+    except BaseException:
+        if share:
+            share.discard()   # rank 0: no 100 GB file left in /dev/shm by a failed load
+        raise
     if share:
         share.finish()
     return model, cfg, path, nbytes
@@ -224,9 +228,10 @@ def _table_share(parallel, host: set[str], expected: dict, dtype: torch.dtype):
     """This rank's TableShare of the PLE table when several ranks would each hold it in host memory."""
     if parallel is None or parallel.world == 1 or not parallel.ple_share:
         return None
-    key = next((k for k in host if k.endswith("ngram_embedding.weight")), None)
-    if key is None:
+    keys = [k for k in host if k.endswith("ngram_embedding.weight")]
+    if len(keys) != 1:   # every preset has one; several would need a share each, named alike on every rank
         return None
+    key = keys[0]
     from flashnext.weights.shared_table import TableShare
 
     return TableShare(parallel.ple_share, key, expected[key][0], dtype, parallel.rank, parallel.world)

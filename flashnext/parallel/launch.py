@@ -27,14 +27,15 @@ from flashnext.parallel.runtime import (ParallelPlan, attach_broadcaster, attach
                                         init_process, rank_device, send_ops, send_stop, worker_loop, world_size)
 
 log = logging.getLogger("flashnext.parallel")
-# (workers, rank 0's device, its SnapshotMirror, their watch's stop event) of the engine this process launched
+# (workers, rank 0's device, its SnapshotMirror, their watch's stop event, its decode graphs) of the engine this
+# process launched
 _started: list = []
 WATCH_INTERVAL_S = 0.5
 
 
 def _plan(args: EngineArgs, rank: int, port: int) -> ParallelPlan:
     share = None
-    if args.ple_share_dir:
+    if args.ple_share_dir != "off":
         from flashnext.weights.shared_table import share_path
 
         rank0_pid = os.getpid() if rank == 0 else os.getppid()   # rank 0 spawned the workers

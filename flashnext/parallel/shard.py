@@ -150,12 +150,12 @@ def local_experts_on_meta(model: nn.Module, count: int) -> None:
                 _set(experts, name, torch.empty(count, *full.shape[1:], dtype=full.dtype, device="meta"))
 
 
-def shard_experts(experts: nn.Module, rank: int, world: int, group, loaded_local: bool = False) -> LocalExperts:
-    """loaded_local: `experts` already holds only this rank's share (local_experts_on_meta)."""
+def shard_experts(experts: nn.Module, rank: int, world: int, group, total: int) -> LocalExperts:
+    """`experts` holds all `total` experts, or already only this rank's share (the loader read just that:
+    local_experts_on_meta)."""
     count = experts.gate_up_proj.shape[0] if isinstance(experts, Experts) else experts.num_experts
-    if loaded_local:
+    if count * world == total:
         return LocalExperts(experts, rank * count, count, group)
-    total = count
     if isinstance(experts, Experts):
         for name in ("gate_up_proj", "down_proj"):
             _set(experts, name, _part(getattr(experts, name), 0, rank, world))
@@ -171,11 +171,10 @@ def shard_experts(experts: nn.Module, rank: int, world: int, group, loaded_local
 
 
 @torch.no_grad()
-def shard_model(model: nn.Module, rank: int, world: int, tp: int = 1, ep: int = 1, group=None,
-                experts_loaded_local: bool = False) -> nn.Module:
+def shard_model(model: nn.Module, rank: int, world: int, tp: int = 1, ep: int = 1, group=None) -> nn.Module:
     """Shard `model` in place for `rank` of `world` (tp and ep each 1 or world); sets `model.cfg` to the local
     config (head counts / tp) and returns the model. `group`: the process group of the sums (default: all).
-    experts_loaded_local: the routed experts hold only this rank's share already (read so by the loader)."""
+    Routed experts that hold only this rank's share already (read so by the loader) are kept as they are."""
     if world == 1:
         return model
     if tp not in (1, world) or ep not in (1, world):
@@ -191,7 +190,7 @@ def shard_model(model: nn.Module, rank: int, world: int, tp: int = 1, ep: int = 
                 shard_attention(layer.self_attn, rank, world)
                 layer.self_attn = ReducedOutput(layer.self_attn, group)
         if ep > 1 and hasattr(layer.mlp, "experts"):
-            layer.mlp.experts = shard_experts(layer.mlp.experts, rank, world, group, experts_loaded_local)
+            layer.mlp.experts = shard_experts(layer.mlp.experts, rank, world, group, model.cfg.num_experts)
     if tp > 1:
         model.cfg = local_config(model.cfg, tp)
     return model

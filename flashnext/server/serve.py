@@ -103,8 +103,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
          help="GPUs to split the routed experts over, whole experts per GPU: 1 or the --tensor-parallel size "
               "(docs/parallel.md; default 1)")
     _add(parser, "--ple-share-dir",
-         help="several GPUs: the ranks share one copy of a host-placed PLE table (51-102 GB for Flash-Next) "
-              "through a file here, in RAM for /dev/shm; \"\" keeps one copy per rank (default /dev/shm)")
+         help="several GPUs: the ranks share one copy of a host-placed PLE table (102 GB for Flash-Next in bf16) "
+              "through a file here, in RAM for /dev/shm; off keeps one copy per rank (default /dev/shm)")
     _add(parser, "--tool-call-parser", default="auto", choices=["auto", "hermes", "qwen3_coder"],
          help="tool-call format in the model's output (auto: from the chat template)")
     _add(parser, "--sse-keepalive", type=float, default=2.0,

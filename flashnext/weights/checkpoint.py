@@ -34,6 +34,7 @@ _SKIPPED = (("vision tower", ("model.visual.", "visual.")), ("multi-token-predic
 _DTYPES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8,
            "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
 _EXPERT_KEY = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+_PER_EXPERT_KEY = re.compile(r"^(.*\.experts)\.(\d+)\.(?:gate_proj|up_proj|down_proj)\.[a-z_]+$")
 _NGRAM_KEY = re.compile(r"^(.*\.ngram_embedding)\.weight$")
 
 
@@ -236,9 +237,6 @@ class _Planner:
             pieces.append(recipes)
         if missing:
             raise CheckpointError(f"checkpoint is missing {len(missing)} expert tensor(s): {_listing(missing)}")
-        if self.expert_share:   # the other ranks' experts: not read here, and not unexpected
-            others = re.compile(rf"{re.escape(prefix)}\.(\d+)\.({'|'.join(projections)})\.[a-z_]+$")
-            t.skip(lambda n: (m := others.match(n)) is not None and int(m.group(1)) < self.expert_share[1])
         return self._stacked_int4(shape, pieces, split) if packed else self._stacked(shape, pieces, split)
 
     def _stacked_int4(self, shape: tuple[int, ...], pieces: list[list[_Recipe]], split: list[int]) -> _Recipe:
@@ -356,6 +354,10 @@ def load_checkpoint(
             recipes[name] = recipe
     if missing:
         raise CheckpointError(f"checkpoint {folder} is missing {len(missing)} tensor(s): {_listing(missing)}")
+    if share is not None:   # the other ranks' per-expert tensors: not read here, and not unexpected (one pass)
+        sets = {m.group(1) for name in expected if (m := _EXPERT_KEY.match(name))}
+        tensors.skip(lambda n: (m := _PER_EXPERT_KEY.match(n)) is not None and m.group(1) in sets
+                     and int(m.group(2)) < share[1])
     unexpected = sorted(set(tensors.where) - tensors.used)
     if unexpected:
         raise CheckpointError(f"checkpoint {folder} has {len(unexpected)} tensor(s) this model does not use: "

@@ -1,4 +1,4 @@
-"""One host copy of a large table for every rank of one host (the PLE n-gram table: 51 GB in fp8, 102 GB in bf16).
+"""One host copy of a large table for every rank of one host (the PLE n-gram table: 102 GB in bf16).
 
 Each rank of a tensor/expert-parallel group computes the replicated layers itself and so reads PLE rows, but
 only rank 0 reads the table from the checkpoint: into a file under `--ple-share-dir` (/dev/shm by default: RAM)
@@ -120,11 +120,17 @@ class TableShare:
         self._mark(f"mapped{self.rank}").touch()
         log.info("rank %d maps rank 0's PLE table (%s)", self.rank, self.path)
 
+    def discard(self) -> None:
+        """Rank 0, its load failed: unlink the files now (a worker that mapped the table keeps its mapping)."""
+        if self.rank == 0:
+            for p in (self.path, self._mark("decided"), self._mark("ready"),
+                      *(self._mark(f"mapped{r}") for r in range(1, self.world))):
+                p.unlink(missing_ok=True)
+
     def finish(self) -> None:
         if self.rank != 0 or not self.shared:
             return
         mapped = [self._mark(f"mapped{r}") for r in range(1, self.world)]
         _wait_for(mapped, self.timeout_s, f"not every rank mapped the shared PLE table {self.path}")
-        for p in (self.path, *mapped, self._mark("decided"), self._mark("ready")):
-            p.unlink(missing_ok=True)
+        self.discard()
         log.info("the %d ranks share one copy of the PLE table", self.world)
