@@ -64,7 +64,7 @@ class LaunchedServer:
         startup_s stays the first launch's (the startup benchmark's sample); the log goes on in the same file.
         The stop waits as long as a start may: a kill would cut short the server's shutdown, which writes its
         prefix cache to the disk tier."""
-        self.stop(grace_s=self.timeout_s)
+        await asyncio.to_thread(self.stop, grace_s=self.timeout_s)   # not a blocking wait in the event loop
         with open(self.log_path, "ab") as log:
             log.write(b"\n== flashnext bench: the server is stopped and started again (--restart) ==\n")
         return await self._launch()

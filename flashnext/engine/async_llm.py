@@ -29,6 +29,7 @@ class AsyncLLM:
         self.model_name = engine.model_name
         self.model_path = str(engine.loaded.path)
         self.memory_plan = engine.memory_plan
+        self.prefix_caching = engine.prefix_cache is not None   # worth telling where a chat's history ends
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._inbox: list[tuple] = []

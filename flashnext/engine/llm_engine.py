@@ -216,7 +216,8 @@ class LLMEngine:
                 raise RequestRejected(str(e), params.structured.param) from None
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens)
         request = Request(request_id, list(prompt_ids), params, detok, self.max_model_len, constraint=constraint,
-                          history_len=history_len if history_len is not None and 0 < history_len < n else None)
+                          history_len=history_len if self.prefix_cache is not None and history_len is not None
+                          and 0 < history_len < n else None)   # the chunk cut there only feeds a snapshot
         self.requests[request_id] = request
         self.scheduler.add(request)
         self.prompt_tokens_total += n

@@ -70,7 +70,7 @@ async def render_chat(engine, req) -> RenderedChat:
         if not isinstance(prompt, str):
             return engine.tokenizer.decode(prompt, skip_special_tokens=False), list(prompt), None
         ids = engine.tokenizer.encode(prompt)
-        if not req.add_generation_prompt:
+        if not (req.add_generation_prompt and engine.prefix_caching):   # a second render only for a snapshot
             return prompt, ids, None
         history = engine.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=False, **kwargs)
         return prompt, ids, _history_len(engine.tokenizer, prompt, ids, history)
