@@ -6,7 +6,8 @@
 # cache, and at exit writes the cache back to $OUT as at most three pieces of 15 MiB (files from $OUT come
 # back 16 MiB each), without the intermediate IRs (a cached kernel loads from its .json, .cubin and .ptx; the group file lists
 # the others, but Triton's cache only returns the files that exist).
-# Here, after the call: `mkdir -p .tcache && cp <files_at>/triton.tar.gz.* .tcache/` (.tcache is git-ignored).
+# Here, after the call: `rm -rf .tcache && mkdir .tcache && cp <files_at>/triton.tar.gz.* .tcache/` (git-ignored;
+# a stale piece of an earlier save would corrupt the stream).
 export TRITON_CACHE_DIR=/tmp/triton-cache TRITON_CACHE_AUTOTUNING=1
 mkdir -p "$TRITON_CACHE_DIR"
 if compgen -G ".tcache/triton.tar.gz.*" >/dev/null; then

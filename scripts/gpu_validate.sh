@@ -1,23 +1,22 @@
 #!/usr/bin/env bash
 # On the GPU machine: every kernel against its reference in bf16 — "checks"; the decode graph against eager and
 # the CPU reference (fp32 tokens), chunked and sparse prefill, fla's GDN prefill — "exact"; the full-size decode
-# step and prefill timed and profiled by kernel, and the INT4 GEMM sweep — "profile"; the decode benchmark of
-# both models through the server — "bench". PARTS picks them (default: all four; one device call may run 10
-# minutes at most, so give each its own call, or pair the short ones). Carry .whl/.
+# step and prefill timed and profiled by kernel, and the INT4 GEMM sweep — "profile"; the switches still off
+# (decode branches, dequantised prefill GEMMs) checked and timed the same way — "variants"; the decode benchmark
+# of both models through the server — "bench". PARTS picks them (default: all five; one device call may run 10
+# minutes at most, so give each its own call). Carry .whl/ and .tcache/. Times are for a warm Triton cache;
+# a fresh machine compiles for 1–3 minutes more.
 # Writes each part's output under $OUT (when set) and exits non-zero if any check failed.
 #
 #   PARTS=checks bash scripts/gpu_validate.sh    # ~5 minutes
 #   PARTS=exact bash scripts/gpu_validate.sh     # ~4 minutes
 #   PARTS=profile bash scripts/gpu_validate.sh   # ~8 minutes (the INT4 GEMM sweep is ~3)
+#   PARTS=variants bash scripts/gpu_validate.sh  # ~8 minutes (not measured yet)
 #   PARTS=bench bash scripts/gpu_validate.sh     # ~4 minutes
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    >/dev/null 2>&1 && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
-fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 FLASHNEXT_CACHE=${FLASHNEXT_CACHE:-/tmp/fncache}
-source scripts/gpu_triton_cache.sh   # carry .tcache too: compiled kernels from the last call
+source scripts/gpu_env.sh   # .whl, PYTHONPATH, the Triton cache (carry .whl and .tcache)
+export FLASHNEXT_CACHE=${FLASHNEXT_CACHE:-/tmp/fncache}
 out=${OUT:-/tmp/gpu_validate}
 mkdir -p "$out"
 failed=()
@@ -28,7 +27,7 @@ part() {  # part NAME COMMAND...
     failed+=("$name")
   fi
 }
-parts=" ${PARTS:-checks exact profile bench} "
+parts=" ${PARTS:-checks exact profile variants bench} "
 if [[ $parts == *" checks "* ]]; then
   part small_ops python3 scripts/gpu_small_ops.py
   part gdn python3 scripts/gpu_gdn_decode.py
@@ -42,16 +41,18 @@ if [[ $parts == *" exact "* ]]; then
   part sparse_prefill python3 scripts/gpu_sparse_prefill.py
   part gdn_prefill python3 scripts/gpu_gdn_prefill.py
   part decode python3 scripts/gpu_decode.py --fp32-only
-  part decode_branches env FLASHNEXT_DECODE_BRANCHES=1 python3 scripts/gpu_decode.py --fp32-only
   part expert_cache python3 scripts/gpu_expert_cache.py
 fi
 if [[ $parts == *" profile "* ]]; then
   part decode_step python3 scripts/gpu_decode.py --skip-exactness --model mem:flash-next --quantize int4
-  # the projections of one input and the shared expert as parallel graph branches (ops/branches.py): faster?
-  part decode_step_branches env FLASHNEXT_DECODE_BRANCHES=1 python3 scripts/gpu_decode.py --skip-exactness \
-    --model mem:flash-next --quantize int4
   part prefill_gemm python3 scripts/gpu_prefill_gemm.py --m 8192
   part prefill python3 scripts/gpu_prefill.py --model mem:flash-next --quantize int4 --tokens 10000 --chunk 2048 --chunk 8192
+fi
+if [[ $parts == *" variants "* ]]; then   # the switches that are off until measured, against "profile"'s numbers
+  # the projections of one input and the shared expert as parallel graph branches (ops/branches.py)
+  part decode_branches env FLASHNEXT_DECODE_BRANCHES=1 python3 scripts/gpu_decode.py --fp32-only
+  part decode_step_branches env FLASHNEXT_DECODE_BRANCHES=1 python3 scripts/gpu_decode.py --skip-exactness \
+    --model mem:flash-next --quantize int4
   # the dense INT4 GEMMs and the routed experts through dequantised weights and cuBLAS (grouped for the
   # experts) instead (docs/int4.md): does the whole prefill gain? (scripts/gpu_moe.py times the MoE alone)
   part prefill_dequant env FLASHNEXT_W4A16_PREFILL=dequant FLASHNEXT_MOE_PREFILL=dequant python3 scripts/gpu_prefill.py \
