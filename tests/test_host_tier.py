@@ -77,3 +77,25 @@ def test_write_blocks_equals_per_block_copies(monkeypatch, piece):
             assert torch.equal(t, read_block(source, src)[name])
     untouched = read_block(target, 7)
     assert all(not t.any() for t in untouched.values())
+
+
+def test_put_reads_a_long_conversation_in_pieces(monkeypatch):
+    """TierIndex.put gathers at most WRITE_PIECE blocks at a time (a whole 58K-token conversation at once was a
+    1.5 GB device allocation while the pool is short); the entry comes back whole and in order."""
+    from flashnext.cache.cache_entry import WRITE_PIECE, Snapshot
+    from flashnext.cache.tier_index import TierIndex
+
+    n = 2 * WRITE_PIECE + 37
+    blocks = {"k.3": torch.randn(n, 16, 2, 8), "v.3": torch.randn(n, 16, 2, 8)}
+    asked = []
+
+    def get_blocks(rows):
+        asked.append(len(rows))
+        return {name: t[rows] for name, t in blocks.items()}
+
+    tier = TierIndex(HostStore(), 1 << 30, 16)
+    hashes = [i.to_bytes(16, "little") for i in range(n)]
+    tier.put(hashes, get_blocks, b"k" * 16, Snapshot(16 * n, (), {"ssm.0": torch.randn(2, 4)}, None))
+    assert asked == [WRITE_PIECE, WRITE_PIECE, 37]
+    runs, _ = tier.load(b"k" * 16)
+    assert all(torch.equal(torch.cat([run[name] for run in runs]), t) for name, t in blocks.items())

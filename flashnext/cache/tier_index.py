@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from flashnext.cache.cache_entry import ROOT_HASH, Snapshot, batch_rows, chain_hashes
+from flashnext.cache.cache_entry import ROOT_HASH, WRITE_PIECE, Snapshot, batch_rows, chain_hashes
 
 log = logging.getLogger("flashnext.cache")
 
@@ -122,9 +122,12 @@ class TierIndex:
             self.snaps.move_to_end(key)
             return
         missing = [i for i, h in enumerate(hashes) if h not in self.block_refs]
-        if missing:
-            sizes = self.store.store_blocks([hashes[i] for i in missing], get_blocks(missing))
-            for i, nbytes in zip(missing, sizes):
+        # WRITE_PIECE blocks at a time: a batch read from the device is a gather into new device memory (1.5 GB for
+        # a 58K-token Flash-Next conversation at once), and this runs when the KV pool is short
+        for at in range(0, len(missing), WRITE_PIECE):
+            piece = missing[at: at + WRITE_PIECE]
+            sizes = self.store.store_blocks([hashes[i] for i in piece], get_blocks(piece))
+            for i, nbytes in zip(piece, sizes):
                 h = hashes[i]
                 if self.mirror is not None:
                     self.mirror.store_block(self, h, device_blocks[i] if device_blocks is not None else None)

@@ -23,7 +23,8 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from flashnext.cache.cache_entry import batch_rows, copy_tensors, read_block, read_blocks, write_block, write_blocks
+from flashnext.cache.cache_entry import (WRITE_PIECE, batch_rows, copy_tensors, read_block, read_blocks, write_block,
+                                         write_blocks)
 from flashnext.cache.tier_index import CorruptEntry, SnapshotData, SnapshotMeta, TierIndex, TierStore
 
 log = logging.getLogger("flashnext.parallel")
@@ -171,12 +172,15 @@ class WorkerCache:
         """One batch of STORE_BLOCK, FETCH_BLOCK or INSTALL_BLOCK ops (see _same_batch)."""
         kind, level = ops[0][0], ops[0][1]
         names = [ints_name(b, c) for _, _, b, c, _ in ops]
-        if kind == STORE_BLOCK:
-            if ops[0][4] == FROM_ABOVE:
-                data = batch_rows(self.stores[level - 1].load_blocks(names), list(range(len(names))))
-            else:
-                data = read_blocks(kv, [d for *_, d in ops])
-            self.stores[level].store_blocks(names, data)
+        if kind == STORE_BLOCK:   # in rank 0's pieces of WRITE_PIECE blocks (TierIndex.put)
+            for at in range(0, len(ops), WRITE_PIECE):
+                piece = ops[at: at + WRITE_PIECE]
+                if piece[0][4] == FROM_ABOVE:
+                    data = batch_rows(self.stores[level - 1].load_blocks(names[at: at + WRITE_PIECE]),
+                                      list(range(len(piece))))
+                else:
+                    data = read_blocks(kv, [d for *_, d in piece])
+                self.stores[level].store_blocks(names[at: at + WRITE_PIECE], data)
             return True
         if kind == FETCH_BLOCK:
             store = self.stores[level]
