@@ -3,8 +3,10 @@
 1. Exactness: for each tiny preset, fp32, with and without --quantize int4, three prompts decoded together
    (a padded batch bucket) greedily for 96 tokens: the CUDA-graph path must give the same tokens as
    --enforce-eager (the torch reference). bf16 agreement is printed too (different kernels round differently).
-2. Speed: for each --model, one sequence: ms per decode step replayed from the graph vs the eager torch path,
-   and the whole engine loop's tokens/s (sampling, scheduling, detokenising included), at short context.
+2. Speed: for each --model, one sequence: ms per decode step replayed from the graph (and from the same step
+   captured with programmatic dependent launch off, ops/pdl.py) vs the eager torch path, and the whole engine
+   loop's tokens/s (sampling, scheduling, detokenising included), at short context; GPU time per kernel, and the
+   kernels of two layers in order.
 Exits non-zero on a mismatch. Run: python3 scripts/gpu_decode.py [--model NAME ...] [--quantize int4]
 """
 import argparse
@@ -99,6 +101,7 @@ def timing(model_name: str, quantize: str | None, steps: int = 200):
         graph.replay()
     torch.cuda.synchronize()
     replay_ms = (time.perf_counter() - t0) / 50 * 1e3
+    replay_ms_without_pdl = replay_without_pdl(graphs)
     batch = graphs.batch(1, 16)
     with torch.inference_mode():
         for _ in range(2):
@@ -110,11 +113,38 @@ def timing(model_name: str, quantize: str | None, steps: int = 200):
         torch.cuda.synchronize()
         eager_ms = (time.perf_counter() - t0) / 10 * 1e3
         profile_kernels(lambda: engine.loaded.model.compute_logits(engine.loaded.model.decode(batch)))
-    return replay_ms, eager_ms, loop_tps, engine.loaded.weight_bytes
+    return replay_ms, replay_ms_without_pdl, eager_ms, loop_tps, engine.loaded.weight_bytes
+
+
+def replay_without_pdl(graphs, steps: int = 50) -> float:
+    """ms per replay of the batch-1 step captured again with programmatic dependent launch off (ops/pdl.py);
+    the PDL graph is captured back afterwards."""
+    import os
+
+    os.environ["FLASHNEXT_PDL"] = "0"
+    try:
+        del graphs.graphs[(1, 16)]
+        graphs._capture(1, 16)
+        graph, _ = graphs.graphs[(1, 16)]
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            graph.replay()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / steps * 1e3
+    finally:
+        os.environ.pop("FLASHNEXT_PDL")
+        del graphs.graphs[(1, 16)]
+        graphs._capture(1, 16)
 
 
 def profile_kernels(step, runs: int = 3, top: int = 30):
-    """GPU time per kernel over `runs` eager steps (the same kernels the graph replays, without launch gaps)."""
+    """GPU time per kernel over `runs` eager steps (the same kernels the graph replays, without launch gaps), and
+    the kernels of layers 2 and 3 in order (a GatedDeltaNet and an attention layer of Flash-Next): which glue
+    sits between the fused kernels."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -127,6 +157,13 @@ def profile_kernels(step, runs: int = 3, top: int = 30):
     print(f"  GPU time per step by kernel: {total / 1e3:.3f} ms in {sum(c for _, _, c in rows)} kernels")
     for name, t, count in sorted(rows, key=lambda r: -r[1])[:top]:
         print(f"    {t / 1e3:8.3f} ms {100 * t / total:5.1f}%  x{count:<5} {name[:90]}")
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    mixes = [i for i, e in enumerate(kernels) if "_hc_down_kernel" in e.name]
+    if len(mixes) > 8:
+        print("  layers 2 and 3 of the first step, in order (µs on the GPU):")
+        for e in kernels[mixes[4]:mixes[8]]:
+            print(f"    {e.time_range.elapsed_us():7.1f}  {e.name[:100]}")
 
 
 def main() -> int:
@@ -138,10 +175,12 @@ def main() -> int:
     args = ap.parse_args()
     ok = True if args.skip_exactness else exactness(("float32",) if args.fp32_only else ("float32", "bfloat16"))
     if args.model:
-        print(f"\n{'model':40} {'graph ms/step':>13} {'eager ms/step':>13} {'graph tok/s':>11} {'engine tok/s':>12} {'weights GB':>10}")
+        print(f"\n{'model':40} {'graph ms/step':>13} {'without PDL':>11} {'eager ms/step':>13} {'graph tok/s':>11} "
+              f"{'engine tok/s':>12} {'weights GB':>10}")
     for name in args.model:
-        replay_ms, eager_ms, loop_tps, nbytes = timing(name, args.quantize)
-        print(f"{name:40} {replay_ms:13.3f} {eager_ms:13.3f} {1e3 / replay_ms:11.1f} {loop_tps:12.1f} {nbytes / 1e9:10.2f}")
+        replay_ms, without_pdl, eager_ms, loop_tps, nbytes = timing(name, args.quantize)
+        print(f"{name:40} {replay_ms:13.3f} {without_pdl:11.3f} {eager_ms:13.3f} {1e3 / replay_ms:11.1f} "
+              f"{loop_tps:12.1f} {nbytes / 1e9:10.2f}")
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 

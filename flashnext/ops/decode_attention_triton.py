@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashnext.ops.pdl import launch_options, wait_for_inputs
+
 LOG2E = 1.4426950408889634
 
 
@@ -45,7 +47,9 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, index_ptr, valid_ptr
                   stride_table, stride_index, stride_valid,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                   SPARSE: tl.constexpr, HAS_VALID: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MIN_SPLIT: tl.constexpr):
+                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MIN_SPLIT: tl.constexpr,
+                  PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -102,7 +106,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, index_ptr, valid_ptr
 @triton.jit(do_not_specialize=["num_splits", "T"])
 def _merge_kernel(acc_ptr, m_ptr, l_ptr, lens_ptr, out_ptr, num_splits, T,
                   SPARSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
-                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     if SPARSE:
@@ -186,10 +191,11 @@ def split_k_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, SPARSE=sparse, HAS_VALID=token_valid is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        MIN_SPLIT=cfg.min_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        MIN_SPLIT=cfg.min_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(q.device))
     _merge_kernel[(batch, heads)](
         part_acc, part_m, part_l, seq_lens, out, splits, span if sparse else 0,
         SPARSE=sparse, HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split,
-        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4 if block_d >= 256 else 1)
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4 if block_d >= 256 else 1,
+        **launch_options(q.device))
     return out
 

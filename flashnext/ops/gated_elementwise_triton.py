@@ -6,13 +6,15 @@ import torch
 import triton
 import triton.language as tl
 
+from flashnext.ops.pdl import launch_options, wait_for_inputs
 from flashnext.ops.rounding import round_to_dtype
 
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, N, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
@@ -24,7 +26,9 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, N, BLOCK: tl.con
 
 
 @triton.jit
-def _gated_add_kernel(r_ptr, s_ptr, l_ptr, out_ptr, stride_r, stride_s, stride_l, N, BLOCK: tl.constexpr):
+def _gated_add_kernel(r_ptr, s_ptr, l_ptr, out_ptr, stride_r, stride_s, stride_l, N, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
@@ -40,7 +44,8 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     assert gate.stride(-1) == 1 and up.stride(-1) == 1 and up.shape == gate.shape
     out = torch.empty(rows, n, dtype=gate.dtype, device=gate.device)
     if rows:
-        _silu_mul_kernel[(rows, triton.cdiv(n, BLOCK))](gate, up, out, gate.stride(0), up.stride(0), n, BLOCK=BLOCK)
+        _silu_mul_kernel[(rows, triton.cdiv(n, BLOCK))](gate, up, out, gate.stride(0), up.stride(0), n, BLOCK=BLOCK,
+                                                         **launch_options(gate.device))
     return out
 
 
@@ -50,5 +55,6 @@ def gated_add_triton(routed: torch.Tensor, shared: torch.Tensor, logit: torch.Te
     out = torch.empty(rows, n, dtype=routed.dtype, device=routed.device)
     if rows:
         _gated_add_kernel[(rows, triton.cdiv(n, BLOCK))](routed, shared, logit, out, routed.stride(0), shared.stride(0),
-                                                         logit.stride(0), n, BLOCK=BLOCK)
+                                                         logit.stride(0), n, BLOCK=BLOCK,
+                                                         **launch_options(routed.device))
     return out

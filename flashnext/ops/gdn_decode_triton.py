@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashnext.ops.pdl import launch_options, wait_for_inputs
+
 CONV_BLOCK = 256
 # At least one lane per channel: a channel replicated on two threads could be shifted by one before the other
 # reads it.
@@ -27,7 +29,8 @@ MAX_STATE_ELEMENTS = 128 * 128   # one head's state lives in the registers of on
 
 @triton.jit
 def _conv_kernel(x_ptr, w_ptr, tail_ptr, slots_ptr, y_ptr, C, stride_x, stride_wc, stride_wt, stride_slot, stride_t,
-                 WIDTH: tl.constexpr, BLOCK_C: tl.constexpr):
+                 WIDTH: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = cols < C
@@ -52,7 +55,9 @@ def _delta_rule_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, state_ptr, slots_ptr, a_log
                        out_ptr, stride_qkv, stride_zb, stride_zh, stride_bb, stride_bh, stride_ab, stride_ah,
                        stride_slot, stride_sh, stride_sk, q_scale, eps,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, SIGMOID_GATE: tl.constexpr, ROUND_WEIGHTED: tl.constexpr):
+                       BK: tl.constexpr, BV: tl.constexpr, SIGMOID_GATE: tl.constexpr, ROUND_WEIGHTED: tl.constexpr,
+                       PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     key_head = head // (HV // HK)
@@ -132,7 +137,7 @@ def gdn_decode_triton(mixed_qkv, z, b, a, conv_state, conv_weight, ssm_state, sl
     _conv_kernel[(rows, triton.cdiv(channels, CONV_BLOCK))](
         mixed_qkv, conv_weight, conv_state, slots, qkv, channels, mixed_qkv.stride(0), conv_weight.stride(0),
         conv_weight.stride(1), conv_state.stride(0), conv_state.stride(1),
-        WIDTH=width, BLOCK_C=CONV_BLOCK, num_warps=CONV_WARPS)
+        WIDTH=width, BLOCK_C=CONV_BLOCK, num_warps=CONV_WARPS, **launch_options(qkv.device))
     _delta_rule_kernel[(rows, num_v_heads)](
         qkv, z, b, a, ssm_state, slots, A_log, dt_bias, norm_weight, out,
         qkv.stride(0), z.stride(0), z.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
@@ -140,5 +145,5 @@ def gdn_decode_triton(mixed_qkv, z, b, a, conv_state, conv_weight, ssm_state, sl
         HK=num_k_heads, HV=num_v_heads, DK=head_k_dim, DV=head_v_dim,
         BK=triton.next_power_of_2(head_k_dim), BV=triton.next_power_of_2(head_v_dim),
         SIGMOID_GATE=activation == "sigmoid", ROUND_WEIGHTED=norm_weight.dtype == dtype,
-        num_warps=num_warps or default_num_warps(head_k_dim, head_v_dim))
+        num_warps=num_warps or default_num_warps(head_k_dim, head_v_dim), **launch_options(qkv.device))
     return out

@@ -1,29 +1,30 @@
 """Triton hyper-connection mix (two launches) and inject (one), for decode (N ≤ 16 rows; any N is correct).
 
-The mix reads two [R, hc·H] weights (2 × 6.5 MB at Flash-Next's shapes) and little else, so each launch
-must spread its weight over the whole GPU:
-- `_hc_down_kernel`, grid (row tiles of the R down rows + hc inject rows, K splits, row blocks): each
-  program recomputes the rms of the one stream its K range lies in (N·H elements, from L2: cheaper than a
-  launch), normalises its K range, rounds it to h's dtype as the norm does, and multiplies it with its
-  [BLOCK_R, K range] weight tile in fp32. Partials go to a workspace; the last program of a row tile to
-  arrive (an atomic counter) adds them in K order — deterministic — and applies /hc, silu (down rows) or
-  2·sigmoid (inject rows). No third launch and no fp32 atomics on the result.
-- `_hc_up_kernel`, grid (column tiles of H, row blocks): for each stream the up GEMV of its [BLOCK_H, R]
-  weight rows, sigmoid, times the normed stream (recomputed from h and the stored rms), summed over the
-  streams: block input columns in one pass.
-Both GEMVs are fp32 multiply-and-sum in registers (no tensor cores at N ≤ 8). Values are rounded to h's
-dtype wherever the reference rounds, so bf16 results differ from it only by fp32 summation order.
+The mix reads two [R, hc·H] weights (2 × 6.5 MB at Flash-Next's shapes) and little else: it is a chain of
+latency (launch, first DRAM loads, a reduction) unless every launch loads its whole share of a weight at once,
+before it waits for its input (ops/pdl.py). So neither kernel has a loop over K or a dependent load chain:
+- `_hc_down_kernel`, grid (tiles of BLOCK_R rows of w_down then w_inject, hc streams): a program loads its rows'
+  [BLOCK_R, H] slice of one stream (and that slice of the norm weight) — everything it will read from DRAM —,
+  waits for h, then for each row of h stores the partial dot of its rows with the stream scaled by (1 + norm
+  weight), and the stream's sum of squares. The stream's rstd is a scalar of the dot, so it is applied later:
+  no second pass over h and no reduction across programs inside the launch. The one departure from the
+  reference: the normed stream is not rounded to h's dtype before the down GEMV (it is in fp32 math).
+- `_hc_up_kernel`, grid (column tiles of H): a program loads its columns' up-weight rows of every stream
+  ([hc, BLOCK_H, R]), waits, then adds the hc stream partials of the down rows (times each stream's rstd, in
+  stream order: deterministic), applies /hc and silu (and 2·sigmoid for the injection rows, stored by program 0),
+  and for each stream the up GEMV, sigmoid, times the normed stream, summed over the streams.
+Both GEMVs are fp32 multiply-and-sum in registers (no tensor cores at N ≤ 16). Elsewhere values are rounded to
+h's dtype wherever the reference rounds.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from flashnext.ops.arrival import arrival_counters
+from flashnext.ops.pdl import launch_options, wait_for_inputs
 from flashnext.ops.rounding import round_to_dtype
 
 
@@ -33,110 +34,86 @@ def _sigmoid(v):
 
 
 @triton.jit
-def _hc_down_kernel(x_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, count_ptr, mix_ptr, inj_ptr, rms_ptr,
-                    N, H, R, stride_x, k_per_split, splits, eps,
-                    HC: tl.constexpr, HAS_INJECT: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_RMS: tl.constexpr):
+def _hc_down_kernel(x_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, sumsq_ptr, N, H, R, stride_x,
+                    HC: tl.constexpr, HAS_INJECT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                    PDL: tl.constexpr):
     pid_r = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    dtype = x_ptr.dtype.element_ty
+    stream = tl.program_id(1)
     K = HC * H
     rows = R + HC if HAS_INJECT else R
-    stream = pid_k // splits
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < N
-    x_rows = x_ptr + offs_m[:, None] * stride_x
-
-    sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_RMS):
-        offs = k0 + tl.arange(0, BLOCK_RMS)
-        xv = tl.load(x_rows + stream * H + offs[None, :], mask=mask_m[:, None] & (offs < H)[None, :], other=0.0)
-        xv = xv.to(tl.float32)
-        sumsq += tl.sum(xv * xv, axis=1)
-    rstd = tl.math.rsqrt(sumsq / H + eps)
-    if (pid_r == 0) & (pid_k % splits == 0):
-        tl.store(rms_ptr + offs_m * HC + stream, rstd, mask=mask_m)
-
-    # Rows [0, R) are w_down's, rows [R, R + hc) w_inject's: one virtual [rows, K] weight, one load per tile.
+    # Rows [0, R) are w_down's, rows [R, R + hc) w_inject's: one virtual [rows, K] weight.
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    is_down = offs_r < R
-    is_inj = (offs_r >= R) & (offs_r < rows)
+    r_ok = offs_r < rows
     if HAS_INJECT:
-        w_rows = tl.where(is_down, wd_ptr + offs_r * K, wi_ptr + (offs_r - R) * K)
+        w_rows = tl.where(offs_r < R, wd_ptr + offs_r * K, wi_ptr + (offs_r - R) * K)
     else:
         w_rows = wd_ptr + offs_r * K
-    k_start = stream * H + (pid_k % splits) * k_per_split
-    k_end = stream * H + tl.minimum((pid_k % splits + 1) * k_per_split, H)
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < k_end
-        xv = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        scale = 1.0 + tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        normed = round_to_dtype(xv * rstd[:, None] * scale[None, :], dtype)
-        w = tl.load(w_rows[:, None] + offs_k[None, :], mask=(is_down | is_inj)[:, None] & mask_k[None, :], other=0.0)
-        acc += tl.sum(normed[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-
-    out_mask = mask_m[:, None] & (offs_r < rows)[None, :]
-    part_offs = offs_m[:, None] * rows + offs_r[None, :]
-    tl.store(part_ptr + pid_k * N * rows + part_offs, acc, mask=out_mask)
-    # Every thread's partial must be written before one thread publishes the tile (acq_rel atomic).
-    tl.debug_barrier()
-    counter = count_ptr + pid_m * tl.num_programs(0) + pid_r
-    n_k = tl.num_programs(1)
-    if tl.atomic_add(counter, 1) == n_k - 1:
-        total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for p in range(n_k):
-            # .cg: read the other programs' partials from L2, never from a stale L1 line.
-            total += tl.load(part_ptr + p * N * rows + part_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
-        tl.store(counter, 0)
-        v = round_to_dtype(round_to_dtype(total, dtype) / HC, dtype)
-        mix = round_to_dtype(v * _sigmoid(v), dtype)
-        tl.store(mix_ptr + offs_m[:, None] * R + offs_r[None, :], mix, mask=mask_m[:, None] & is_down[None, :])
-        if HAS_INJECT:
-            inj = 2.0 * round_to_dtype(_sigmoid(v), dtype)
-            tl.store(inj_ptr + offs_m[:, None] * HC + (offs_r - R)[None, :], inj,
-                     mask=mask_m[:, None] & is_inj[None, :])
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    w = tl.load(w_rows[:, None] + stream * H + offs_h[None, :], mask=r_ok[:, None] & h_ok[None, :], other=0.0)
+    scale = 1.0 + tl.load(nw_ptr + stream * H + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    wait_for_inputs(PDL)
+    for m in range(N):
+        xv = tl.load(x_ptr + m * stride_x + stream * H + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+        if pid_r == 0:
+            tl.store(sumsq_ptr + m * HC + stream, tl.sum(xv * xv))
+        part = tl.sum(w.to(tl.float32) * (xv * scale)[None, :], axis=1)
+        tl.store(part_ptr + (stream * N + m) * rows + offs_r, part, mask=r_ok)
 
 
 @triton.jit
-def _hc_up_kernel(x_ptr, nw_ptr, rms_ptr, mix_ptr, wu_ptr, out_ptr, N, H, R, stride_x, stride_o,
-                  HC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KR: tl.constexpr):
+def _down_rows(part_ptr, rstd, offs_s, s_ok, N, m, rows, offs_k, k_ok, HC: tl.constexpr, dtype: tl.constexpr):
+    """Rows offs_k of the down/inject GEMV for row m: the stream partials times their rstd, summed in stream
+    order; then rounded to the dtype and divided by hc as the reference does."""
+    parts = tl.load(part_ptr + (offs_s[:, None] * N + m) * rows + offs_k[None, :],
+                    mask=s_ok[:, None] & k_ok[None, :], other=0.0)
+    total = tl.sum(parts * rstd[:, None], axis=0)
+    return round_to_dtype(round_to_dtype(total, dtype) / HC, dtype)
+
+
+@triton.jit
+def _hc_up_kernel(x_ptr, nw_ptr, part_ptr, sumsq_ptr, wu_ptr, out_ptr, inj_ptr, N, H, R, stride_x, stride_o, eps,
+                  HC: tl.constexpr, HAS_INJECT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_KR: tl.constexpr, PDL: tl.constexpr):
     pid_h = tl.program_id(0)
-    pid_m = tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < N
+    rows = R + HC if HAS_INJECT else R
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < HC
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < H
-    mask_mh = mask_m[:, None] & mask_h[None, :]
-    total = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
-    for s in tl.static_range(HC):
-        acc = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
-        for k0 in range(0, R, BLOCK_KR):
-            offs_k = k0 + tl.arange(0, BLOCK_KR)
-            mask_k = offs_k < R
-            mv = tl.load(mix_ptr + offs_m[:, None] * R + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                         other=0.0).to(tl.float32)
-            w = tl.load(wu_ptr + (s * H + offs_h)[:, None] * R + offs_k[None, :],
-                        mask=mask_h[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(mv[:, None, :] * w[None, :, :], axis=2)
-        gate = round_to_dtype(_sigmoid(round_to_dtype(acc, dtype)), dtype)
-        xv = tl.load(x_ptr + offs_m[:, None] * stride_x + s * H + offs_h[None, :], mask=mask_mh, other=0.0)
-        rstd = tl.load(rms_ptr + offs_m * HC + s, mask=mask_m, other=0.0)
-        scale = 1.0 + tl.load(nw_ptr + s * H + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-        normed = round_to_dtype(xv.to(tl.float32) * rstd[:, None] * scale[None, :], dtype)
-        total += round_to_dtype(gate * normed, dtype)
-    tl.store(out_ptr + offs_m[:, None] * stride_o + offs_h[None, :], total / HC, mask=mask_mh)
+    h_ok = offs_h < H
+    offs_k = tl.arange(0, BLOCK_KR)
+    k_ok = offs_k < R
+    sh = offs_s[:, None] * H + offs_h[None, :]                                       # [S, BLOCK_H]
+    sh_ok = s_ok[:, None] & h_ok[None, :]
+    w = tl.load(wu_ptr + sh[:, :, None] * R + offs_k[None, None, :], mask=sh_ok[:, :, None] & k_ok[None, None, :],
+                other=0.0)                                                           # [S, BLOCK_H, BLOCK_KR]
+    scale = 1.0 + tl.load(nw_ptr + sh, mask=sh_ok, other=0.0).to(tl.float32)
+    wait_for_inputs(PDL)
+    for m in range(N):
+        sumsq = tl.load(sumsq_ptr + m * HC + offs_s, mask=s_ok, other=0.0)
+        rstd = tl.where(s_ok, tl.math.rsqrt(sumsq / H + eps), 0.0)
+        v = _down_rows(part_ptr, rstd, offs_s, s_ok, N, m, rows, offs_k, k_ok, HC, dtype)
+        mix = round_to_dtype(v * _sigmoid(v), dtype)
+        up = round_to_dtype(tl.sum(w.to(tl.float32) * mix[None, None, :], axis=2), dtype)
+        gate = round_to_dtype(_sigmoid(up), dtype)
+        xv = tl.load(x_ptr + m * stride_x + sh, mask=sh_ok, other=0.0).to(tl.float32)
+        normed = round_to_dtype(xv * rstd[:, None] * scale, dtype)
+        total = tl.sum(tl.where(sh_ok, round_to_dtype(gate * normed, dtype), 0.0), axis=0)
+        tl.store(out_ptr + m * stride_o + offs_h, total / HC, mask=h_ok)
+        if HAS_INJECT:
+            if pid_h == 0:
+                v_inj = _down_rows(part_ptr, rstd, offs_s, s_ok, N, m, rows, R + offs_s, s_ok, HC, dtype)
+                tl.store(inj_ptr + m * HC + offs_s, 2.0 * round_to_dtype(_sigmoid(v_inj), dtype), mask=s_ok)
 
 
 @triton.jit
 def _hc_inject_kernel(h_ptr, bo_ptr, w_ptr, out_ptr, H, stride_h, stride_b, stride_w, stride_o,
-                      HC: tl.constexpr, BLOCK: tl.constexpr):
+                      HC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     row = tl.program_id(1)
     dtype = h_ptr.dtype.element_ty
+    wait_for_inputs(PDL)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < HC * H
     hv = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
@@ -147,40 +124,20 @@ def _hc_inject_kernel(h_ptr, bo_ptr, w_ptr, out_ptr, H, stride_h, stride_b, stri
 
 @dataclass(frozen=True)
 class MixConfig:
-    block_m: int
-    block_r: int      # down/inject rows per program
-    block_k: int      # K tile of the down GEMV
-    splits: int       # K splits per stream (the down grid is row tiles × hc·splits × row blocks)
-    block_h: int      # block-input columns per up program
-    block_kr: int     # K tile of the up GEMV (K = R)
+    block_r: int = 2      # down/inject rows per program (the down grid is row tiles × hc streams)
+    block_h: int = 4      # block-input columns per up program
     warps_down: int = 4
     warps_up: int = 4
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8
-
-
-def default_config(n: int, hc: int, hidden: int, lowrank: int, rows: int, device: torch.device) -> MixConfig:
-    """Register tiles of ~8K fp32 products per program; split K until the down grid has about two
-    programs per SM (Flash-Next decode: 11 row tiles × 4 streams × 5 splits = 220; up: 320)."""
-    block_m = min(triton.next_power_of_2(max(n, 1)), 8)
-    block_r = 32
-    block_k = min(max(32, 256 // block_m), triton.next_power_of_2(hidden))
-    k_tiles = triton.cdiv(hidden, block_k)
-    programs = triton.cdiv(rows, block_r) * hc * triton.cdiv(n, block_m)
-    splits = max(1, min(k_tiles, round(2 * _num_sms(device) / programs)))
-    block_h = 8
-    block_kr = min(triton.next_power_of_2(lowrank), max(32, 4096 // (block_m * block_h)))
-    return MixConfig(block_m, block_r, block_k, splits, block_h, block_kr)
+# Flash-Next decode (hidden 2560 → 4096 lanes, R 320): 162 × 4 down programs of 10 KB, 640 up programs of 10 KB;
+# each holds its weights in registers (64 elements per thread at 4 warps), several programs per SM.
+DEFAULT_CONFIG = MixConfig()
 
 
 def hc_mix_triton(h: torch.Tensor, norm_weight: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor,
                   w_inject: torch.Tensor | None, hc: int, hidden: int, eps: float,
-                  config: MixConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  config: MixConfig = DEFAULT_CONFIG) -> tuple[torch.Tensor, torch.Tensor | None]:
     """h [N, hc·H] → (block input [N, H], injection weights [N, hc] or None); see ops/hyper_connection.py."""
     n, width = h.shape
     lowrank = w_down.shape[0]
@@ -195,22 +152,18 @@ def hc_mix_triton(h: torch.Tensor, norm_weight: torch.Tensor, w_down: torch.Tens
     if n == 0:
         return block_input, inject
     rows = lowrank + (hc if w_inject is not None else 0)
-    cfg = config or default_config(n, hc, hidden, lowrank, rows, h.device)
-    k_per_split = triton.cdiv(triton.cdiv(hidden, cfg.block_k), cfg.splits) * cfg.block_k
-    splits = triton.cdiv(hidden, k_per_split)
-    grid = (triton.cdiv(rows, cfg.block_r), hc * splits, triton.cdiv(n, cfg.block_m))
-    work = torch.empty(hc * splits * n * rows + n * hc, dtype=torch.float32, device=h.device)
-    partials, rms = work[:-n * hc], work[-n * hc:]
-    mix = h.new_empty(n, lowrank)
-    _hc_down_kernel[grid](
-        h, norm_weight, w_down, w_inject if w_inject is not None else w_down, partials,
-        arrival_counters(h.device, grid[0] * grid[2]), mix, inject if inject is not None else mix, rms,
-        n, hidden, lowrank, h.stride(0), k_per_split, splits, eps,
-        HC=hc, HAS_INJECT=w_inject is not None, BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
-        BLOCK_RMS=max(64, 2048 // cfg.block_m), num_warps=cfg.warps_down)
-    _hc_up_kernel[(triton.cdiv(hidden, cfg.block_h), triton.cdiv(n, cfg.block_m))](
-        h, norm_weight, rms, mix, w_up, block_input, n, hidden, lowrank, h.stride(0), block_input.stride(0),
-        HC=hc, BLOCK_M=cfg.block_m, BLOCK_H=cfg.block_h, BLOCK_KR=cfg.block_kr, num_warps=cfg.warps_up)
+    work = torch.empty(hc * n * rows + n * hc, dtype=torch.float32, device=h.device)
+    partials, sumsq = work[:hc * n * rows], work[hc * n * rows:]
+    pdl = launch_options(h.device)
+    _hc_down_kernel[(triton.cdiv(rows, config.block_r), hc)](
+        h, norm_weight, w_down, w_inject if w_inject is not None else w_down, partials, sumsq,
+        n, hidden, lowrank, h.stride(0), HC=hc, HAS_INJECT=w_inject is not None, BLOCK_R=config.block_r,
+        BLOCK_H=triton.next_power_of_2(hidden), num_warps=config.warps_down, **pdl)
+    _hc_up_kernel[(triton.cdiv(hidden, config.block_h),)](
+        h, norm_weight, partials, sumsq, w_up, block_input, inject if inject is not None else block_input,
+        n, hidden, lowrank, h.stride(0), block_input.stride(0), eps, HC=hc, HAS_INJECT=w_inject is not None,
+        BLOCK_S=triton.next_power_of_2(hc), BLOCK_H=config.block_h, BLOCK_KR=triton.next_power_of_2(lowrank),
+        num_warps=config.warps_up, **pdl)
     return block_input, inject
 
 
@@ -229,7 +182,7 @@ def hc_inject_triton(h: torch.Tensor, block_output: torch.Tensor, weights: torch
         block = 1024
         _hc_inject_kernel[(triton.cdiv(width, block), n)](
             h, block_output, weights, out, hidden, h.stride(0), block_output.stride(0), weights.stride(0),
-            out.stride(0), HC=hc, BLOCK=block, num_warps=4)
+            out.stride(0), HC=hc, BLOCK=block, num_warps=4, **launch_options(h.device))
     return out
 
 

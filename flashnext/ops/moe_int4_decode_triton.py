@@ -43,6 +43,7 @@ import triton.language as tl
 from flashnext.ops.arrival import arrival_counters, arrive_last
 from flashnext.ops.int4_groups import group_zero_scale
 from flashnext.ops.moe_int4_triton import block_k_for_group
+from flashnext.ops.pdl import launch_options, wait_for_inputs
 from flashnext.weights.int4_layout import Int4Weight
 
 
@@ -121,7 +122,8 @@ def _sum_rows(ptr, first_row, n_rows, row_stride, offs, ok, ROWS: tl.constexpr):
 def _gate_up_kernel(x_ptr, ids_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, h_ptr, part_ptr, counter_ptr,
                     H, I, k_per_split, GROUP: tl.constexpr, TOP_K: tl.constexpr, SPLIT: tl.constexpr,
                     SPLIT_P2: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     pair, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     N = 2 * I
@@ -159,7 +161,8 @@ def _gate_up_kernel(x_ptr, ids_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr
 def _down_kernel(h_ptr, ids_ptr, topk_weights_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr, part_ptr,
                  counter_ptr, H, I, k_per_split, GROUP: tl.constexpr, TOP_K: tl.constexpr, SPLIT: tl.constexpr,
                  PARTS_P2: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     pair, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     token = pair // TOP_K
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -224,7 +227,8 @@ def moe_int4_decode(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: In
     part_up = torch.empty(pairs, split_up, 2 * inter, dtype=torch.float32, device=device) if split_up > 1 else h
     parts_down = top_k * split_down
     part_down = torch.empty(m, parts_down, hidden, dtype=torch.float32, device=device) if parts_down > 1 else out
-    launch = dict(BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    launch = dict(BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  **launch_options(x.device))
 
     def optional(w):  # zeros and perm, or a dummy pointer never read (HAS_ZEROS/HAS_PERM are constexprs)
         return (w.scales if w.zeros is None else w.zeros, w.qweight if w.perm is None else w.perm,

@@ -9,12 +9,14 @@ import torch
 import triton
 import triton.language as tl
 
+from flashnext.ops.pdl import launch_options, wait_for_inputs
 from flashnext.ops.rounding import round_to_dtype
 
 
 @triton.jit
 def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_xn, stride_xh, stride_cn, heads, D, R, eps,
-                      BLOCK_D: tl.constexpr):
+                      BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0) // heads
     head = tl.program_id(0) % heads
     dtype = out_ptr.dtype.element_ty
@@ -43,5 +45,6 @@ def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: tor
     out = torch.empty(rows, heads, dim, dtype=x.dtype, device=x.device)
     if rows:
         _norm_rope_kernel[(rows * heads,)](x, weight, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), heads,
-                                           dim, cos.shape[-1], eps, BLOCK_D=triton.next_power_of_2(dim), num_warps=2)
+                                           dim, cos.shape[-1], eps, BLOCK_D=triton.next_power_of_2(dim), num_warps=2,
+                                           **launch_options(x.device))
     return out

@@ -8,13 +8,15 @@ import torch
 import triton
 import triton.language as tl
 
+from flashnext.ops.pdl import launch_options, wait_for_inputs
 from flashnext.ops.rounding import round_to_dtype
 
 
 @triton.jit
 def _qsa_key_append_kernel(raw_ptr, ring_ptr, slots_ptr, pos_ptr, table_ptr, keys_ptr, w_ptr, inv_freq_ptr,
                            stride_raw, stride_table, D, R, eps, RATIO: tl.constexpr, PER_PAGE: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
+                           BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     b = tl.program_id(0)
     dtype = keys_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK_D)
@@ -58,4 +60,5 @@ def qsa_key_append_triton(raw, ring, slots, positions, block_table, index_keys, 
                                         inv_freq.to(device=raw.device, dtype=torch.float32), raw.stride(0),
                                         block_table.stride(0),
                                         dim, 2 * inv_freq.numel(), eps, RATIO=ring.shape[1] + 1,
-                                        PER_PAGE=index_keys.shape[1], BLOCK_D=triton.next_power_of_2(dim), num_warps=1)
+                                        PER_PAGE=index_keys.shape[1], BLOCK_D=triton.next_power_of_2(dim), num_warps=1,
+                                        **launch_options(raw.device))

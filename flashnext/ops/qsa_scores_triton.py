@@ -8,13 +8,16 @@ import torch
 import triton
 import triton.language as tl
 
+from flashnext.ops.pdl import launch_options, wait_for_inputs
+
 BLOCK_N = 64
 
 
 @triton.jit
 def _qsa_scores_kernel(q_ptr, keys_ptr, table_ptr, before_ptr, out_ptr, stride_qb, stride_qh, stride_table,
                        capacity, D, scale, HEADS: tl.constexpr, PER_PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_D: tl.constexpr):
+                       BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     b = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -44,7 +47,7 @@ def qsa_block_scores_triton(q: torch.Tensor, index_keys: torch.Tensor, block_tab
         _qsa_scores_kernel[(batch, triton.cdiv(capacity, BLOCK_N))](
             q, index_keys, block_table, complete_before, out, q.stride(0), q.stride(1), block_table.stride(0),
             capacity, dim, 1.0 / math.sqrt(dim), HEADS=heads, PER_PAGE=per_page, BLOCK_N=BLOCK_N,
-            BLOCK_D=triton.next_power_of_2(dim), num_warps=4)
+            BLOCK_D=triton.next_power_of_2(dim), num_warps=4, **launch_options(q.device))
     return out
 
 

@@ -6,11 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
+from flashnext.ops.pdl import launch_options, wait_for_inputs
 from flashnext.ops.rounding import round_to_dtype
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_row, groups, group_size, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_row, groups, group_size, eps, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0) // groups
     group = tl.program_id(0) % groups
     offs = tl.arange(0, BLOCK)
@@ -33,13 +36,15 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, group_siz
     if rows.shape[0]:
         block = triton.next_power_of_2(group_size)
         _rms_norm_kernel[(rows.shape[0] * groups,)](rows, weight, out, rows.stride(0), groups, group_size, eps,
-                                                     BLOCK=block, num_warps=8 if block >= 4096 else 4)
+                                                     BLOCK=block, num_warps=8 if block >= 4096 else 4,
+                                                     **launch_options(rows.device))
     return out
 
 
 @triton.jit
 def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, stride_x, stride_g, dim, eps, SILU: tl.constexpr,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     ok = offs < dim
@@ -63,5 +68,5 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     if rows.shape[0]:
         _gated_rms_norm_kernel[(rows.shape[0],)](rows, gates, weight, out, rows.stride(0), gates.stride(0), dim, eps,
                                                  SILU=activation == "silu", BLOCK=triton.next_power_of_2(dim),
-                                                 num_warps=4)
+                                                 num_warps=4, **launch_options(rows.device))
     return out

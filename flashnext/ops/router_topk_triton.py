@@ -6,10 +6,13 @@ import torch
 import triton
 import triton.language as tl
 
+from flashnext.ops.pdl import launch_options, wait_for_inputs
+
 
 @triton.jit
 def _router_topk_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_row, TOP_K: tl.constexpr,
-                        BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr):
+                        BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     valid = offs < E
@@ -40,5 +43,6 @@ def router_topk_triton(logits: torch.Tensor, top_k: int, normalize: bool) -> tup
     ids = torch.empty(rows, top_k, dtype=torch.long, device=logits.device)
     if rows:
         _router_topk_kernel[(rows,)](logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
-                                     BLOCK_E=triton.next_power_of_2(experts), NORMALIZE=normalize, num_warps=4)
+                                     BLOCK_E=triton.next_power_of_2(experts), NORMALIZE=normalize, num_warps=4,
+                                     **launch_options(logits.device))
     return weights, ids

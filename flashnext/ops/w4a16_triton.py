@@ -7,7 +7,8 @@ ops/int4_dequant_triton.py).
 `_w4a16_gemv_kernel` (decode, M <= 8): the weight is read once for all M rows and the read is all that costs
 (Flash-Next in_proj_qkv: 13 MB, ~3 µs at 4.27 TB/s), so the kernel is shaped for bytes in flight:
 - a program owns BLOCK_N output columns (contiguous int32 words: 16-byte loads along N) and a K split, so
-  that N/BLOCK_N × splits is ~PROGRAMS_PER_SM programs per SM; weight loads are software-pipelined (tl.range);
+  that N/BLOCK_N × splits is ~PROGRAMS_PER_SM programs per SM; weight loads are software-pipelined (tl.range),
+  and the first K tile is loaded before the kernel waits for x (programmatic dependent launch, ops/pdl.py);
 - dequantisation without int → float conversions (I2F is quarter rate or slower, and ALU throughput is
   within 2× of the bandwidth at M = 1): a nibble masked in place and ORed into the mantissa of 2**23 is
   exactly 2**23 + q·16**j as an fp32; subtracting 2**23 + zero·16**j leaves (q − zero)·16**j exactly, and
@@ -42,6 +43,7 @@ import triton.language as tl
 from flashnext.ops.arrival import arrival_counters, arrive_last
 from flashnext.ops.int4_dequant_triton import dequantize_triton
 from flashnext.ops.int4_groups import group_zero_scale, optional_tensors
+from flashnext.ops.pdl import launch_options, wait_for_inputs
 from flashnext.weights.int4_layout import Int4Weight
 
 
@@ -113,11 +115,41 @@ def _activation(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, k, HAS_PERM: tl.conste
 
 
 @triton.jit
+def _gemv_tile(acc, low, zero, scale, words, x_ptr, perm_ptr, offs_m, m_ok, stride_xm,
+               HAS_PERM: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + x[:, 8 * words ...] @ the K tile of packed words `low` [BLOCK_K/8, BLOCK_N] (one group: zero, scale)."""
+    high = low >> 16  # the sign bits this drags in are masked off by _nibble
+    rows = 8 * words
+    if USE_DOT:
+        tile = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    else:
+        tile = tl.zeros((BLOCK_M, BLOCK_K // 8, BLOCK_N), tl.float32)
+    for j in tl.static_range(4):
+        bias = 8388608.0 + zero * (1 << (4 * j))
+        step = 1.0 / (1 << (4 * j))
+        x_low = _activation(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, rows + j, HAS_PERM)
+        x_high = _activation(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, rows + 4 + j, HAS_PERM)
+        if USE_DOT:
+            # (nibble - bias) * step is q - zero exactly; as one fma (both terms are exact) it is one op
+            w_low = (_nibble(low, j) * step - (bias * step)[None, :]).to(x_low.dtype)
+            w_high = (_nibble(high, j) * step - (bias * step)[None, :]).to(x_high.dtype)
+            tile = tl.dot(x_low, w_low, tile, input_precision=DOT_PRECISION)
+            tile = tl.dot(x_high, w_high, tile, input_precision=DOT_PRECISION)
+        else:
+            tile += (x_low.to(tl.float32) * step)[:, :, None] * (_nibble(low, j) - bias[None, :])[None, :, :]
+            tile += (x_high.to(tl.float32) * step)[:, :, None] * (_nibble(high, j) - bias[None, :])[None, :, :]
+    if USE_DOT:
+        return acc + tile * scale[None, :]
+    return acc + tile * scale[None, None, :]
+
+
+@triton.jit
 def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, counter_ptr,
                        M, N, K, stride_xm, stride_om, group_size, k_per_split, n_split,
                        HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, USE_DOT: tl.constexpr,
                        REDUCE: tl.constexpr, REDUCE_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       NUM_STAGES: tl.constexpr,
+                       NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -129,35 +161,21 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr,
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_K // 8, BLOCK_N), tl.float32)
+    # The first K tile (every program has one) is loaded before the wait: with PDL it is in flight while the
+    # previous kernel finishes (ops/pdl.py).
     k_start = pid_k * k_per_split
-    for k0 in tl.range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K, num_stages=NUM_STAGES):
+    words = k_start // 8 + tl.arange(0, BLOCK_K // 8)
+    low = tl.load(qw_ptr + words[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
+    zero, scale = group_zero_scale(z_ptr, s_ptr, k_start // group_size, N, offs_n, n_ok, HAS_ZEROS, BLOCK_N)
+    wait_for_inputs(PDL)
+    acc = _gemv_tile(acc, low, zero, scale, words, x_ptr, perm_ptr, offs_m, m_ok, stride_xm,
+                     HAS_PERM, USE_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    for k0 in tl.range(k_start + BLOCK_K, tl.minimum(k_start + k_per_split, K), BLOCK_K, num_stages=NUM_STAGES):
         words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         low = tl.load(qw_ptr + words[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
-        high = low >> 16  # the sign bits this drags in are masked off by _nibble
         zero, scale = group_zero_scale(z_ptr, s_ptr, k0 // group_size, N, offs_n, n_ok, HAS_ZEROS, BLOCK_N)
-        rows = 8 * words
-        if USE_DOT:
-            tile = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        else:
-            tile = tl.zeros((BLOCK_M, BLOCK_K // 8, BLOCK_N), tl.float32)
-        for j in tl.static_range(4):
-            bias = 8388608.0 + zero * (1 << (4 * j))
-            step = 1.0 / (1 << (4 * j))
-            x_low = _activation(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, rows + j, HAS_PERM)
-            x_high = _activation(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, rows + 4 + j, HAS_PERM)
-            if USE_DOT:
-                # (nibble - bias) * step is q - zero exactly; as one fma (both terms are exact) it is one op
-                w_low = (_nibble(low, j) * step - (bias * step)[None, :]).to(x_low.dtype)
-                w_high = (_nibble(high, j) * step - (bias * step)[None, :]).to(x_high.dtype)
-                tile = tl.dot(x_low, w_low, tile, input_precision=DOT_PRECISION)
-                tile = tl.dot(x_high, w_high, tile, input_precision=DOT_PRECISION)
-            else:
-                tile += (x_low.to(tl.float32) * step)[:, :, None] * (_nibble(low, j) - bias[None, :])[None, :, :]
-                tile += (x_high.to(tl.float32) * step)[:, :, None] * (_nibble(high, j) - bias[None, :])[None, :, :]
-        if USE_DOT:
-            acc += tile * scale[None, :]
-        else:
-            acc += tile * scale[None, None, :]
+        acc = _gemv_tile(acc, low, zero, scale, words, x_ptr, perm_ptr, offs_m, m_ok, stride_xm,
+                         HAS_PERM, USE_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     if USE_DOT:
         y = acc
     else:
@@ -334,7 +352,7 @@ def _gemv(x: torch.Tensor, w: Int4Weight, cfg: GemvConfig) -> torch.Tensor:
         REDUCE=split > 1, REDUCE_ROWS=reduce_rows,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else None, NUM_STAGES=cfg.num_stages,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device))
     return out
 
 
