@@ -1,7 +1,7 @@
 """W4A16 kernels on the GPU: correctness against the torch reference and timings at real model shapes.
 
     python scripts/gpu_w4a16.py                  # full table + decode config sweep at M = 1 and 8 (~1.5 min)
-    python scripts/gpu_w4a16.py --quick          # fewer shapes, no sweep, no prefill
+    python scripts/gpu_w4a16.py --quick          # fewer shapes, no sweep (unless --sweep-m), no prefill
     python scripts/gpu_w4a16.py --sweep-m 1,2,4,8
 
 Decode rows (M = 1, 2, 4, 8) compare three things: `gemv` (w4a16_matmul's default: the GEMV kernel),
@@ -31,6 +31,9 @@ COPY_CEILING = 4.27e12
 ROTATION_BYTES = 256 << 20  # weight copies per cold timing: > 5x the H200's 50 MB L2
 # (name, N, K) of Qwen3.8-Flash-Next (hidden 2560) and Qwen3-Next-80B-A3B (hidden 2048)
 SHAPES = [
+    ("fn.gdn.in_proj_qkv|z", 16384, 2560),   # stacked as the decode step runs them (models/stacked.py)
+    ("fn.attn.q|k|v", 13312, 2560),
+    ("fn.shared.gate|up", 1280, 2560),
     ("fn.gdn.in_proj_qkv", 10240, 2560),
     ("fn.gdn.in_proj_z", 6144, 2560),
     ("fn.gdn.out_proj", 2560, 6144),
@@ -44,7 +47,7 @@ SHAPES = [
     ("q3n.shared.gate/up", 512, 2048),
     ("q3n.shared.down_proj", 2048, 512),
 ]
-QUICK = {"fn.gdn.in_proj_qkv", "fn.gdn.out_proj", "fn.attn.k_proj/v_proj", "fn.shared.gate/up"}
+QUICK = {"fn.gdn.in_proj_qkv|z", "fn.gdn.out_proj", "fn.attn.q|k|v", "fn.shared.gate|up", "fn.shared.down_proj"}
 DECODE_M = [1, 2, 4, 8]
 PREFILL_M = [256, 2048]
 BOUND = 1e-2
@@ -115,10 +118,28 @@ def rel_err(got, ref):
 
 
 def sweep_configs(kernels, m, n, k, group_size, device):
-    """Candidate GEMV configs: the heuristic's split, half and double it, for each tile shape and mode."""
+    """Candidate GEMV configs. Up to 4 rows: whole-share tiles (split = K / block_k, one tile per program) of
+    each size, and the K-loop configs of before (128-row tiles, the heuristic's split, half and double it);
+    8 rows: the tensor-core and FMA K-loop configs."""
     heuristic = kernels.gemv_config(m, n, k, group_size, device)
     seen = set()
     bucket = kernels.m_bucket(m)
+
+    def fresh(cfg):
+        if cfg not in seen:
+            seen.add(cfg)
+            return True
+        return False
+
+    if bucket <= 4:
+        for block_k in (128, 256, 512, 1024):
+            if k % block_k or block_k % group_size and group_size % block_k or block_k * bucket > 1024:
+                continue
+            for block_n in (32, 64, 128):
+                for warps in (4, 8):
+                    cfg = kernels.GemvConfig(block_n, block_k, k // block_k, False, warps, 1)
+                    if fresh(cfg):
+                        yield cfg
     for use_dot in (False, True):
         for block_n in (32, 64, 128, 256):
             if use_dot and bucket <= 2 and block_n != 128:  # M <= 2 idles 7/8 of each MMA: one tile to compare
@@ -129,10 +150,9 @@ def sweep_configs(kernels, m, n, k, group_size, device):
                 for split in sorted({max(1, base // 2), base, 2 * base}):
                     for warps in (4,) if block_n <= 32 else (4, 8):
                         cfg = kernels.GemvConfig(block_n, block_k, min(split, tiles), use_dot, warps, 3)
-                        if cfg not in seen:
-                            seen.add(cfg)
+                        if fresh(cfg):
                             yield cfg
-    if heuristic not in seen:
+    if fresh(heuristic):
         yield heuristic
 
 
@@ -177,7 +197,8 @@ def fmt_cfg(c):
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--sweep-m", default="1,8", help="decode M values to sweep configs at ('' for none)")
+    parser.add_argument("--sweep-m", default=None,
+                        help="decode M values to sweep configs at ('' for none; default 1,8, none with --quick)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -193,7 +214,9 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {kernels.triton.__version__}  "
           f"{kernels._num_sms(dev)} SMs")
     shapes = [s for s in SHAPES if s[0] in QUICK] if args.quick else SHAPES
-    sweep_m = [] if args.quick or not args.sweep_m else [int(v) for v in args.sweep_m.split(",")]
+    if args.sweep_m is None:
+        args.sweep_m = "" if args.quick else "1,8"
+    sweep_m = [int(v) for v in args.sweep_m.split(",") if v]
     header = (f"{'layer':22} {'kind':4} {'M':>4} {'N':>6} {'K':>5} {'path':5} {'err':>8} {'cold us':>8} "
               f"{'graph us':>8} {'eager us':>8} {'GB/s':>6} {'%ceil':>6}  config")
     print(header)

@@ -118,7 +118,8 @@ def _activation(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, k, HAS_PERM: tl.conste
 def _gemv_tile(acc, low, zero, scale, words, x_ptr, perm_ptr, offs_m, m_ok, stride_xm,
                HAS_PERM: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc + x[:, 8 * words ...] @ the K tile of packed words `low` [BLOCK_K/8, BLOCK_N] (one group: zero, scale)."""
+    """acc + x[:, 8 * words ...] @ the K tile of packed words `low` [BLOCK_K/8, BLOCK_N]; zero and scale are
+    [1, BLOCK_N] (a tile inside one group) or [BLOCK_K/8, BLOCK_N] (each word row's group: FMA mode only)."""
     high = low >> 16  # the sign bits this drags in are masked off by _nibble
     rows = 8 * words
     if USE_DOT:
@@ -132,16 +133,29 @@ def _gemv_tile(acc, low, zero, scale, words, x_ptr, perm_ptr, offs_m, m_ok, stri
         x_high = _activation(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, rows + 4 + j, HAS_PERM)
         if USE_DOT:
             # (nibble - bias) * step is q - zero exactly; as one fma (both terms are exact) it is one op
-            w_low = (_nibble(low, j) * step - (bias * step)[None, :]).to(x_low.dtype)
-            w_high = (_nibble(high, j) * step - (bias * step)[None, :]).to(x_high.dtype)
+            w_low = (_nibble(low, j) * step - bias * step).to(x_low.dtype)
+            w_high = (_nibble(high, j) * step - bias * step).to(x_high.dtype)
             tile = tl.dot(x_low, w_low, tile, input_precision=DOT_PRECISION)
             tile = tl.dot(x_high, w_high, tile, input_precision=DOT_PRECISION)
         else:
-            tile += (x_low.to(tl.float32) * step)[:, :, None] * (_nibble(low, j) - bias[None, :])[None, :, :]
-            tile += (x_high.to(tl.float32) * step)[:, :, None] * (_nibble(high, j) - bias[None, :])[None, :, :]
+            tile += (x_low.to(tl.float32) * step)[:, :, None] * (_nibble(low, j) - bias)[None, :, :]
+            tile += (x_high.to(tl.float32) * step)[:, :, None] * (_nibble(high, j) - bias)[None, :, :]
     if USE_DOT:
-        return acc + tile * scale[None, :]
-    return acc + tile * scale[None, None, :]
+        acc += tile * scale
+    else:
+        acc += tile * scale[None, :, :]
+    return acc
+
+
+@triton.jit
+def _tile_groups(z_ptr, s_ptr, k0, words, group_size, N, offs_n, n_ok, HAS_ZEROS: tl.constexpr,
+                 ROW_GROUPS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(zero, scale) of the K tile at k0: its one group's [1, BLOCK_N], or each word row's [BLOCK_K/8, BLOCK_N]."""
+    if ROW_GROUPS:
+        groups = (8 * words // group_size)[:, None]
+    else:
+        groups = k0 // group_size
+    return group_zero_scale(z_ptr, s_ptr, groups, N, offs_n[None, :], n_ok[None, :], HAS_ZEROS, BLOCK_N)
 
 
 @triton.jit
@@ -149,7 +163,7 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr,
                        M, N, K, stride_xm, stride_om, group_size, k_per_split, n_split,
                        HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, USE_DOT: tl.constexpr,
                        REDUCE: tl.constexpr, REDUCE_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+                       NUM_STAGES: tl.constexpr, PDL: tl.constexpr, ROW_GROUPS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -166,14 +180,14 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr,
     k_start = pid_k * k_per_split
     words = k_start // 8 + tl.arange(0, BLOCK_K // 8)
     low = tl.load(qw_ptr + words[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
-    zero, scale = group_zero_scale(z_ptr, s_ptr, k_start // group_size, N, offs_n, n_ok, HAS_ZEROS, BLOCK_N)
+    zero, scale = _tile_groups(z_ptr, s_ptr, k_start, words, group_size, N, offs_n, n_ok, HAS_ZEROS, ROW_GROUPS, BLOCK_N)
     wait_for_inputs(PDL)
     acc = _gemv_tile(acc, low, zero, scale, words, x_ptr, perm_ptr, offs_m, m_ok, stride_xm,
                      HAS_PERM, USE_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     for k0 in tl.range(k_start + BLOCK_K, tl.minimum(k_start + k_per_split, K), BLOCK_K, num_stages=NUM_STAGES):
         words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         low = tl.load(qw_ptr + words[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
-        zero, scale = group_zero_scale(z_ptr, s_ptr, k0 // group_size, N, offs_n, n_ok, HAS_ZEROS, BLOCK_N)
+        zero, scale = _tile_groups(z_ptr, s_ptr, k0, words, group_size, N, offs_n, n_ok, HAS_ZEROS, ROW_GROUPS, BLOCK_N)
         acc = _gemv_tile(acc, low, zero, scale, words, x_ptr, perm_ptr, offs_m, m_ok, stride_xm,
                          HAS_PERM, USE_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     if USE_DOT:
@@ -233,30 +247,19 @@ GEMV_MAX_M = 8        # w4a16_matmul sends M <= GEMV_MAX_M to the GEMV kernel
 DEQUANT_MIN_M = 256
 PROGRAMS_PER_SM = 4   # GEMV grid target: enough programs for bytes in flight on every SM
 # Configs measured on the H200 (scripts/gpu_w4a16.py prints this table's entries): (N, K, M bucket) →
-# GemvConfig. Shapes not listed take gemv_config's heuristic. Flash-Next and Qwen3-Next shapes, sweep of 2026-11-29
-# (bf16, g128, symmetric; the L2-cold graph time): 10–40% faster than the heuristic.
+# GemvConfig. Shapes not listed take gemv_config's heuristic. Flash-Next and Qwen3-Next shapes at M = 8, sweep of
+# 2026-11-29 (bf16, g128, symmetric; the L2-cold graph time): 10–40% faster than the heuristic.
 TUNED: dict[tuple[int, int, int], GemvConfig] = {
-    (10240, 2560, 1): GemvConfig(64, 128, 4, False, 4, 2),
     (10240, 2560, 8): GemvConfig(256, 128, 7, True, 4, 3),
-    (6144, 2560, 1): GemvConfig(256, 128, 11, False, 4, 3),
     (6144, 2560, 8): GemvConfig(256, 128, 11, True, 4, 2),
-    (2560, 6144, 1): GemvConfig(256, 128, 26, False, 4, 2),
     (2560, 6144, 8): GemvConfig(64, 128, 14, True, 4, 3),
-    (12288, 2560, 1): GemvConfig(256, 128, 5, False, 4, 2),
     (12288, 2560, 8): GemvConfig(256, 128, 5, True, 4, 3),
-    (512, 2560, 1): GemvConfig(32, 128, 20, False, 4, 2),
     (512, 2560, 8): GemvConfig(32, 128, 16, True, 4, 4),
-    (640, 2560, 1): GemvConfig(32, 128, 20, False, 4, 2),
     (640, 2560, 8): GemvConfig(32, 128, 13, True, 4, 4),
-    (2560, 640, 1): GemvConfig(32, 128, 5, False, 4, 2),
     (2560, 640, 8): GemvConfig(256, 128, 5, True, 4, 4),
-    (12288, 2048, 1): GemvConfig(256, 128, 16, False, 4, 2),
     (12288, 2048, 8): GemvConfig(256, 128, 5, True, 4, 2),
-    (2048, 4096, 1): GemvConfig(64, 128, 17, False, 4, 2),
     (2048, 4096, 8): GemvConfig(64, 128, 8, True, 4, 3),
-    (512, 2048, 1): GemvConfig(32, 128, 16, False, 4, 2),
     (512, 2048, 8): GemvConfig(32, 128, 16, True, 4, 2),
-    (2048, 512, 1): GemvConfig(32, 128, 4, False, 4, 2),
     (2048, 512, 8): GemvConfig(64, 128, 4, True, 4, 3),
 }
 
@@ -279,28 +282,42 @@ _GEMV_CONFIGS: dict[tuple, GemvConfig] = {}
 def gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> GemvConfig:
     """The GEMV launch for this shape: TUNED if listed, else a heuristic, cached per (N, K, g, M bucket, SMs).
 
-    Heuristic: 128-column blocks (64, 32 when N x K is too small to give every SM its programs), K tiles of
-    128 rows (64 for the 8-row FMA mode: its [M, K/8, N] fp32 terms live in registers), K split until there
-    are PROGRAMS_PER_SM programs per SM (half that above 2 rows); tensor cores (M padded to 16) from 5 rows
-    on, where one fma per row and weight would outrun the CUDA cores' share of the bandwidth. A guess until
-    the sweep of scripts/gpu_w4a16.py fills TUNED."""
+    Heuristic, up to 4 rows (FMA mode): a program's whole K share is one tile, so that all its weight loads are
+    in flight at once (Triton does not software-pipeline loads that feed no dot: with a K loop each tile paid a
+    DRAM latency, 13 µs for Flash-Next's 13 MB in_proj_qkv at M = 1 against ~3 µs of bytes); tiles of
+    ~32 fp32 terms per thread (BLOCK_K × BLOCK_N × M ≈ 32K at 4 warps: 512 × 64 at M = 1), shrunk (K first, then
+    N, to 128 × 32) until there are 2 programs per SM. From 5 rows on: tensor cores (M padded to 16), 128-column
+    blocks, K tiles of one group or 128 rows, K split until there are PROGRAMS_PER_SM / 2 programs per SM."""
     bucket = m_bucket(m)
     key = (n, k, group_size, bucket, _num_sms(device))
     cfg = _GEMV_CONFIGS.get(key)
     if cfg is not None:
         return cfg
     cfg = TUNED.get((n, k, bucket))
-    if cfg is None or group_size % cfg.block_k:
-        use_dot = bucket > 4 and group_size >= 128
-        block_k = min(group_size, 64 if bucket > 4 and not use_dot else 128)
-        tiles = k // block_k
-        # above 2 rows a program has more arithmetic per byte and the partials grow with M: half the programs
-        target = PROGRAMS_PER_SM * _num_sms(device) // (1 if bucket <= 2 else 2)
-        block_n = 128
-        while block_n > 32 and triton.cdiv(n, block_n) * tiles < target:
-            block_n //= 2
-        split = max(1, min(tiles, triton.cdiv(target, triton.cdiv(n, block_n))))
-        cfg = GemvConfig(block_n, block_k, split, use_dot, num_warps=4 if bucket <= 2 else 8)
+    if cfg is None or (group_size % cfg.block_k and (cfg.block_k % group_size or k % cfg.block_k or cfg.use_dot)):
+        sms = _num_sms(device)
+        if bucket <= 4:
+            fits = [b for b in (1024, 512, 256, 128, 64, 32, 16) if k % b == 0 and (b % group_size == 0 or
+                                                                                    group_size % b == 0)]
+            block_k = next(b for b in fits if b * bucket <= 512 or b == fits[-1])
+            block_n = 64
+            while triton.cdiv(n, block_n) * (k // block_k) < 2 * sms:
+                smaller = [b for b in fits if b < block_k and b >= 128]
+                if smaller:
+                    block_k = smaller[0]
+                elif block_n > 32:
+                    block_n //= 2
+                else:
+                    break
+            cfg = GemvConfig(block_n, block_k, k // block_k, False, num_warps=4)
+        else:
+            block_k = min(group_size, 128)
+            tiles = k // block_k
+            block_n = 128
+            while block_n > 32 and triton.cdiv(n, block_n) * tiles < PROGRAMS_PER_SM * sms // 2:
+                block_n //= 2
+            split = max(1, min(tiles, triton.cdiv(PROGRAMS_PER_SM * sms // 2, triton.cdiv(n, block_n))))
+            cfg = GemvConfig(block_n, block_k, split, group_size >= 128, num_warps=8)
     _GEMV_CONFIGS[key] = cfg
     return cfg
 
@@ -331,8 +348,11 @@ def supports(w: Int4Weight) -> bool:
 def _gemv(x: torch.Tensor, w: Int4Weight, cfg: GemvConfig) -> torch.Tensor:
     m, k = x.shape
     n = w.out_features
-    assert m <= GEMV_MAX_M and w.group_size % cfg.block_k == 0 and cfg.block_k >= (128 if cfg.use_dot else 16), \
-        (m, w.group_size, cfg)
+    # a tile inside one group, or (FMA mode) whole groups that divide K
+    row_groups = cfg.block_k > w.group_size
+    assert m <= GEMV_MAX_M and cfg.block_k >= (128 if cfg.use_dot else 16) and (
+        w.group_size % cfg.block_k == 0 if not row_groups else
+        cfg.block_k % w.group_size == 0 and k % cfg.block_k == 0 and not cfg.use_dot), (m, k, w.group_size, cfg)
     tiles = k // cfg.block_k
     per = triton.cdiv(tiles, max(1, min(cfg.split_k, tiles)))
     split = triton.cdiv(tiles, per)
@@ -351,7 +371,7 @@ def _gemv(x: torch.Tensor, w: Int4Weight, cfg: GemvConfig) -> torch.Tensor:
         HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None, USE_DOT=cfg.use_dot,
         REDUCE=split > 1, REDUCE_ROWS=reduce_rows,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else None, NUM_STAGES=cfg.num_stages,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        ROW_GROUPS=row_groups, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device))
     return out
 
