@@ -248,8 +248,16 @@ DEQUANT_MIN_M = 256
 PROGRAMS_PER_SM = 4   # GEMV grid target: enough programs for bytes in flight on every SM
 # Configs measured on the H200 (scripts/gpu_w4a16.py prints this table's entries): (N, K, M bucket) →
 # GemvConfig. Shapes not listed take gemv_config's heuristic. Flash-Next and Qwen3-Next shapes at M = 8, sweep of
-# 2026-11-29 (bf16, g128, symmetric; the L2-cold graph time): 10–40% faster than the heuristic.
+# 2026-11-29 (bf16, g128, symmetric; the L2-cold graph time): 10–40% faster than the heuristic. The M = 1 entries
+# of that sweep were for the unstacked shapes the step no longer runs, and the kernel has changed since.
 TUNED: dict[tuple[int, int, int], GemvConfig] = {
+    # M = 1, the stacked projections of the Flash-Next decode step (models/stacked.py) and its out/down
+    # projections, sweep of 2026-11-30 (commit 7411c88, L2-cold): 21.3 / 17.8 / 4.0 / 10.5 / 3.1 µs
+    (16384, 2560, 1): GemvConfig(32, 128, 1, False, 4, 3),
+    (13312, 2560, 1): GemvConfig(64, 128, 6, False, 4, 3),
+    (1280, 2560, 1): GemvConfig(32, 512, 5, False, 4, 1),
+    (2560, 6144, 1): GemvConfig(32, 128, 14, False, 4, 3),
+    (2560, 640, 1): GemvConfig(32, 128, 5, False, 4, 1),
     (10240, 2560, 8): GemvConfig(256, 128, 7, True, 4, 3),
     (6144, 2560, 8): GemvConfig(256, 128, 11, True, 4, 2),
     (2560, 6144, 8): GemvConfig(64, 128, 14, True, 4, 3),
@@ -282,12 +290,12 @@ _GEMV_CONFIGS: dict[tuple, GemvConfig] = {}
 def gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> GemvConfig:
     """The GEMV launch for this shape: TUNED if listed, else a heuristic, cached per (N, K, g, M bucket, SMs).
 
-    Heuristic, up to 4 rows (FMA mode): a program's whole K share is one tile, so that all its weight loads are
-    in flight at once (Triton does not software-pipeline loads that feed no dot: with a K loop each tile paid a
-    DRAM latency, 13 µs for Flash-Next's 13 MB in_proj_qkv at M = 1 against ~3 µs of bytes); tiles of
-    ~32 fp32 terms per thread (BLOCK_K × BLOCK_N × M ≈ 32K at 4 warps: 512 × 64 at M = 1), shrunk (K first, then
-    N, to 128 × 32) until there are 2 programs per SM. From 5 rows on: tensor cores (M padded to 16), 128-column
-    blocks, K tiles of one group or 128 rows, K split until there are PROGRAMS_PER_SM / 2 programs per SM."""
+    Heuristic: 128-column blocks (64, 32 when N x K is too small to give every SM its programs), K tiles of
+    128 rows (64 for the 8-row FMA mode: its [M, K/8, N] fp32 terms live in registers), K split until there
+    are PROGRAMS_PER_SM programs per SM (half that above 2 rows); tensor cores (M padded to 16) from 5 rows
+    on, where one fma per row and weight would outrun the CUDA cores' share of the bandwidth. A guess until
+    the sweep of scripts/gpu_w4a16.py fills TUNED. (Tiles of a program's whole K share, several groups each,
+    lost to it on every stacked Flash-Next shape at M = 1, 2 and 4 on the H200: 37 µs against 21 for qkv|z.)"""
     bucket = m_bucket(m)
     key = (n, k, group_size, bucket, _num_sms(device))
     cfg = _GEMV_CONFIGS.get(key)
@@ -295,29 +303,16 @@ def gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device) -
         return cfg
     cfg = TUNED.get((n, k, bucket))
     if cfg is None or (group_size % cfg.block_k and (cfg.block_k % group_size or k % cfg.block_k or cfg.use_dot)):
-        sms = _num_sms(device)
-        if bucket <= 4:
-            fits = [b for b in (1024, 512, 256, 128, 64, 32, 16) if k % b == 0 and (b % group_size == 0 or
-                                                                                    group_size % b == 0)]
-            block_k = next(b for b in fits if b * bucket <= 512 or b == fits[-1])
-            block_n = 64
-            while triton.cdiv(n, block_n) * (k // block_k) < 2 * sms:
-                smaller = [b for b in fits if b < block_k and b >= 128]
-                if smaller:
-                    block_k = smaller[0]
-                elif block_n > 32:
-                    block_n //= 2
-                else:
-                    break
-            cfg = GemvConfig(block_n, block_k, k // block_k, False, num_warps=4)
-        else:
-            block_k = min(group_size, 128)
-            tiles = k // block_k
-            block_n = 128
-            while block_n > 32 and triton.cdiv(n, block_n) * tiles < PROGRAMS_PER_SM * sms // 2:
-                block_n //= 2
-            split = max(1, min(tiles, triton.cdiv(PROGRAMS_PER_SM * sms // 2, triton.cdiv(n, block_n))))
-            cfg = GemvConfig(block_n, block_k, split, group_size >= 128, num_warps=8)
+        use_dot = bucket > 4 and group_size >= 128
+        block_k = min(group_size, 64 if bucket > 4 and not use_dot else 128)
+        tiles = k // block_k
+        # above 2 rows a program has more arithmetic per byte and the partials grow with M: half the programs
+        target = PROGRAMS_PER_SM * _num_sms(device) // (1 if bucket <= 2 else 2)
+        block_n = 128
+        while block_n > 32 and triton.cdiv(n, block_n) * tiles < target:
+            block_n //= 2
+        split = max(1, min(tiles, triton.cdiv(target, triton.cdiv(n, block_n))))
+        cfg = GemvConfig(block_n, block_k, split, use_dot, num_warps=4 if bucket <= 2 else 8)
     _GEMV_CONFIGS[key] = cfg
     return cfg
 
