@@ -15,6 +15,7 @@ from flashnext.models import build_model
 from flashnext.models.quantize import (dense_int4_targets, int4_expert_keys, quantize_dense_int4, quantize_experts_int4,
                                        use_int4_weights)
 from flashnext.models.layers.rope import RotaryEmbedding
+from flashnext.models.decode_forms import attach_decode_forms
 from flashnext.models.stacked import stack_projections
 from flashnext.models.layers.row_table import RowTable, choose_placement
 from flashnext.tokenizer import Tokenizer
@@ -106,7 +107,9 @@ def load_model(name: str, device, dtype: torch.dtype, quantize: str | None = Non
                                             device=device, prefetch=expert_prefetch)
         nbytes = _state_bytes(model, device)
     stacked = stack_projections(model)  # last: the weights are where they stay (models/stacked.py)
-    log.info("stacked %d groups of projections that share an input", stacked)
+    decode_forms = attach_decode_forms(model, dtype)
+    log.info("stacked %d groups of projections that share an input; %d INT4 projections with a tinygemm decode form",
+             stacked, decode_forms)
     tokenizer = Tokenizer.from_dir(path)
     return LoadedModel(model.eval(), cfg, tokenizer, path, time.perf_counter() - start, nbytes, expert_cache)
 

@@ -24,7 +24,9 @@ class StackedProjection:
         if any(getattr(m, "bias", None) is not None for m in modules):
             raise ValueError("stacked projections have no bias")
         self.int4: Int4Weight | None = None
+        self.decode_form = None   # the INT4 weight in tinygemm's layout, for decode (models/decode_forms.py)
         self.weight: torch.Tensor | None = None
+        self.parts = modules
         if all(isinstance(m, Int4Linear) for m in modules):
             weights = [m.weight_int4 for m in modules]
             first = weights[0]
@@ -44,7 +46,7 @@ class StackedProjection:
             raise ValueError("cannot stack INT4 and 16-bit projections")
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        y = F.linear(x, self.weight) if self.int4 is None else w4a16_linear(x, self.int4)
+        y = F.linear(x, self.weight) if self.int4 is None else w4a16_linear(x, self.int4, self.decode_form)
         return y.split(self.sizes, dim=-1)
 
 

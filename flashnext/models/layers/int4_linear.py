@@ -18,6 +18,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("zeros", weight.zeros)
         self.register_buffer("perm", weight.perm)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.decode_form = None   # the weight in tinygemm's layout, for decode (models/decode_forms.py)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 128) -> Int4Linear:
@@ -31,7 +32,7 @@ class Int4Linear(nn.Module):
         return Int4Weight(self.qweight, self.scales, self.zeros, self.perm, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = w4a16_linear(x, self.weight_int4)
+        y = w4a16_linear(x, self.weight_int4, self.decode_form)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
