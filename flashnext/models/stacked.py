@@ -11,10 +11,10 @@ modules and their checkpoint keys stay as they are: 16-bit weights become row vi
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flashnext.models.layers.int4_linear import Int4Linear
+from flashnext.ops.decode_linear import decode_linear
 from flashnext.ops.w4a16 import w4a16_linear
 from flashnext.weights.int4_layout import Int4Weight
 
@@ -46,7 +46,7 @@ class StackedProjection:
             raise ValueError("cannot stack INT4 and 16-bit projections")
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        y = F.linear(x, self.weight) if self.int4 is None else w4a16_linear(x, self.int4, self.decode_form)
+        y = decode_linear(x, self.weight) if self.int4 is None else w4a16_linear(x, self.int4, self.decode_form)
         return y.split(self.sizes, dim=-1)
 
 

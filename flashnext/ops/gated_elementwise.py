@@ -1,11 +1,14 @@
-"""Two elementwise steps of the MoE block, each one kernel on the GPU instead of two or three torch kernels:
+"""Elementwise steps of the MoE block and of gated attention, each one kernel on the GPU instead of two or three
+torch kernels:
 
     silu_mul(gate, up)                 = silu(gate) · up                      (the expert MLP's activation)
     gated_add(routed, shared, logit)   = routed + sigmoid(logit) · shared     (the shared expert joins the routed sum)
+    sigmoid_gate(out, gate)            = out · sigmoid(gate), flattened heads (gated attention's output gate)
 
-gate, up [N, I] (views allowed, last dim contiguous); routed, shared [N, H]; logit [N, 1]. The references are the
-model's torch expressions and round where torch rounds (after each op in 16-bit); `silu_mul` / `gated_add` send
-CUDA tensors to ops/gated_elementwise_triton.py. FLASHNEXT_ELEMENTWISE=reference forces the references.
+gate, up [N, I] (views allowed, last dim contiguous); routed, shared [N, H]; logit [N, 1]; out, gate [N, heads, D]
+(gate usually a strided half of the q projection) → [N, heads·D]. The references are the model's torch
+expressions and round where torch rounds (after each op in 16-bit); the dispatchers send CUDA tensors to
+ops/gated_elementwise_triton.py. FLASHNEXT_ELEMENTWISE=reference forces the references.
 """
 from __future__ import annotations
 
@@ -21,6 +24,10 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def gated_add_reference(routed: torch.Tensor, shared: torch.Tensor, logit: torch.Tensor) -> torch.Tensor:
     return routed + torch.sigmoid(logit) * shared
+
+
+def sigmoid_gate_reference(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return out.flatten(1) * torch.sigmoid(gate.flatten(1))
 
 
 def _triton(*tensors: torch.Tensor) -> bool:
@@ -42,3 +49,13 @@ def gated_add(routed: torch.Tensor, shared: torch.Tensor, logit: torch.Tensor) -
 
         return gated_add_triton(routed, shared, logit)
     return gated_add_reference(routed, shared, logit)
+
+
+def sigmoid_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    if (out.is_cuda and out.dim() == 3 and gate.shape == out.shape and gate.dtype == out.dtype
+            and out.stride(-1) == 1 and gate.stride(-1) == 1
+            and os.environ.get("FLASHNEXT_ELEMENTWISE", "triton") != "reference"):
+        from flashnext.ops.gated_elementwise_triton import sigmoid_gate_triton
+
+        return sigmoid_gate_triton(out, gate)
+    return sigmoid_gate_reference(out, gate)

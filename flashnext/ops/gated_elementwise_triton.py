@@ -1,5 +1,6 @@
-"""silu·mul and the shared-expert gated add, one program per (row, column block) (reference:
-ops/gated_elementwise.py); 16-bit results rounded after each step as torch rounds them."""
+"""silu·mul and the shared-expert gated add, one program per (row, column block), and gated attention's output
+gate, one program per (row, head) (references: ops/gated_elementwise.py); 16-bit results rounded after each step
+as torch rounds them."""
 from __future__ import annotations
 
 import torch
@@ -39,6 +40,20 @@ def _gated_add_kernel(r_ptr, s_ptr, l_ptr, out_ptr, stride_r, stride_s, stride_l
     tl.store(out_ptr + row * N + offs, (routed + round_to_dtype(gate * shared, dtype)).to(dtype), mask=ok)
 
 
+@triton.jit
+def _sigmoid_gate_kernel(o_ptr, g_ptr, out_ptr, stride_on, stride_oh, stride_gn, stride_gh, heads, D,
+                         BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_D)
+    ok = offs < D
+    dtype = out_ptr.dtype.element_ty
+    o = tl.load(o_ptr + row * stride_on + head * stride_oh + offs, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_gn + head * stride_gh + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (row * heads + head) * D + offs, (o * round_to_dtype(tl.sigmoid(g), dtype)).to(dtype), mask=ok)
+
+
 def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     rows, n = gate.shape
     assert gate.stride(-1) == 1 and up.stride(-1) == 1 and up.shape == gate.shape
@@ -58,3 +73,14 @@ def gated_add_triton(routed: torch.Tensor, shared: torch.Tensor, logit: torch.Te
                                                          logit.stride(0), n, BLOCK=BLOCK,
                                                          **launch_options(routed.device))
     return out
+
+
+def sigmoid_gate_triton(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    rows, heads, d = out.shape
+    assert gate.shape == out.shape and out.stride(-1) == 1 and gate.stride(-1) == 1
+    result = torch.empty(rows, heads * d, dtype=out.dtype, device=out.device)
+    if rows:
+        _sigmoid_gate_kernel[(rows, heads)](out, gate, result, out.stride(0), out.stride(1), gate.stride(0),
+                                            gate.stride(1), heads, d, BLOCK_D=triton.next_power_of_2(d),
+                                            **launch_options(out.device))
+    return result

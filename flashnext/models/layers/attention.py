@@ -10,6 +10,7 @@ from flashnext.models.decode_batch import DecodeBatch
 from flashnext.models.layers.norms import ZeroCenteredRMSNorm
 from flashnext.ops import branches
 from flashnext.ops.decode_attention import decode_attention
+from flashnext.ops.gated_elementwise import sigmoid_gate
 from flashnext.ops.norm_rope import norm_rope
 from flashnext.ops.prefill_attention import prefill_attention
 from flashnext.weights.config import ModelConfig
@@ -67,7 +68,7 @@ class GatedAttention(nn.Module):
         token_index, token_valid = selection if selection is not None else (None, None)
         out = decode_attention(q, k_cache, v_cache, batch.block_table, batch.seq_lens, self.scaling,
                                token_index=token_index, token_valid=token_valid)
-        return self.o_proj(out.reshape(x.shape[0], -1) * torch.sigmoid(gate.reshape(x.shape[0], -1)))
+        return self.o_proj(sigmoid_gate(out.reshape(x.shape[0], self.num_heads, self.head_dim), gate))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n = x.shape[0]
@@ -89,8 +90,7 @@ class GatedAttention(nn.Module):
             chosen, ratio = selection if selection is not None else (None, 1)
             out[rows] = prefill_attention(q[rows], k_pages, v_pages, seg.blocks, seg.context_len, self.scaling,
                                           chosen, ratio)
-        out = out.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
-        return self.o_proj(out)
+        return self.o_proj(sigmoid_gate(out, gate))
 
     def _attend_lists(self, q, ctx: ForwardContext, seg: Segment, token_index, token_valid) -> torch.Tensor:
         """Each query of the segment over its own token list, through the paged decode-attention op (one row per
