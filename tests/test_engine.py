@@ -196,3 +196,21 @@ def test_refusals_name_the_limit(engine):
     with pytest.raises(RequestRejected, match="empty"):
         engine.add_request("empty", [], SamplingParams())
     pools_idle(engine)
+
+
+def test_launched_hook_runs_after_a_decode_step_is_queued_and_before_a_prefill(engine, monkeypatch):
+    """The server delivers a step's outputs while the next step computes (AsyncLLM._loop): after the runner for a
+    step of single-token decodes, before it for a step with a prefill chunk, and at once for an empty step."""
+    events = []
+    run = engine.runner.run
+    monkeypatch.setattr(engine.runner, "run", lambda chunks: (events.append(("run", len(chunks))), run(chunks))[1])
+    engine.add_request("hook", [3, 4, 5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    kinds = []
+    while engine.has_work():
+        events.clear()
+        engine.step(launched=lambda: events.append(("launched",)))
+        kinds.append([e[0] for e in events])
+    assert kinds[0] == ["launched", "run"]            # the prompt's prefill
+    assert kinds[-1] == ["run", "launched"]           # a decode step
+    events.clear()
+    assert engine.step(launched=lambda: events.append(("launched",))) == [] and events == [("launched",)]

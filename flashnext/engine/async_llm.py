@@ -122,20 +122,32 @@ class AsyncLLM:
             loop.call_soon_threadsafe(queue.put_nowait, output)
 
     def _loop(self) -> None:
+        # A step's outputs are delivered once the next step has its work on the device (LLMEngine.step's
+        # `launched`): the handlers that wake up for them (detokenised text to JSON and SSE) then hold the GIL
+        # while the GPU computes, not while this thread prepares and launches the next step.
+        held: list[RequestOutput] = []
+
+        def deliver_held() -> None:
+            for output in held:
+                self._deliver(output)
+            held.clear()
+
         while not self._stopped:
             self._drain_inbox()
             if not self.engine.has_work():
+                deliver_held()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self.engine.step(launched=deliver_held)
             except BaseException as e:
                 log.exception("engine step failed")
+                deliver_held()
                 self._fail_all(e)
                 continue
-            for output in outputs:
-                self._deliver(output)
+            held.extend(outputs)
+        deliver_held()
 
     def _fail_all(self, error: BaseException) -> None:
         """An internal failure ends the running requests with an error; the engine keeps serving new ones."""

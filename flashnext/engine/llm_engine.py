@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -267,17 +268,30 @@ class LLMEngine:
         return time.perf_counter() - start
 
     # ---- one step ----
-    def step(self) -> list[RequestOutput]:
+    def step(self, launched: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """Run one scheduled step; returns the requests' new output increments.
+
+        `launched` (the server's delivery of the previous step's outputs) is called once the device has work: after
+        the runner has queued a step made only of single-token decodes (a captured graph that keeps the GPU busy
+        for milliseconds while the host would otherwise wait), before the runner for any other step (an eager
+        prefill chunk may wait on the device inside the runner), and at once when there is nothing to run."""
         started = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
+            if launched is not None:
+                launched()
             return []
         now = time.time()
         for c in chunks:
             if c.request.metrics.first_scheduled_time is None:
                 c.request.metrics.first_scheduled_time = now
         sampling = [c.request for c in chunks if c.samples]
+        decode_only = all(c.num_tokens == 1 for c in chunks)
+        if launched is not None and not decode_only:
+            launched()
         sampled = self.runner.run(chunks)
+        if launched is not None and decode_only:
+            launched()
         self.scheduler.computed(chunks)
         outputs = []
         if sampled is not None:

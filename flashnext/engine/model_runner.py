@@ -42,9 +42,10 @@ class ModelRunner:
         if not requests:
             self._forward_eager(chunks)
             return None
-        # The sampling tensors are built before the forward is queued: their small host→device copies then find
-        # the GPU idle instead of waiting behind the step (a pageable copy blocks the host until it is done).
-        batch = self._sampling_batch(requests)
+        # A new sampling batch is built before the forward is queued: its small host→device copies then find the
+        # GPU idle instead of waiting behind the step (a pageable copy blocks the host until it is done). The last
+        # step's batch advanced by its tokens is device work only: queued after the forward, off the GPU's idle gap.
+        batch = None if self._appendable(requests) else self._sampling_batch(requests)
         decoding = self._graph_chunks(chunks)
         eager = [c for c in chunks if c not in decoding]
         parts = []
@@ -54,6 +55,8 @@ class ModelRunner:
                                               [r.slot for r in rs], [r.blocks for r in rs])))
         if eager:
             parts.append(([c.request for c in eager if c.samples], self._forward_eager(eager)))
+        if batch is None:
+            batch = self._sampling_batch(requests)
         if len(parts) == 1:
             logits = parts[0][1].float()
         else:
@@ -88,11 +91,16 @@ class ModelRunner:
         hidden = self.model(input_ids, ForwardContext(segments, self.kv, self.states))
         return self.model.compute_logits(hidden[last]) if last_rows else None
 
+    def _appendable(self, requests) -> bool:
+        """Whether the last step's batch serves these requests one token further (SamplingBatch.append)."""
+        last = self._last_batch
+        return (last is not None and last[3] is not None and last[0] == [id(r) for r in requests]
+                and all(len(r.output_ids) == m + 1 for r, m in zip(requests, last[1])))
+
     def _sampling_batch(self, requests) -> SamplingBatch:
         ids, lengths = [id(r) for r in requests], [len(r.output_ids) for r in requests]
         last = self._last_batch
-        if (last is not None and last[3] is not None and last[0] == ids
-                and all(n == m + 1 for n, m in zip(lengths, last[1]))):
+        if self._appendable(requests):
             batch = last[2]
             batch.append(last[3])
             self._last_batch = (ids, lengths, batch, last[3])
