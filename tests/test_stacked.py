@@ -46,6 +46,25 @@ def test_views_share_storage_and_mixed_kinds_refuse():
         StackedProjection(torch.nn.Linear(8, 3, bias=True), lin[1])
 
 
+def test_int4_parts_become_column_views_of_the_stack():
+    from flashnext.models.layers.int4_linear import Int4Linear
+    from flashnext.ops.w4a16 import w4a16_linear_reference
+    from flashnext.weights.int4_layout import quantize_rtn
+
+    parts = [Int4Linear(quantize_rtn(torch.randn(n, 256, generator=torch.Generator().manual_seed(n)), 128))
+             for n in (32, 48)]
+    alone = [p.weight_int4 for p in parts]
+    x = torch.randn(3, 256)
+    want = [w4a16_linear_reference(x, w) for w in alone]
+    s = StackedProjection(*parts)
+    assert parts[0].qweight.data_ptr() == s.int4.qweight.data_ptr()          # no copy left behind
+    assert parts[1].scales.data_ptr() == s.int4.scales[:, 32:].data_ptr()
+    for part, w, y in zip(parts, alone, want):
+        assert torch.equal(part.qweight, w.qweight) and torch.equal(part.scales, w.scales)
+        assert torch.equal(part(x), y)                                        # still callable, same result
+    assert all(torch.equal(a, b) for a, b in zip(s(x), want))
+
+
 def test_quantising_after_stacking_drops_the_stale_stack():
     hf, raw = hf_model("qwen3_next", seed=4)
     model = ours_from_hf(hf, raw)

@@ -336,8 +336,10 @@ def default_config(m: int, n: int, k: int, group_size: int, device: torch.device
 
 
 def supports(w: Int4Weight) -> bool:
-    """The kernels need K tiles of >= 16 rows that never straddle a group."""
-    return w.group_size >= 16 and w.group_size & (w.group_size - 1) == 0 and w.qweight.dim() == 2
+    """The kernels need K tiles of >= 16 rows that never straddle a group, and contiguous tensors (they take N as
+    the row stride; a stacked projection's parts are column views: models/stacked.py)."""
+    return (w.group_size >= 16 and w.group_size & (w.group_size - 1) == 0 and w.qweight.dim() == 2
+            and all(t.is_contiguous() for t in w.tensors().values()))
 
 
 def _gemv(x: torch.Tensor, w: Int4Weight, cfg: GemvConfig) -> torch.Tensor:
