@@ -108,6 +108,8 @@ def load_model(name: str, device, dtype: torch.dtype, quantize: str | None = Non
         nbytes = _state_bytes(model, device)
     stacked = stack_projections(model)  # last: the weights are where they stay (models/stacked.py)
     decode_forms = attach_decode_forms(model, dtype)
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()   # the stacked parts' own copies, freed: the KV planner reads the driver's free memory
     log.info("stacked %d groups of projections that share an input; %d INT4 projections with a tinygemm decode form",
              stacked, decode_forms)
     tokenizer = Tokenizer.from_dir(path)
