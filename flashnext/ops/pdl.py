@@ -31,9 +31,14 @@ def _hopper_or_later(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+# Triton exposes the grid-dependency instructions (and the launch_pdl option) from 3.3 on.
+_TRITON_HAS_PDL = hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")
+
+
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL (CUDA, compute capability >= 9, FLASHNEXT_PDL not 0)."""
-    return (device.type == "cuda" and os.environ.get("FLASHNEXT_PDL", "1") != "0"
+    """Whether kernels on `device` launch with PDL (CUDA, compute capability >= 9, a Triton that has it,
+    FLASHNEXT_PDL not 0)."""
+    return (device.type == "cuda" and _TRITON_HAS_PDL and os.environ.get("FLASHNEXT_PDL", "1") != "0"
             and os.environ.get("TRITON_INTERPRET", "0") != "1" and _hopper_or_later(device))
 
 
