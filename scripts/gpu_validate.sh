@@ -35,6 +35,7 @@ if [[ $parts == *" checks "* ]]; then
   part hc python3 scripts/gpu_hyper_connection.py
   part moe python3 scripts/gpu_moe.py --quick
   part w4a16 python3 scripts/gpu_w4a16.py --quick
+  part tinygemm bash -c "cd scripts && python3 gpu_tinygemm.py"   # the bf16 decode path of the dense INT4 weights
   part prefill_attention python3 scripts/gpu_prefill_attention.py
 fi
 if [[ $parts == *" exact "* ]]; then
@@ -45,6 +46,7 @@ if [[ $parts == *" exact "* ]]; then
 fi
 if [[ $parts == *" profile "* ]]; then
   part decode_step python3 scripts/gpu_decode.py --skip-exactness --model mem:flash-next --quantize int4
+  part host python3 scripts/gpu_host_profile.py   # the engine loop's host time per token, by part
   part prefill_gemm python3 scripts/gpu_prefill_gemm.py --m 8192
   part prefill python3 scripts/gpu_prefill.py --model mem:flash-next --quantize int4 --tokens 10000 --chunk 2048 --chunk 8192
 fi
