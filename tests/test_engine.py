@@ -198,19 +198,30 @@ def test_refusals_name_the_limit(engine):
     pools_idle(engine)
 
 
-def test_launched_hook_runs_after_a_decode_step_is_queued_and_before_a_prefill(engine, monkeypatch):
-    """The server delivers a step's outputs while the next step computes (AsyncLLM._loop): after the runner for a
-    step of single-token decodes, before it for a step with a prefill chunk, and at once for an empty step."""
+def test_launched_hook_runs_after_the_decode_graph_and_before_an_eager_forward():
+    """The server delivers a step's outputs while the next step computes (AsyncLLM._loop): the runner calls the hook
+    right after replaying a decode graph that runs the whole step, before an eager forward (a prefill chunk), and
+    the engine at once for an empty step. (The fixed-shape decode runner runs uncaptured on a CPU.)"""
+    from flashnext.engine.cuda_graph import DecodeGraphs
+
+    engine = LLMEngine(EngineArgs(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=2,
+                                  enable_prefix_caching=False))
+    runner = engine.runner
+    runner.graphs = DecodeGraphs(runner.model, engine.kv, engine.states, max_batch=2,
+                                 max_blocks_per_seq=engine.kv.blocks_for(engine.max_model_len))
     events = []
-    run = engine.runner.run
-    monkeypatch.setattr(engine.runner, "run", lambda chunks: (events.append(("run", len(chunks))), run(chunks))[1])
+    for name in ("_forward_eager", "_sample"):
+        original = getattr(runner, name)
+        setattr(runner, name, lambda *a, _name=name, _f=original: (events.append(_name), _f(*a))[1])
+    graph_run = runner.graphs.run
+    runner.graphs.run = lambda *a: (events.append("graph"), graph_run(*a))[1]
     engine.add_request("hook", [3, 4, 5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-    kinds = []
+    steps = []
     while engine.has_work():
         events.clear()
-        engine.step(launched=lambda: events.append(("launched",)))
-        kinds.append([e[0] for e in events])
-    assert kinds[0] == ["launched", "run"]            # the prompt's prefill
-    assert kinds[-1] == ["run", "launched"]           # a decode step
+        engine.step(launched=lambda: events.append("launched"))
+        steps.append(list(events))
+    assert steps[0] == ["launched", "_forward_eager", "_sample"]       # the prompt: eager, the hook first
+    assert steps[-1] == ["graph", "launched", "_sample"]               # a decode: the hook once the graph is queued
     events.clear()
-    assert engine.step(launched=lambda: events.append(("launched",))) == [] and events == [("launched",)]
+    assert engine.step(launched=lambda: events.append("launched")) == [] and events == ["launched"]

@@ -271,10 +271,10 @@ class LLMEngine:
     def step(self, launched: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Run one scheduled step; returns the requests' new output increments.
 
-        `launched` (the server's delivery of the previous step's outputs) is called once the device has work: after
-        the runner has queued a step made only of single-token decodes (a captured graph that keeps the GPU busy
-        for milliseconds while the host would otherwise wait), before the runner for any other step (an eager
-        prefill chunk may wait on the device inside the runner), and at once when there is nothing to run."""
+        `launched` (the server's delivery of the previous step's outputs) is called once the device has work: by the
+        runner right after it replays a decode graph that runs the whole step (milliseconds of GPU work while the
+        host would otherwise wait), before any eager forward (a prefill chunk may wait on the device), and at once
+        when there is nothing to run."""
         started = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
@@ -286,12 +286,7 @@ class LLMEngine:
             if c.request.metrics.first_scheduled_time is None:
                 c.request.metrics.first_scheduled_time = now
         sampling = [c.request for c in chunks if c.samples]
-        decode_only = all(c.num_tokens == 1 for c in chunks)
-        if launched is not None and not decode_only:
-            launched()
-        sampled = self.runner.run(chunks)
-        if launched is not None and decode_only:
-            launched()
+        sampled = self.runner.run(chunks, launched)
         self.scheduler.computed(chunks)
         outputs = []
         if sampled is not None:

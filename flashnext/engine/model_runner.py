@@ -6,6 +6,8 @@ in the same step, so running streams keep their fast path while a long prompt en
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from flashnext.cache.kv_pool import KVPool
@@ -35,11 +37,14 @@ class ModelRunner:
         self._last_batch: tuple[list[int], list[int], SamplingBatch, torch.Tensor] | None = None
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk]) -> SamplerOutput | None:
+    def run(self, chunks: list[ScheduledChunk], launched: Callable[[], None] | None = None) -> SamplerOutput | None:
         """One step: chunks that decode one token go through the captured graph (when there is one), the rest
-        (prefill chunks) through the eager forward, in the same step; sampled in the order of `chunks`."""
+        (prefill chunks) through the eager forward, in the same step; sampled in the order of `chunks`.
+        `launched` is called once: after the graph replay when the graph runs the whole step, else first."""
+        launched = launched or (lambda: None)
         requests = [c.request for c in chunks if c.samples]
         if not requests:
+            launched()
             self._forward_eager(chunks)
             return None
         # A new sampling batch is built before the forward is queued: its small host→device copies then find the
@@ -48,11 +53,15 @@ class ModelRunner:
         batch = None if self._appendable(requests) else self._sampling_batch(requests)
         decoding = self._graph_chunks(chunks)
         eager = [c for c in chunks if c not in decoding]
+        if eager:
+            launched()
         parts = []
         if decoding:
             rs = [c.request for c in decoding]
             parts.append((rs, self.graphs.run([r.all_ids[r.num_computed] for r in rs], [r.num_computed for r in rs],
                                               [r.slot for r in rs], [r.blocks for r in rs])))
+            if not eager:
+                launched()
         if eager:
             parts.append(([c.request for c in eager if c.samples], self._forward_eager(eager)))
         if batch is None:
