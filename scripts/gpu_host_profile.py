@@ -48,9 +48,9 @@ def timed_parts(engine, tokens: int) -> dict[str, float]:
 
     original_run = runner.run
 
-    def run(chunks):
+    def run(chunks, *args):
         t0 = time.perf_counter()
-        out = original_run(chunks)
+        out = original_run(chunks, *args)
         t1 = time.perf_counter()
         parts["runner.run"] = parts.get("runner.run", 0.0) + t1 - t0
         if out is not None:

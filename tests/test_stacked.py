@@ -8,7 +8,7 @@ import torch
 from flashnext.models.layers.int4_experts import quantize_experts_int4
 from flashnext.models.quantize import quantize_dense_int4
 from flashnext.models.session import Session
-from flashnext.models.stacked import StackedProjection, stack_projections
+from flashnext.models.stacked import StackedProjection, stack_projections, unstack_projections
 from oracle import hf_model, ours_from_hf, rel_err
 
 
@@ -63,6 +63,11 @@ def test_int4_parts_become_column_views_of_the_stack():
         assert torch.equal(part.qweight, w.qweight) and torch.equal(part.scales, w.scales)
         assert torch.equal(part(x), y)                                        # still callable, same result
     assert all(torch.equal(a, b) for a, b in zip(s(x), want))
+    owner = torch.nn.Module()
+    owner.gate_up = s
+    unstack_projections(owner)                           # quantising again: the parts are weights of their own
+    assert owner.gate_up is None and all(p.qweight.is_contiguous() and p.scales.is_contiguous() for p in parts)
+    assert all(torch.equal(p(x), y) for p, y in zip(parts, want))
 
 
 def test_quantising_after_stacking_drops_the_stale_stack():

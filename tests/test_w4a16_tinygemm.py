@@ -53,8 +53,9 @@ def test_attach_gives_stacks_and_lone_projections_a_form(monkeypatch):
     model.b = Int4Linear(make_weight(32, 256, 128, "rtn", seed=2)[0])
     model.lone = Int4Linear(make_weight(48, 256, 128, "rtn", seed=3)[0])
     model.project_qkv = StackedProjection(model.a, model.b)
-    assert attach_decode_forms(model, torch.float32) == 0                 # fp32 activations: nothing
-    assert attach_decode_forms(model, torch.bfloat16) == 2                 # the stack and the lone projection
+    assert attach_decode_forms(model, torch.float32) == (0, 0)            # fp32 activations: nothing
+    count, nbytes = attach_decode_forms(model, torch.bfloat16)
+    assert count == 2 and nbytes > 0                                      # the stack and the lone projection
     assert model.project_qkv.decode_form is not None and model.lone.decode_form is not None
     assert model.a.decode_form is None and model.b.decode_form is None    # parts of a stack: never called
     x = torch.randn(1, 256).bfloat16()
@@ -64,4 +65,4 @@ def test_attach_gives_stacks_and_lone_projections_a_form(monkeypatch):
     monkeypatch.setenv("FLASHNEXT_W4A16_DECODE", "triton")
     fresh = nn.Module()
     fresh.lone = Int4Linear(make_weight(48, 256, 128, "rtn", seed=3)[0])
-    assert attach_decode_forms(fresh, torch.bfloat16) == 0
+    assert attach_decode_forms(fresh, torch.bfloat16) == (0, 0)

@@ -79,6 +79,10 @@ class DecodeGraphs:
     def can_run(self, batch_size: int, max_blocks: int) -> bool:
         return batch_size <= self.max_batch and max_blocks <= self.max_width
 
+    def captured(self, batch_size: int, max_blocks: int) -> bool:
+        """Whether the step for this batch and block-table width exists (`run` would otherwise capture it first)."""
+        return (bucket(batch_size), bucket(max_blocks, MIN_WIDTH)) in self.graphs
+
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """Logits [n, vocab] of one new token per sequence (the rows' states and KV pages advance)."""
         width = bucket(max(len(t) for t in block_tables), MIN_WIDTH)

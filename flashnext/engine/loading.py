@@ -107,11 +107,11 @@ def load_model(name: str, device, dtype: torch.dtype, quantize: str | None = Non
                                             device=device, prefetch=expert_prefetch)
         nbytes = _state_bytes(model, device)
     stacked = stack_projections(model)  # last: the weights are where they stay (models/stacked.py)
-    decode_forms = attach_decode_forms(model, dtype)
+    decode_forms, decode_form_bytes = attach_decode_forms(model, dtype)
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()   # the stacked parts' own copies, freed: the KV planner reads the driver's free memory
-    log.info("stacked %d groups of projections that share an input; %d INT4 projections with a tinygemm decode form",
-             stacked, decode_forms)
+    log.info("stacked %d groups of projections that share an input; %d INT4 projections with a tinygemm decode form "
+             "(%.2f GB more)", stacked, decode_forms, decode_form_bytes / 1e9)
     tokenizer = Tokenizer.from_dir(path)
     return LoadedModel(model.eval(), cfg, tokenizer, path, time.perf_counter() - start, nbytes, expert_cache)
 

@@ -40,7 +40,8 @@ class ModelRunner:
     def run(self, chunks: list[ScheduledChunk], launched: Callable[[], None] | None = None) -> SamplerOutput | None:
         """One step: chunks that decode one token go through the captured graph (when there is one), the rest
         (prefill chunks) through the eager forward, in the same step; sampled in the order of `chunks`.
-        `launched` is called once: after the graph replay when the graph runs the whole step, else first."""
+        `launched` is called once: after the graph replay when an existing graph runs the whole step, else first
+        (before an eager forward or a graph capture, which may keep the host for a while)."""
         launched = launched or (lambda: None)
         requests = [c.request for c in chunks if c.samples]
         if not requests:
@@ -53,14 +54,16 @@ class ModelRunner:
         batch = None if self._appendable(requests) else self._sampling_batch(requests)
         decoding = self._graph_chunks(chunks)
         eager = [c for c in chunks if c not in decoding]
-        if eager:
+        replay_first = bool(decoding) and not eager and self.graphs.captured(
+            len(decoding), max(len(c.request.blocks) for c in decoding))
+        if not replay_first:
             launched()
         parts = []
         if decoding:
             rs = [c.request for c in decoding]
             parts.append((rs, self.graphs.run([r.all_ids[r.num_computed] for r in rs], [r.num_computed for r in rs],
                                               [r.slot for r in rs], [r.blocks for r in rs])))
-            if not eager:
+            if replay_first:
                 launched()
         if eager:
             parts.append(([c.request for c in eager if c.samples], self._forward_eager(eager)))

@@ -66,7 +66,12 @@ def unstack_projections(model: nn.Module) -> None:
     stale stacked weights would keep being used."""
     for module in model.modules():
         for name in STACKED_ATTRIBUTES:
-            if getattr(module, name, None) is not None and isinstance(getattr(module, name), StackedProjection):
+            stack = getattr(module, name, None)
+            if isinstance(stack, StackedProjection):
+                if stack.int4 is not None:   # the parts' column views become weights of their own again
+                    for part in stack.parts:
+                        for tensor_name in stack.int4.tensors():
+                            setattr(part, tensor_name, getattr(part, tensor_name).contiguous())
                 setattr(module, name, None)
 
 

@@ -1,6 +1,7 @@
 """A bias-free linear of a 16-bit weight whose decode call is latency-bound (the stacked router|shared-expert gate
-and GatedDeltaNet's b|a: models/stacked.py). CUDA inputs of up to MAX_ROWS rows take the Triton GEMV
-(ops/linear_gemv_triton.py); anything else, and FLASHNEXT_DECODE_LINEAR=reference, F.linear (the reference)."""
+and GatedDeltaNet's b|a: models/stacked.py). CUDA inputs of up to MAX_ROWS rows and weights of up to
+MAX_WEIGHT_BYTES take the Triton GEMV (ops/linear_gemv_triton.py); anything else (the stacks of a 16-bit model's
+big projections included), and FLASHNEXT_DECODE_LINEAR=reference, F.linear (the reference)."""
 from __future__ import annotations
 
 import os

@@ -39,7 +39,7 @@ def w4a16_linear(x: torch.Tensor, w: Int4Weight,
     """x [..., K] → [..., N] in x's dtype. `decode_form`: the weight in tinygemm's layout, if it has one."""
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
-    if (decode_form is not None and x.dtype == torch.bfloat16 and rows.shape[0] <= w4a16_tinygemm.MAX_ROWS
+    if (decode_form is not None and x.dtype == torch.bfloat16 and 0 < rows.shape[0] <= w4a16_tinygemm.MAX_ROWS
             and not _reference_forced()):
         return w4a16_tinygemm.tinygemm_matmul(rows, decode_form).reshape(*lead, w.out_features)
     if not _use_triton(x, w):

@@ -9,7 +9,7 @@ GEMM kernel it serves, and for fp32/fp16 activations, which tinygemm does not ta
 
 tinygemm dequantises q in 0..15 as (q − 8) · scale + zero per group, with scale and zero in one bf16 tensor
 [K/g, N, 2]. Ours is (q − z) · s (docs/int4.md), so zero = (8 − z) · s: 0 for symmetric weights (exact), a
-bf16-rounded offset for asymmetric ones. It computes in bf16 where our kernels compute in fp32: results differ
+bf16-rounded offset for asymmetric ones; a checkpoint's fp16 scales are rounded to bf16 too. It computes in bf16 where our kernels compute in fp32: results differ
 from w4a16_linear_reference by ~5e-3 of the largest output (bf16 products), not only by summation order.
 Act-order weights (a column permutation) are not supported and keep the Triton path; so do shapes with N not a
 multiple of 16 (the CPU twin's rule; CUDA asks 8) or K not a multiple of 16 · INNER_K_TILES.
