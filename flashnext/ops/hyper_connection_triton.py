@@ -10,8 +10,8 @@ before it waits for its input (ops/pdl.py). So neither kernel has a loop over K 
   no second pass over h and no reduction across programs inside the launch. The one departure from the
   reference: the normed stream is not rounded to h's dtype before the down GEMV (it is in fp32 math).
 - `_hc_up_kernel`, grid (column tiles of H): a program loads its columns' up-weight rows of every stream
-  ([hc, BLOCK_H, R]), waits, then adds the hc stream partials of the down rows (times each stream's rstd, in
-  stream order: deterministic), applies /hc and silu (and 2·sigmoid for the injection rows, stored by program 0),
+  ([hc, BLOCK_H, R]), waits, then adds the hc stream partials of the down rows (times each stream's rstd, one
+  fixed reduction: deterministic), applies /hc and silu (and 2·sigmoid for the injection rows, stored by program 0),
   and for each stream the up GEMV, sigmoid, times the normed stream, summed over the streams.
 Both GEMVs are fp32 multiply-and-sum in registers (no tensor cores at N ≤ 16). Elsewhere values are rounded to
 h's dtype wherever the reference rounds.
@@ -63,8 +63,8 @@ def _hc_down_kernel(x_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, sumsq_ptr, N, H, R,
 
 @triton.jit
 def _down_rows(part_ptr, rstd, offs_s, s_ok, N, m, rows, offs_k, k_ok, HC: tl.constexpr, dtype: tl.constexpr):
-    """Rows offs_k of the down/inject GEMV for row m: the stream partials times their rstd, summed in stream
-    order; then rounded to the dtype and divided by hc as the reference does."""
+    """Rows offs_k of the down/inject GEMV for row m: the stream partials times their rstd, summed (the same
+    reduction every launch); then rounded to the dtype and divided by hc as the reference does."""
     parts = tl.load(part_ptr + (offs_s[:, None] * N + m) * rows + offs_k[None, :],
                     mask=s_ok[:, None] & k_ok[None, :], other=0.0)
     total = tl.sum(parts * rstd[:, None], axis=0)
