@@ -47,6 +47,7 @@ def test_rates_follow_the_protocol_formulas():
     assert decode_rate(1000, wall_s=0.5, ttft_s=0.5) is None
     assert decode_rate(0, wall_s=1.0, ttft_s=0.1) is None
     assert decode_rate(10, wall_s=1.0, ttft_s=None) is None
+    assert decode_rate(256, wall_s=2.0681, ttft_s=2.0674, deltas=1) is None   # one delta at the end: undefined
     assert prefill_rate(10_000, 0.25) == pytest.approx(40_000.0)
     assert prefill_rate(10_000, None) is None and prefill_rate(10_000, 0.0) is None
 

@@ -43,7 +43,7 @@ class StreamResult:
 
     @property
     def decode_tok_s(self) -> float | None:
-        return decode_rate(self.completion_tokens or 0, self.wall_s, self.ttft_s)
+        return decode_rate(self.completion_tokens or 0, self.wall_s, self.ttft_s, self.n_deltas)
 
     def sample(self, **extra) -> dict:
         """The raw numbers of this request for the results file (text is left out, only its size)."""

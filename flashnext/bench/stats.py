@@ -32,9 +32,11 @@ def summarize(values: Iterable[float | None]) -> dict[str, float | int]:
     return {"n": len(xs), "mean": mean, "min": min(xs), "max": max(xs), "median": median(xs), "stdev": stdev}
 
 
-def decode_rate(completion_tokens: int, wall_s: float, ttft_s: float | None) -> float | None:
-    """PERF.md's decode tok/s: completion_tokens / (wall − TTFT); None when undefined."""
-    if ttft_s is None or wall_s <= ttft_s or completion_tokens <= 0:
+def decode_rate(completion_tokens: int, wall_s: float, ttft_s: float | None, deltas: int = 2) -> float | None:
+    """PERF.md's decode tok/s: completion_tokens / (wall − TTFT); None when undefined — also when the reply came
+    in fewer than two deltas (a tool call the server sends whole at its end): then the tokens were decoded before
+    the first delta, and the formula would divide them by the stream's last milliseconds."""
+    if ttft_s is None or wall_s <= ttft_s or completion_tokens <= 0 or deltas < 2:
         return None
     return completion_tokens / (wall_s - ttft_s)
 
