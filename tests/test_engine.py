@@ -225,3 +225,11 @@ def test_launched_hook_runs_after_the_decode_graph_and_before_an_eager_forward()
     assert steps[-1] == ["graph", "launched", "_sample"]               # a decode: the hook once the graph is queued
     events.clear()
     assert engine.step(launched=lambda: events.append("launched")) == [] and events == ["launched"]
+
+
+def test_finished_requests_log_their_timing(engine, caplog):
+    with caplog.at_level("INFO", logger="flashnext.engine"):
+        engine.add_request("timed", [3, 4, 5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        run_all(engine)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("timed "))
+    assert "timed length: prompt 5 tokens (" in line and "first token" in line and "4 tokens" in line

@@ -68,6 +68,21 @@ class MemoryPlan:
                 f"{self.state_slots} state slots = {self.state_bytes / gib:.2f} GiB")
 
 
+def request_timing(request: Request) -> str:
+    """One line per finished request, as llama.cpp's server prints them: where its time went inside the engine
+    (arrival = when the engine got it: the server's template, tokenising and grammar come before)."""
+    m = request.metrics
+    generated = len(request.output_ids)
+    first = "no token" if m.ttft is None else f"first token {m.ttft:.3f} s after arrival"
+    rate = ""
+    if m.first_token_time is not None and m.finished_time is not None and generated > 1 \
+            and m.finished_time > m.first_token_time:
+        rate = f", {(generated - 1) / (m.finished_time - m.first_token_time):.1f} tok/s after it"
+    queued = "never scheduled" if m.queue_time is None else f"queued {m.queue_time:.3f} s"
+    return (f"{request.request_id} {request.finish_reason}: prompt {len(request.prompt_ids)} tokens "
+            f"({request.num_cached} cached), {queued}, {first}; {generated} tokens{rate}")
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None):
         self.args = args
@@ -363,6 +378,7 @@ class LLMEngine:
         request.pending_ids, request.pending_text, request.pending_logprobs = [], "", []
         if request.finished:
             request.metrics.finished_time = time.time()
+            log.info("%s", request_timing(request))
         return out
 
     def stats(self) -> EngineStats:
