@@ -18,6 +18,7 @@ for Flash-Next).
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -45,7 +46,13 @@ def enabled() -> bool:
 def supports(w: Int4Weight) -> bool:
     k, n = w.in_features, w.out_features
     return (w.perm is None and w.qweight.dim() == 2 and w.group_size in GROUP_SIZES and n % 16 == 0
-            and k % (16 * INNER_K_TILES) == 0)
+            and k % (16 * INNER_K_TILES) == 0 and _device_has_it(w.qweight.device))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_has_it(device: torch.device) -> bool:
+    """tinygemm's CUDA kernel needs Ampere (compute capability 8.0) or later; its CPU twin runs anywhere."""
+    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8)
 
 
 def codes(w: Int4Weight) -> torch.Tensor:
