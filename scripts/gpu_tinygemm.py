@@ -4,11 +4,10 @@ shapes: is a library kernel better for the dense INT4 projections of decode?
 
     python3 scripts/gpu_tinygemm.py
 
-For each shape it converts a random RTN g128 symmetric weight from our kernel layout to tinygemm's (nibbles
-packed along K per byte, then _convert_weight_to_int4pack with 2, 4 or 8 inner K tiles; scales and zeros
-[K/g, N, 2] with tinygemm's dequantisation (q - 8) · scale + zero, zero = 0 for symmetric weights), checks it
-against our reference, and times each kernel in one CUDA graph over a rotation of weight copies larger than
-the L2 cache (gpu_w4a16.cold_us). Exits non-zero when tinygemm disagrees with the reference.
+For each shape it converts a random RTN g128 symmetric weight from our kernel layout to tinygemm's with 2, 4 or
+8 inner K tiles (ops/w4a16_tinygemm.py to_tinygemm, as the engine does at load), checks it against our
+reference, and times each kernel in one CUDA graph over a rotation of weight copies larger than the L2 cache
+(gpu_w4a16.cold_us). Exits non-zero when tinygemm disagrees with the reference.
 """
 from __future__ import annotations
 
@@ -24,25 +23,10 @@ SHAPES = [("fn.gdn.in_proj_qkv|z", 16384, 2560), ("fn.attn.q|k|v", 13312, 2560),
 ROWS = [1, 2, 4, 8]
 
 
-def nibbles(qweight: torch.Tensor) -> torch.Tensor:
-    """Our [K/8, N] int32 words → q [K, N] in 0..15 (nibble j of word w is row 8w + j)."""
-    shifts = torch.arange(8, device=qweight.device, dtype=torch.int32) * 4
-    q = (qweight.unsqueeze(1) >> shifts[None, :, None]) & 0xF
-    return q.reshape(-1, qweight.shape[1])
-
-
-def to_tinygemm(w, inner_k_tiles: int):
-    q = nibbles(w.qweight).t().contiguous()                                  # [N, K]
-    packed = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).contiguous()      # [N, K/2]
-    weight = torch.ops.aten._convert_weight_to_int4pack(packed, inner_k_tiles)
-    scales = w.scales.to(torch.bfloat16)
-    scales_and_zeros = torch.stack([scales, torch.zeros_like(scales)], dim=-1).contiguous()
-    return weight, scales_and_zeros
-
-
 def main() -> int:
     from flashnext.ops import w4a16_triton as kernels
     from flashnext.ops.w4a16 import w4a16_linear_reference
+    from flashnext.ops.w4a16_tinygemm import tinygemm_matmul, to_tinygemm
 
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
@@ -64,10 +48,9 @@ def main() -> int:
             for tiles in (2, 4, 8):
                 try:
                     tw = [to_tinygemm(v, tiles) for v in rotation]
-                    got = torch.ops.aten._weight_int4pack_mm(x, tw[0][0], w.group_size, tw[0][1])
-                    err = rel_err(got, ref)
+                    err = rel_err(tinygemm_matmul(x, tw[0]), ref)
                     failures += not err < 1e-2
-                    t, _ = cold_us(lambda v: torch.ops.aten._weight_int4pack_mm(x, v[0], w.group_size, v[1]), tw)
+                    t, _ = cold_us(lambda v: tinygemm_matmul(x, v), tw)
                 except Exception as error:  # noqa: BLE001 - an unsupported tiling is reported, not fatal
                     print(f"{name:22} {m:2d} tiny k{tiles}    FAILED: {type(error).__name__}: {str(error)[:150]}")
                     continue

@@ -75,10 +75,10 @@ def test_advanced_sampling_batch_equals_rebuilt():
     runner, rebuilds = llm.engine.runner, []
     original = runner._sampling_batch
 
-    def rebuilt(requests):
+    def rebuilt(requests, appendable):
         runner._last_batch = None
         rebuilds.append(1)
-        return original(requests)
+        return original(requests, False)
 
     runner._sampling_batch = rebuilt
     assert [c.token_ids for c in llm.generate(prompts, params)] == advanced

@@ -32,3 +32,10 @@ def test_dispatch_keeps_linear_off_cuda_and_for_many_rows():
     for rows in (1, 9):
         x = torch.randn(rows, 64)
         assert torch.equal(decode_linear(x, w), F.linear(x, w))
+    # what the kernel takes on a GPU: decode rows of a small weight of x's dtype
+    from flashnext.ops.linear_gemv_triton import MAX_ROWS, MAX_WEIGHT_BYTES, supports
+
+    assert supports(torch.randn(MAX_ROWS, 64), w) and not supports(torch.randn(MAX_ROWS + 1, 64), w)
+    assert not supports(torch.randn(1, 64).double(), w)
+    big = torch.empty(MAX_WEIGHT_BYTES // (64 * 4) + 1, 64)            # the 16-bit stacks of a bf16 model's qkv
+    assert not supports(torch.randn(1, 64), big)

@@ -51,7 +51,8 @@ class ModelRunner:
         # A new sampling batch is built before the forward is queued: its small host→device copies then find the
         # GPU idle instead of waiting behind the step (a pageable copy blocks the host until it is done). The last
         # step's batch advanced by its tokens is device work only: queued after the forward, off the GPU's idle gap.
-        batch = None if self._appendable(requests) else self._sampling_batch(requests)
+        appendable = self._appendable(requests)
+        batch = None if appendable else self._sampling_batch(requests, appendable)
         decoding = self._graph_chunks(chunks)
         eager = [c for c in chunks if c not in decoding]
         replay_first = bool(decoding) and not eager and self.graphs.captured(
@@ -68,7 +69,7 @@ class ModelRunner:
         if eager:
             parts.append(([c.request for c in eager if c.samples], self._forward_eager(eager)))
         if batch is None:
-            batch = self._sampling_batch(requests)
+            batch = self._sampling_batch(requests, appendable)
         if len(parts) == 1:
             logits = parts[0][1].float()
         else:
@@ -109,10 +110,11 @@ class ModelRunner:
         return (last is not None and last[3] is not None and last[0] == [id(r) for r in requests]
                 and all(len(r.output_ids) == m + 1 for r, m in zip(requests, last[1])))
 
-    def _sampling_batch(self, requests) -> SamplingBatch:
+    def _sampling_batch(self, requests, appendable: bool) -> SamplingBatch:
+        """The last batch advanced by its tokens when `appendable` (see _appendable), else a new one."""
         ids, lengths = [id(r) for r in requests], [len(r.output_ids) for r in requests]
         last = self._last_batch
-        if self._appendable(requests):
+        if appendable:
             batch = last[2]
             batch.append(last[3])
             self._last_batch = (ids, lengths, batch, last[3])

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashnext.weights.int4 import unpack_int32
 from flashnext.weights.int4_layout import SYMMETRIC_ZERO, Int4Weight
 
 INNER_K_TILES = 8          # the H200 timing: 8 beat 4 slightly and 2 by ~30% at every shape
@@ -56,10 +57,8 @@ def _device_has_it(device: torch.device) -> bool:
 
 
 def codes(w: Int4Weight) -> torch.Tensor:
-    """The 4-bit codes q [N, K] (int32, 0..15) of our [K/8, N] words (row 8i + j in nibble j of word i)."""
-    shifts = torch.arange(8, device=w.qweight.device, dtype=torch.int32) * 4
-    q = (w.qweight.unsqueeze(1) >> shifts[None, :, None]) & 0xF
-    return q.reshape(-1, w.out_features).t().contiguous()
+    """The 4-bit codes q [N, K] (int32, 0..15) of our [K/8, N] words."""
+    return unpack_int32(w.qweight, 4, dim=0).t().contiguous()
 
 
 def scales_and_zeros(w: Int4Weight) -> torch.Tensor:
@@ -68,14 +67,14 @@ def scales_and_zeros(w: Int4Weight) -> torch.Tensor:
     return torch.stack([scales, offset], dim=-1).to(torch.bfloat16).contiguous()
 
 
-def to_tinygemm(w: Int4Weight) -> TinygemmWeight:
-    assert supports(w), "see supports()"
+def to_tinygemm(w: Int4Weight, inner_k_tiles: int = INNER_K_TILES) -> TinygemmWeight:
+    assert supports(w) and w.in_features % (16 * inner_k_tiles) == 0, "see supports()"
     q = codes(w)
     if q.is_cuda:
         packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).contiguous(),
-                                                            INNER_K_TILES)
+                                                            inner_k_tiles)
     else:
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, inner_k_tiles)
     return TinygemmWeight(packed, scales_and_zeros(w), w.group_size, w.out_features)
 
 

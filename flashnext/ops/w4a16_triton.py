@@ -148,14 +148,18 @@ def _gemv_tile(acc, low, zero, scale, words, x_ptr, perm_ptr, offs_m, m_ok, stri
 
 
 @triton.jit
-def _tile_groups(z_ptr, s_ptr, k0, words, group_size, N, offs_n, n_ok, HAS_ZEROS: tl.constexpr,
-                 ROW_GROUPS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(zero, scale) of the K tile at k0: its one group's [1, BLOCK_N], or each word row's [BLOCK_K/8, BLOCK_N]."""
+def _weight_tile(qw_ptr, z_ptr, s_ptr, k0, group_size, N, offs_n, n_ok, HAS_ZEROS: tl.constexpr,
+                 ROW_GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K tile at k0: (its packed rows, their words [BLOCK_K/8, BLOCK_N], zero, scale), zero and scale of its one
+    group as [1, BLOCK_N], or of each word row's group as [BLOCK_K/8, BLOCK_N] (ROW_GROUPS)."""
+    words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    low = tl.load(qw_ptr + words[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
     if ROW_GROUPS:
         groups = (8 * words // group_size)[:, None]
     else:
         groups = k0 // group_size
-    return group_zero_scale(z_ptr, s_ptr, groups, N, offs_n[None, :], n_ok[None, :], HAS_ZEROS, BLOCK_N)
+    zero, scale = group_zero_scale(z_ptr, s_ptr, groups, N, offs_n[None, :], n_ok[None, :], HAS_ZEROS, BLOCK_N)
+    return words, low, zero, scale
 
 
 @triton.jit
@@ -178,16 +182,14 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr,
     # The first K tile (every program has one) is loaded before the wait: with PDL it is in flight while the
     # previous kernel finishes (ops/pdl.py).
     k_start = pid_k * k_per_split
-    words = k_start // 8 + tl.arange(0, BLOCK_K // 8)
-    low = tl.load(qw_ptr + words[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
-    zero, scale = _tile_groups(z_ptr, s_ptr, k_start, words, group_size, N, offs_n, n_ok, HAS_ZEROS, ROW_GROUPS, BLOCK_N)
+    words, low, zero, scale = _weight_tile(qw_ptr, z_ptr, s_ptr, k_start, group_size, N, offs_n, n_ok,
+                                           HAS_ZEROS, ROW_GROUPS, BLOCK_N, BLOCK_K)
     wait_for_inputs(PDL)
     acc = _gemv_tile(acc, low, zero, scale, words, x_ptr, perm_ptr, offs_m, m_ok, stride_xm,
                      HAS_PERM, USE_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     for k0 in tl.range(k_start + BLOCK_K, tl.minimum(k_start + k_per_split, K), BLOCK_K, num_stages=NUM_STAGES):
-        words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        low = tl.load(qw_ptr + words[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
-        zero, scale = _tile_groups(z_ptr, s_ptr, k0, words, group_size, N, offs_n, n_ok, HAS_ZEROS, ROW_GROUPS, BLOCK_N)
+        words, low, zero, scale = _weight_tile(qw_ptr, z_ptr, s_ptr, k0, group_size, N, offs_n, n_ok,
+                                               HAS_ZEROS, ROW_GROUPS, BLOCK_N, BLOCK_K)
         acc = _gemv_tile(acc, low, zero, scale, words, x_ptr, perm_ptr, offs_m, m_ok, stride_xm,
                          HAS_PERM, USE_DOT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     if USE_DOT:
