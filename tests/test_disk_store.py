@@ -1,6 +1,6 @@
 """The disk tier's store writes in the background (flashnext/cache/disk_tier.py): the checksum and the file
-write run on its writer thread, not the caller's; a load, a peer's check or flush() sees everything issued
-before it; deletes keep their order after writes; a failed write loses only its entry."""
+write run on its writer thread, not the caller's; a load or flush() sees everything issued before it; deletes keep
+their order after writes; a failed write loses only its entry."""
 import logging
 import threading
 
@@ -10,6 +10,16 @@ import torch
 from flashnext.cache import disk_tier
 from flashnext.cache.disk_tier import HEADER_BYTES, DiskStore
 from flashnext.cache.tier_index import SnapshotMeta
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (an interrupted write's temporary file names its writer)."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
 
 
 def _block(seed):
@@ -113,7 +123,7 @@ def test_restart_deletes_what_no_entry_needs_and_keeps_foreign_files(tmp_path, c
     store.flush()
     store.snapshot_path(b"\xbb" * 16).unlink()
     store.block_path(bytes([4]) * 16).unlink()
-    (store.block_dir / "0f.safetensors.tmp4242").write_bytes(b"partial")
+    (store.block_dir / f"0f.safetensors.tmp{_dead_pid()}").write_bytes(b"partial")
     with caplog.at_level(logging.INFO, logger="flashnext.cache"):
         again = DiskTier(DiskStore(tmp_path, "model-a"), 1 << 30, 16)
     assert list(again.snaps) == [b"\xaa" * 16]
@@ -153,3 +163,23 @@ def test_cache_file_reader_equals_safetensors(tmp_path):
     (tmp_path / "short").write_bytes(data[:-64])
     with pytest.raises(UnreadableFile, match="outside the file"):
         read_cache_file(tmp_path / "short")
+
+
+def test_a_batch_of_blocks_is_split_into_files_by_the_writer_and_read_back_by_the_readers(tmp_path, monkeypatch):
+    """The engine hands a batch (rows = blocks) over in one piece; the writer thread writes one file per block; a
+    conversation's blocks come back through the reader threads, in order."""
+    monkeypatch.setattr(disk_tier, "READERS", 4)
+    threads = []
+    original = disk_tier.checksum
+    monkeypatch.setattr(disk_tier, "checksum", lambda t: threads.append(threading.current_thread().name) or original(t))
+    store = DiskStore(tmp_path, "model-a")
+    blocks = [_block(i) for i in range(5)]
+    batch = {name: torch.stack([b[name] for b in blocks]) for name in blocks[0]}
+    hashes = [bytes([i]) * 8 for i in range(5)]
+    sizes = store.store_blocks(hashes, batch)
+    assert sizes == [sum(t.numel() * t.element_size() for t in blocks[0].values()) + HEADER_BYTES] * 5
+    runs = store.load_blocks(hashes)
+    rows = [{name: t[i] for name, t in run.items()} for run in runs for i in range(next(iter(run.values())).shape[0])]
+    assert len(rows) == 5 and all(torch.equal(r[k], b[k]) for r, b in zip(rows, blocks) for k in b)
+    assert len(threads) == 5 and all(name.startswith("flashnext-disk-writer") for name in threads), threads
+    assert store._readers is not None

@@ -33,8 +33,9 @@ def chain_hashes(tokens, block_size: int, num_blocks: int) -> list[bytes]:
 
 
 _GROUPS = ("k", "v", "index_keys")
-# Rows per host→device copy when blocks come back from a lower tier: bounds the device staging memory
-# (256 Flash-Next blocks of 16 tokens are ~100 MB) while a 58K-token conversation takes ~15 copies per tensor.
+# Blocks per batch moved between the device and a lower tier, both ways (TierIndex.put gathers them down, write_blocks
+# copies them back up): bounds the device staging memory (256 Flash-Next blocks of 16 tokens are ~100 MB) while a
+# 58K-token conversation takes ~15 copies per tensor.
 WRITE_PIECE = 256
 
 

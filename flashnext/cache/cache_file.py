@@ -5,7 +5,7 @@ The disk tier keeps one file per KV block: a 58K-token Flash-Next conversation i
 the 2-core dev machine: 1.9–2.6 s for 1,000 blocks of 24 tensors (K and V only), most of it per-tensor
 overhead, so restoring that conversation from disk took well over 9 s, near the ~14 s of computing it again. This reads the file with one `readinto`, parses the documented header (8-byte
 little-endian length, JSON {name: {dtype, shape, data_offsets}, "__metadata__": {...}}), hashes the tensors'
-bytes straight from the buffer (the same digest as `disk_tier.checksum` of the tensors), and returns tensors
+bytes straight from the buffer (`tensors_digest`, which the writer uses too), and returns tensors
 that are views of that buffer (`torch.frombuffer`: no copy). Writing stays with safetensors' `save_file`.
 """
 from __future__ import annotations
@@ -17,13 +17,30 @@ from pathlib import Path
 
 import torch
 
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-           "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+from flashnext.weights.safetensors_dtypes import SAFETENSORS_DTYPES
 
 
 class UnreadableFile(ValueError):
     pass
+
+
+def tensors_digest(named_buffers) -> str:
+    """sha256 of (name, bytes) pairs in name order: what a cache file's header records as its checksum."""
+    digest = hashlib.sha256()
+    for name, buffer in sorted(named_buffers, key=lambda pair: pair[0]):
+        digest.update(name.encode())
+        digest.update(buffer)
+    return digest.hexdigest()
+
+
+def read_header(path: Path) -> dict[str, str]:
+    """The metadata of a safetensors file, from its header alone."""
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        try:
+            return json.loads(f.read(length)).get("__metadata__") or {}
+        except (ValueError, AttributeError) as e:
+            raise UnreadableFile(f"{path} has a damaged header: {e}") from None
 
 
 def read_cache_file(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor], str]:
@@ -41,20 +58,17 @@ def read_cache_file(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]
         header = json.loads(bytes(view[8: 8 + length]))
         meta = header.pop("__metadata__", None) or {}
         base = 8 + length
-        spans = {name: (_DTYPES[info["dtype"]], tuple(info["shape"]), *info["data_offsets"])
+        spans = {name: (SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), *info["data_offsets"])
                  for name, info in header.items()}
     except (KeyError, TypeError, ValueError) as e:
         raise UnreadableFile(f"{path} has a damaged header: {e}") from None
-    digest = hashlib.sha256()
     tensors = {}
-    for name in sorted(spans):
-        dtype, shape, start, end = spans[name]
+    for name, (dtype, shape, start, end) in spans.items():
         if not 0 <= start <= end <= size - base or end - start != math.prod(shape) * dtype.itemsize:
             raise UnreadableFile(f"{path}: tensor {name} lies outside the file or has the wrong size")
-        digest.update(name.encode())
-        digest.update(view[base + start: base + end])
         if end > start:
             tensors[name] = torch.frombuffer(buf, dtype=dtype, count=math.prod(shape), offset=base + start).view(shape)
         else:
             tensors[name] = torch.empty(shape, dtype=dtype)
-    return meta, tensors, digest.hexdigest()
+    digest = tensors_digest((name, view[base + start: base + end]) for name, (_, _, start, end) in spans.items())
+    return meta, tensors, digest

@@ -8,8 +8,9 @@ snapshot headers are indexed; a foreign or unreadable file is skipped with a war
 checksum fails is never loaded (its entry is dropped, the request is computed from scratch).
 
 Files are written (and deleted) in the background, by one writer thread per store in the order they were
-issued: the engine loop pays only for getting the payload into host memory (a copy from the device, or
-nothing for the host tier's pinned tensors), not for the checksum and the disk. A load first waits for the
+issued: the engine loop pays only for getting the payload into host memory (one copy per tensor of a batch of
+blocks from the device, or nothing for the host tier's pinned tensors), not for splitting it into files, the
+checksums and the disk. A load first waits for the
 writes before it; so does a clean shutdown (`PrefixCache.persist`, a worker's stop), and interpreter exit
 joins the thread. A write that fails (disk
 full) is logged; its entry then fails to load like a damaged file: dropped, the request computed.
@@ -29,13 +30,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from flashnext.cache.cache_entry import tensor_bytes
-from flashnext.cache.cache_file import UnreadableFile, read_cache_file
-from flashnext.weights.shared_table import process_alive
+from flashnext.cache.cache_file import UnreadableFile, read_cache_file, read_header, tensors_digest
 from flashnext.cache.tier_index import BlockData, CorruptEntry, SnapshotData, SnapshotMeta, TierIndex, TierStore
+from flashnext.weights.shared_table import process_alive
 
 log = logging.getLogger("flashnext.cache")
 
@@ -44,6 +44,7 @@ HEADER_BYTES = 1024   # what a file's safetensors header adds to its payload, ab
 # Threads that read a conversation's block files back: the reads and the hashing release the GIL, the tensor views
 # do not; on 2 cores two readers were slower than one (1.9 s against 1.4 s for 1,000 Flash-Next blocks).
 READERS = min(8, (os.cpu_count() or 1) // 2)
+BLOCK_EXTRA = {"kind": "block"}
 
 
 def model_identity(model_path, dtype: torch.dtype, block_size: int) -> str:
@@ -64,11 +65,8 @@ def model_identity(model_path, dtype: torch.dtype, block_size: int) -> str:
 
 
 def checksum(tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        h.update(name.encode())
-        h.update(tensors[name].contiguous().view(-1).view(torch.uint8).numpy())   # the buffer itself: no copy
-    return h.hexdigest()
+    # the buffers themselves: no copy
+    return tensors_digest((name, t.contiguous().view(-1).view(torch.uint8).numpy()) for name, t in tensors.items())
 
 
 class DiskStore(TierStore):
@@ -83,7 +81,8 @@ class DiskStore(TierStore):
         self.snapshot_dir.mkdir(parents=True, exist_ok=True)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="flashnext-disk-writer")
         self._last = None      # the writer's last task: first in first out, so when it is done all before are
-        self._readers = None   # threads reading a conversation's block files back (READERS > 1), made on first use
+        # threads reading a conversation's block files back (they start on first use)
+        self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="flashnext-disk-reader") if READERS > 1 else None
 
     def _submit(self, fn, *args, **kwargs) -> None:
         self._last = self._writer.submit(fn, *args, **kwargs)
@@ -106,7 +105,7 @@ class DiskStore(TierStore):
         asks it of the other ranks' stores at start, before any rank writes."""
         path = self.snapshot_path(key)
         try:
-            if not self.ours(_header(path)):
+            if not self.ours(read_header(path)):
                 return f"{path} was written by another model, layout or format version"
         except Exception as e:   # noqa: BLE001 - a missing or unreadable header alike: not there to load
             return f"{path} is unreadable: {e}"
@@ -149,9 +148,7 @@ class DiskStore(TierStore):
         """The blocks, read by READERS threads; one run per block."""
         self.flush()
         paths = [self.block_path(h) for h in hashes]
-        if READERS > 1 and len(paths) > 1:
-            if self._readers is None:
-                self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="flashnext-disk-reader")
+        if self._readers is not None and len(paths) > 1:
             blocks = list(self._readers.map(self._read_written, paths))
         else:
             blocks = [self._read_written(p) for p in paths]
@@ -160,11 +157,18 @@ class DiskStore(TierStore):
     def store_block(self, h: bytes, data: BlockData) -> int:
         # Always written: the index stores only blocks it lacks (TierIndex.put), and a block dropped and stored
         # again must not be skipped while its deletion still waits in the writer's queue.
-        return self._write(self.block_path(h), data, {"kind": "block"})
+        return self._write(self.block_path(h), data, BLOCK_EXTRA)
 
     def store_blocks(self, hashes: list[bytes], batch: BlockData) -> list[int]:
-        """One file per block as always, but the batch comes to the host in one copy per tensor first."""
-        return super().store_blocks(hashes, {name: t.detach().to("cpu") for name, t in batch.items()})
+        """One file per block as always: the batch comes to the host in one copy per tensor, and the writer splits
+        it into files."""
+        host = {name: t.detach().to("cpu").contiguous() for name, t in batch.items()}
+        self._submit(self._write_blocks, [self.block_path(h) for h in hashes], host)
+        return [tensor_bytes(host) // len(hashes) + HEADER_BYTES] * len(hashes)
+
+    def _write_blocks(self, paths: list[Path], batch: BlockData) -> None:
+        for row, path in enumerate(paths):
+            self._write_file(path, {name: t[row] for name, t in batch.items()}, BLOCK_EXTRA)
 
     def store_snapshot(self, key: bytes, snap: SnapshotData, meta: SnapshotMeta | None) -> int:
         state, tail_kv = snap
@@ -215,7 +219,7 @@ class DiskTier(TierIndex):
         paths = sorted(store.snapshot_dir.glob("*.safetensors"), key=lambda p: p.stat().st_mtime)
         for path in paths:
             try:
-                meta = _header(path)
+                meta = read_header(path)
                 key = bytes.fromhex(path.stem)
                 if not store.ours(meta):
                     log.warning("disk cache: ignoring %s: written by another model, layout or format version", path)
@@ -262,7 +266,7 @@ class DiskTier(TierIndex):
             for directory, index in kept:
                 for path in directory.glob("*.safetensors"):
                     try:
-                        if bytes.fromhex(path.stem) in index or not store.ours(_header(path)):
+                        if bytes.fromhex(path.stem) in index or not store.ours(read_header(path)):
                             continue
                     except Exception:   # noqa: BLE001 - a name or header that is not ours: not ours to delete
                         continue
@@ -271,7 +275,3 @@ class DiskTier(TierIndex):
         if removed:
             log.info("disk cache: deleted %d files that no cached conversation needs", removed)
 
-
-def _header(path: Path) -> dict:
-    with safe_open(str(path), "pt") as f:
-        return f.metadata() or {}

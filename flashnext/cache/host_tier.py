@@ -30,7 +30,8 @@ class HostStore(TierStore):
         self._next_batch = 0
 
     def store_blocks(self, hashes: list[bytes], batch: BlockData) -> list[int]:
-        # Pieces of power-of-two block counts (3,625 blocks: 2,048 + 1,024 + 512 + 32 + 8 + 1): the pinned
+        # Pieces of power-of-two block counts (a batch of TierIndex.put is at most WRITE_PIECE = 256 blocks; its
+        # last of a 3,625-block conversation, 41 blocks, is 32 + 8 + 1): the pinned
         # allocator rounds every allocation up to a power of two, and a block's tensors are powers of two
         # (16 KB of K or V per layer for Flash-Next), so the pinned memory is what the tier counts.
         at = 0

@@ -26,13 +26,12 @@ from .fp8 import dequantize_block_fp8
 from .int4 import dequantize_gptq
 from .int4_layout import Int4Weight, dequantize, from_gptq
 from .quant_config import QuantizationConfig, read_quantization_config
+from .safetensors_dtypes import SAFETENSORS_DTYPES
 
 log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 _SKIPPED = (("vision tower", ("model.visual.", "visual.")), ("multi-token-prediction (MTP)", ("mtp.",)))
-_DTYPES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8,
-           "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
 _EXPERT_KEY = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 _PER_EXPERT_KEY = re.compile(r"^(.*\.experts)\.(\d+)\.(?:gate_proj|up_proj|down_proj)\.[a-z_]+$")
 _NGRAM_KEY = re.compile(r"^(.*\.ngram_embedding)\.weight$")
@@ -108,7 +107,8 @@ class _Tensors:
 
     def nbytes(self, name: str) -> int:
         piece = self._slice(name)
-        return math.prod(piece.get_shape()) * _DTYPES.get(piece.get_dtype(), 4)
+        dtype = SAFETENSORS_DTYPES.get(piece.get_dtype())
+        return math.prod(piece.get_shape()) * (dtype.itemsize if dtype is not None else 4)
 
     def use(self, name: str) -> str:
         self.used.add(name)
