@@ -182,6 +182,7 @@ def split_k_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     assert index.stride(-1) == 1 and valid.stride(-1) == 1
     group = heads // kv_heads
     block_d = triton.next_power_of_2(head_dim)
+    pdl = launch_options(q.device)
     _split_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, block_table, seq_lens, index, valid, part_acc, part_m, part_l,
         splits, scale * LOG2E, span if sparse else 0,
@@ -191,11 +192,11 @@ def split_k_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, SPARSE=sparse, HAS_VALID=token_valid is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        MIN_SPLIT=cfg.min_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(q.device))
+        MIN_SPLIT=cfg.min_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
     _merge_kernel[(batch, heads)](
         part_acc, part_m, part_l, seq_lens, out, splits, span if sparse else 0,
         SPARSE=sparse, HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split,
         BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4 if block_d >= 256 else 1,
-        **launch_options(q.device))
+        **pdl)
     return out
 

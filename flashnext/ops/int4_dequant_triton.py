@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashnext.ops.int4_groups import optional_tensors
+from flashnext.ops.int4_groups import group_zero_scale, optional_tensors
 from flashnext.weights.int4_layout import Int4Weight
 
 
@@ -43,15 +43,11 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, N, K, GROUP: tl.con
     ok = p_ok[:, None] & n_ok[None, :]
     packed = tl.load(qw_ptr + offs_p[:, None] * N + offs_n[None, :], mask=ok, other=0)
     group = offs_p * 8 // GROUP                                 # the 8 rows of a word share it (8 divides GROUP)
-    scale = tl.load(s_ptr + group[:, None] * N + offs_n[None, :], mask=ok, other=0.0).to(tl.float32)
-    if HAS_ZEROS:
-        zero = tl.load(z_ptr + group[:, None] * N + offs_n[None, :], mask=ok, other=0).to(tl.int32)
-    else:
-        zero = 8
+    zero, scale = group_zero_scale(z_ptr, s_ptr, group[:, None], N, offs_n[None, :], ok, HAS_ZEROS, BLOCK_N)
     for j in tl.static_range(8):
         k = offs_p * 8 + j                                      # packed row order
         q = (packed >> (4 * j)) & 0xF
-        w = scale * (q - zero).to(tl.float32)
+        w = scale * (q.to(tl.float32) - zero)
         if HAS_PERM:
             row = tl.load(perm_ptr + k, mask=p_ok, other=0)
         else:

@@ -23,7 +23,6 @@ _BACKEND = os.environ.get("FLASHNEXT_MOE_INT4", "auto")
 # the grouped kernels (ops/moe_int4_dequant.py; off until measured on the GPU).
 _PREFILL = os.environ.get("FLASHNEXT_MOE_PREFILL", "triton")
 DECODE_MAX_M = 8  # the decode kernels re-read an expert per token that chose it: fine up to a few tokens
-last_backend: str | None = None  # the path the latest call took ("decode", "grouped", "dequant", "reference")
 
 
 def _expert(w: Int4Weight, e: int) -> Int4Weight:
@@ -47,22 +46,17 @@ def moe_int4(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weigh
     """CUDA: M <= DECODE_MAX_M -> the decode GEMV kernels (moe_int4_decode_triton), larger M -> the grouped
     kernels (moe_int4_triton), or with FLASHNEXT_MOE_PREFILL=dequant from DEQUANT_MIN_M on the grouped GEMM over
     dequantised experts (moe_int4_dequant); elsewhere the reference."""
-    global last_backend
     if x.is_cuda and _BACKEND != "reference":
         if x.shape[0] <= DECODE_MAX_M and _BACKEND != "grouped":
             from flashnext.ops.moe_int4_decode_triton import moe_int4_decode
 
-            last_backend = "decode"
             return moe_int4_decode(x, topk_ids, topk_weights, w_gate_up, w_down)
         if _PREFILL == "dequant" and _BACKEND == "auto":
             from flashnext.ops.moe_int4_dequant import DEQUANT_MIN_M, moe_int4_dequant
 
             if x.shape[0] >= DEQUANT_MIN_M:
-                last_backend = "dequant"
                 return moe_int4_dequant(x, topk_ids, topk_weights, w_gate_up, w_down)
         from flashnext.ops.moe_int4_triton import moe_int4_triton
 
-        last_backend = "grouped"
         return moe_int4_triton(x, topk_ids, topk_weights, w_gate_up, w_down)
-    last_backend = "reference"
     return moe_int4_reference(x, topk_ids, topk_weights, w_gate_up, w_down)

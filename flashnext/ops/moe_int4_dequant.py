@@ -2,15 +2,15 @@
 
 At prefill sizes the INT4 MoE kernels (ops/moe_int4_triton.py) were the largest item of a 10K-token Flash-Next
 prefill on the H200: 358 of 1,235 ms, ~18% of bf16 peak (BENCHMARKS.md, session 3). Here each layer's stacked
-experts are dequantised at once into a 16-bit scratch (Flash-Next: 1.7 GB gate|up + 0.8 GB down, ~1 ms to
-write at the copy ceiling, freed after the layer) and the (token, choice) rows, sorted by expert, go through
+experts are dequantised at once into a 16-bit scratch (Flash-Next, 512 experts: 3.4 GB gate|up + 1.7 GB down,
+~2.4 ms to write and read back at the copy ceiling, freed after the layer; memory the KV plan does not reserve) and the (token, choice) rows, sorted by expert, go through
 `torch._grouped_mm` (CUTLASS on Hopper) twice. Each weight is rounded once to x's dtype, and so are the GEMMs'
 outputs (gate|up and down): two roundings more than the kernels, which keep gate|up and y in fp32 and round only
 h = silu(gate)·up. Like the dense FLASHNEXT_W4A16_PREFILL=dequant (ops/int4_dequant_triton.py), the model keeps
 INT4; only one layer's scratch exists at a time. Off by default until measured on the GPU.
 
-Rows are added back per token in fp32 after the k choices (out = y.view(M, k, H).sum(1)), as the kernels do:
-deterministic, no atomics, no host sync.
+Rows go back to (token, choice) order in x's dtype, then are weighted and added per token in fp32 after the k
+choices, as the kernels do: deterministic, no atomics, no host sync.
 """
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from flashnext.ops.int4_dequant_triton import dequantize_triton
 from flashnext.weights.int4_layout import Int4Weight
 
-DEQUANT_MIN_M = 256   # tokens; below this the kernels' weight traffic is less than the scratch's
+# tokens; a placeholder until measured: the scratch costs ~4 B per weight (written, read back) against the grouped
+# kernels' 0.5 B per weight and expert block, so the break-even is many rows per expert, not a token count alone
+DEQUANT_MIN_M = 256
 
 
 def moe_int4_dequant(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: Int4Weight,
@@ -34,11 +36,11 @@ def moe_int4_dequant(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     # each expert's last row + 1, without a host sync (bincount reads its length back)
     experts = torch.arange(num_experts, device=x.device, dtype=sorted_ids.dtype)
     ends = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
-    rows = x[order // top_k].contiguous()                                       # [M·k, H], by expert
+    rows = x[order // top_k]                                                    # [M·k, H], by expert
     gate, up = torch._grouped_mm(rows, dequantize_triton(w_gate_up, x.dtype), offs=ends).chunk(2, dim=-1)
     h = (F.silu(gate.float()) * up.float()).to(x.dtype)
-    y = torch._grouped_mm(h, dequantize_triton(w_down, x.dtype), offs=ends).float()
-    y *= topk_weights.reshape(-1)[order, None].float()
-    out = torch.empty(m * top_k, hidden, dtype=torch.float32, device=x.device)
-    out[order] = y                                                              # back to (token, choice) order
-    return out.view(m, top_k, hidden).sum(1).to(x.dtype)
+    y = torch._grouped_mm(h, dequantize_triton(w_down, x.dtype), offs=ends)
+    by_choice = torch.empty_like(y)
+    by_choice[order] = y                                                        # back to (token, choice) order
+    weighted = by_choice.view(m, top_k, hidden).float() * topk_weights[..., None].float()
+    return weighted.sum(1).to(x.dtype)
