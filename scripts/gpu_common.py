@@ -1,5 +1,8 @@
 """Helpers the GPU check scripts share (they run from the repository root as `python3 scripts/NAME.py`, so this
 imports as a plain module)."""
+import contextlib
+import os
+
 import torch
 
 
@@ -43,3 +46,18 @@ def hang_watchdog(seconds: float) -> None:
         os._exit(3)
 
     threading.Thread(target=fire, daemon=True).start()
+
+
+@contextlib.contextmanager
+def pdl_off():
+    """Programmatic dependent launch off inside (ops/pdl.py reads FLASHNEXT_PDL at each launch: capture or time
+    inside); the caller's setting comes back after."""
+    before = os.environ.get("FLASHNEXT_PDL")
+    os.environ["FLASHNEXT_PDL"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("FLASHNEXT_PDL")
+        else:
+            os.environ["FLASHNEXT_PDL"] = before

@@ -17,7 +17,7 @@ import torch
 
 from flashnext.engine.llm import LLM
 from flashnext.engine.sampling_params import SamplingParams
-from gpu_common import agreeing_tokens
+from gpu_common import agreeing_tokens, pdl_off
 
 PRESETS = ["tiny-flash-next", "tiny-qwen3-next", "tiny-qwen3.5-moe"]
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 60)), list(range(100, 111))]
@@ -93,14 +93,7 @@ def timing(model_name: str, quantize: str | None, steps: int = 200):
     graphs = engine.runner.graphs
     graph, _ = graphs.graphs[(1, 16)]
     # The bare step: replay only (the inputs of the last step stay in the static buffers).
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(50):
-        graph.replay()
-    torch.cuda.synchronize()
-    replay_ms = (time.perf_counter() - t0) / 50 * 1e3
+    replay_ms = replayed_ms(graph)
     # One replay at a time, as the engine loop runs it (it waits for each step's token): what a replay costs
     # from an idle GPU, against the back-to-back rate above.
     t0 = time.perf_counter()
@@ -124,28 +117,26 @@ def timing(model_name: str, quantize: str | None, steps: int = 200):
     return replay_ms, replay_ms_without_pdl, eager_ms, loop_tps, engine.loaded.weight_bytes
 
 
-def replay_without_pdl(graphs, steps: int = 50) -> float:
-    """ms per replay of the batch-1 step captured again with programmatic dependent launch off (ops/pdl.py);
-    the PDL graph is captured back afterwards."""
-    import os
+def replayed_ms(graph, steps: int = 50) -> float:
+    """ms per replay of `graph`, back to back, after 5 warm-up replays."""
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps * 1e3
 
-    os.environ["FLASHNEXT_PDL"] = "0"
-    try:
+
+def replay_without_pdl(graphs) -> float:
+    """ms per replay of the batch-1 step captured again with programmatic dependent launch off (ops/pdl.py). The
+    capture points the static inputs at the scratch slot, as every capture does; the eager timing after reads
+    those."""
+    with pdl_off():
         del graphs.graphs[(1, 16)]
         graphs._capture(1, 16)
-        graph, _ = graphs.graphs[(1, 16)]
-        for _ in range(5):
-            graph.replay()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            graph.replay()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / steps * 1e3
-    finally:
-        os.environ.pop("FLASHNEXT_PDL")
-        del graphs.graphs[(1, 16)]
-        graphs._capture(1, 16)
+        return replayed_ms(graphs.graphs[(1, 16)][0])
 
 
 def profile_kernels(step, runs: int = 3, top: int = 30):

@@ -19,6 +19,8 @@ import sys
 
 import torch
 
+from gpu_common import pdl_off
+
 COPY_CEILING = 4.27e12
 HC, HIDDEN, LOWRANK, EPS = 4, 2560, 320, 1e-6
 ROWS = [1, 4, 8]
@@ -91,14 +93,11 @@ def sweep(h, weights, kernels):
 
 
 def without_pdl(fn):
-    """fn timed in a CUDA graph with programmatic dependent launch off (ops/pdl.py reads it at each launch)."""
-    import os
+    """fn timed in a CUDA graph with programmatic dependent launch off."""
+    import triton.testing as tt
 
-    os.environ["FLASHNEXT_PDL"] = "0"
-    try:
-        return bench(fn)[1]
-    finally:
-        os.environ.pop("FLASHNEXT_PDL")
+    with pdl_off():
+        return tt.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
 
 
 def main() -> int:

@@ -6,7 +6,7 @@
 # of both models through the server — "bench". PARTS picks them (default: all five; one device call may run 10
 # minutes at most, so give each its own call). Carry .whl/ and .tcache/. Times are for a warm Triton cache;
 # a fresh machine compiles for 1–3 minutes more.
-# Writes each part's output under $OUT (when set) and exits non-zero if any check failed.
+# Writes every part's output to $OUT/validate.txt (when set) and exits non-zero if any check failed.
 #
 #   PARTS=checks bash scripts/gpu_validate.sh    # ~5 minutes
 #   PARTS=exact bash scripts/gpu_validate.sh     # ~4 minutes
@@ -22,8 +22,9 @@ mkdir -p "$out"
 failed=()
 part() {  # part NAME COMMAND...
   local name=$1; shift
-  echo "=== $name: $*"
-  if ! timeout 300 "$@" 2>&1 | grep -v "Warning\|warn_once\|Loading weights" | tee "$out/$name.txt"; then
+  echo "=== $name: $*" | tee -a "$out/validate.txt"
+  # one log for all parts: a call brings back 8 files, and the Triton cache's pieces must fit beside the results
+  if ! timeout 300 "$@" 2>&1 | grep -v "Warning\|warn_once\|Loading weights" | tee -a "$out/validate.txt"; then
     failed+=("$name")
   fi
 }
@@ -35,7 +36,7 @@ if [[ $parts == *" checks "* ]]; then
   part hc python3 scripts/gpu_hyper_connection.py
   part moe python3 scripts/gpu_moe.py --quick
   part w4a16 python3 scripts/gpu_w4a16.py --quick
-  part tinygemm bash -c "cd scripts && python3 gpu_tinygemm.py"   # the bf16 decode path of the dense INT4 weights
+  part tinygemm python3 scripts/gpu_tinygemm.py   # the bf16 decode path of the dense INT4 weights
   part prefill_attention python3 scripts/gpu_prefill_attention.py
 fi
 if [[ $parts == *" exact "* ]]; then
