@@ -239,24 +239,32 @@ def test_expert_range_reads_only_that_share(tmp_path, monkeypatch):
                "transposed": write(tmp_path / "t", {f"{prefix}.gate_up_proj": gate_up.transpose(1, 2).contiguous(),
                                                     f"{prefix}.down_proj": down.transpose(1, 2).contiguous()}),
                "per expert": write(tmp_path / "p", per_expert), "int4": write(tmp_path / "q", per_expert_int4)}
-    read = []
+    read, row_reads = [], []
     original = checkpoint._Tensors.read
     monkeypatch.setattr(checkpoint._Tensors, "read", lambda self, name, device: read.append(name) or
                         original(self, name, device))
+    original_rows = checkpoint._Tensors.read_rows
+    monkeypatch.setattr(checkpoint._Tensors, "read_rows", lambda self, name, first, count, device:
+                        row_reads.append((first, count)) or original_rows(self, name, first, count, device))
     for kind, folder in folders.items():
         options = dict(dtype=torch.float32, progress=False, packed_int4=frozenset(expected) if kind == "int4"
                        else frozenset())
         full = load_checkpoint(folder, expected, **options)
         read.clear()
+        row_reads.clear()
         share = load_checkpoint(folder, expected, expert_range=(2, 2), **options)
         for name in expected:
             got, want = share[name], full[name]
             if isinstance(want, Int4Weight):
                 assert isinstance(got, Int4Weight) and got.qweight.shape[0] == 2, kind
+                for field, tensor in want.tensors().items():             # codes, scales, zeros: the same experts
+                    assert torch.equal(got.tensors()[field], tensor[2:4]), (kind, name, field)
                 got, want = got.qweight, want.qweight
             assert torch.equal(got, want[2:4]), (kind, name)
         assert not [n for n in read if any(f"experts.{e}." in n for e in (0, 1, 4))], (kind, read)
         assert bool(read) == (kind in ("per expert", "int4")), kind   # fused ones: read_rows, the share's rows
+        if kind in ("fused", "transposed"):
+            assert row_reads and set(row_reads) == {(2, 2)}, (kind, row_reads)
     with pytest.raises(ValueError, match=r"expert range \(4, 2\) does not fit the model's experts \[5\]"):
         load_checkpoint(folders["fused"], expected, expert_range=(4, 2), progress=False)
 

@@ -174,13 +174,12 @@ class WorkerCache:
         names = [ints_name(b, c) for _, _, b, c, _ in ops]
         if kind == STORE_BLOCK:   # in rank 0's pieces of WRITE_PIECE blocks (TierIndex.put)
             for at in range(0, len(ops), WRITE_PIECE):
-                piece = ops[at: at + WRITE_PIECE]
+                piece, piece_names = ops[at: at + WRITE_PIECE], names[at: at + WRITE_PIECE]
                 if piece[0][4] == FROM_ABOVE:
-                    data = batch_rows(self.stores[level - 1].load_blocks(names[at: at + WRITE_PIECE]),
-                                      list(range(len(piece))))
+                    data = batch_rows(self.stores[level - 1].load_blocks(piece_names), list(range(len(piece))))
                 else:
                     data = read_blocks(kv, [d for *_, d in piece])
-                self.stores[level].store_blocks(names[at: at + WRITE_PIECE], data)
+                self.stores[level].store_blocks(piece_names, data)
             return True
         if kind == FETCH_BLOCK:
             store = self.stores[level]

@@ -21,7 +21,6 @@ from torch import nn
 
 from flashnext.models.layers.attention import GatedAttention
 from flashnext.models.layers.gated_delta_net import GatedDeltaNet
-from flashnext.models.layers.int4_experts import Int4Experts
 from flashnext.models.layers.int4_linear import Int4Linear
 from flashnext.models.layers.moe import Experts
 from flashnext.parallel.layers import LocalExperts, ReducedOutput
@@ -74,7 +73,7 @@ def _keep_rows(linear: nn.Module, rows: torch.Tensor) -> None:
                 setattr(linear, name, getattr(linear, name)[:, rows].contiguous())
         linear.out_features = len(rows)
     elif isinstance(linear, nn.Linear):
-        _set(linear, "weight", linear.weight[rows])
+        linear.weight = nn.Parameter(linear.weight[rows], requires_grad=False)   # indexing copied them already
         linear.out_features = len(rows)
     else:
         raise ValueError(f"tensor parallel does not know how to split {type(linear).__name__}")
@@ -154,19 +153,13 @@ def shard_experts(experts: nn.Module, rank: int, world: int, group, total: int) 
     """`experts` holds all `total` experts, or already only this rank's share (the loader read just that:
     local_experts_on_meta)."""
     count = experts.gate_up_proj.shape[0] if isinstance(experts, Experts) else experts.num_experts
-    if count * world == total:
-        return LocalExperts(experts, rank * count, count, group)
-    if isinstance(experts, Experts):
+    if count * world != total:
+        # all of them: a model built whole (scripts/gpu_parallel.py); INT4 experts come from a checkpoint read
+        # by share, or are quantised after sharding
+        if not isinstance(experts, Experts):
+            raise ValueError(f"expert parallel does not know how to split {type(experts).__name__}")
         for name in ("gate_up_proj", "down_proj"):
             _set(experts, name, _part(getattr(experts, name), 0, rank, world))
-    elif isinstance(experts, Int4Experts):
-        # Stacked INT4 buffers: expert is dim 0 of every one, so whole experts move with their groups.
-        for name, buf in list(experts.named_buffers(recurse=False)):
-            if buf is not None:
-                setattr(experts, name, _part(buf, 0, rank, world).contiguous().clone())
-        experts.num_experts //= world
-    else:
-        raise ValueError(f"expert parallel does not know how to split {type(experts).__name__}")
     return LocalExperts(experts, rank * (total // world), total // world, group)
 
 
