@@ -1,9 +1,11 @@
 """On the GPU machine: the INT4 GEMMs of prefill at Flash-Next shapes — the dense W4A16 kernel (w4a16_triton
 `_w4a16_kernel`) and the grouped MoE kernels (moe_int4_triton) — over tile configurations, with the group scale
-applied to the fp32 partial or to the weight tile before the dot (scale_in_tile), checked against the torch reference and timed against bf16
+applied to the fp32 partial or to the weight tile before the dot (scale_in_tile), with the weight tile as the dot's
+first operand or second (swap_ab), checked against the torch reference and timed against bf16
 cuBLAS on the dequantised weight (dense) or the matmul FLOPs (MoE), and the dense dequantise-then-cuBLAS path
 (FLASHNEXT_W4A16_PREFILL=dequant). Prints the best config per shape.
-Run: python3 scripts/gpu_prefill_gemm.py [--m 8192]"""
+Run: python3 scripts/gpu_prefill_gemm.py [--m 8192] [--dense-only-m 512 ...]   (the second: no sweep, the default
+kernel against dequantise-then-cuBLAS at that M, where FLASHNEXT_W4A16_PREFILL=dequant starts to pay)"""
 import argparse
 import itertools
 import sys
@@ -23,6 +25,11 @@ from gpu_moe import random_experts, routing
 DENSE = [(10240, 2560), (2560, 6144), (12288, 2560), (6144, 2560)]
 TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 128, 8, 3),
          (64, 256, 64, 8, 3), (128, 64, 64, 4, 4), (256, 128, 64, 8, 3)]
+# swap_ab: BLOCK_M is the token side (the MMA's N, 16..256), BLOCK_N the weight side (the MMA's M, 64 per warpgroup)
+SWAP_TILES = [(128, 128, 128, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3),
+              (64, 128, 128, 4, 4), (128, 64, 128, 4, 4)]
+MOE_SWAP_TILES = [(64, 128, 128, 4, 3), (64, 128, 64, 4, 4), (32, 128, 128, 4, 4), (64, 256, 64, 8, 3),
+                  (128, 128, 64, 8, 3), (32, 64, 128, 4, 4), (64, 64, 128, 4, 4), (16, 128, 128, 4, 4)]
 MOE_TILES = [(64, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 128, 128, 8, 3), (128, 64, 64, 4, 4),
              (64, 256, 64, 8, 3), (32, 128, 64, 4, 4), (64, 64, 128, 4, 4), (64, 64, 64, 4, 5)]
 
@@ -38,8 +45,10 @@ def dense(m):
         ref = x @ dense_w.t()
         cublas = do_bench(lambda: x @ dense_w.t()) * 1e3
         times = {}
-        for (bm, bn, bk, warps, stages), in_tile in itertools.product(TILES, (False, True)):
-            cfg = LaunchConfig(bm, bn, bk, 1, warps, stages, in_tile)
+        candidates = [(t, in_tile, False) for t, in_tile in itertools.product(TILES, (False, True))] + \
+            [(t, in_tile, True) for t, in_tile in itertools.product(SWAP_TILES, (False, True))]
+        for (bm, bn, bk, warps, stages), in_tile, swap in candidates:
+            cfg = LaunchConfig(bm, bn, bk, 1, warps, stages, in_tile, swap)
             try:
                 got = w4a16_matmul(x, w, cfg)
                 assert rel(got, ref) < 1e-2, rel(got, ref)
@@ -67,24 +76,39 @@ def moe(m):
     ref = moe_int4_reference(x.float(), ids, w, wgu, wd)
     flops = 2 * m * 10 * 3 * h * i
     times = {}
-    for (bm, bn, bk, warps, stages), in_tile in itertools.product(MOE_TILES, (False, True)):
-        cfg = MoeConfig(bm, bn, bk, warps, stages, in_tile)
+    candidates = [(t, in_tile, False) for t, in_tile in itertools.product(MOE_TILES, (False, True))] + \
+        [(t, in_tile, True) for t, in_tile in itertools.product(MOE_SWAP_TILES, (False, True))]
+    for (bm, bn, bk, warps, stages), in_tile, swap in candidates:
+        cfg = MoeConfig(bm, bn, bk, warps, stages, in_tile, swap)
         try:
             got = moe_int4_triton(x, ids, w, wgu, wd, cfg)
             assert rel(got, ref) < 2e-2, rel(got, ref)
             times[cfg] = do_bench(lambda: moe_int4_triton(x, ids, w, wgu, wd, cfg)) * 1e3
         except Exception as exc:
             print(f"    skip {cfg}: {type(exc).__name__} {str(exc)[:80]}")
-    for cfg, t in sorted(times.items(), key=lambda kv: kv[1])[:6]:
+    for cfg, t in sorted(times.items(), key=lambda kv: kv[1])[:10]:
         print(f"  {t:9.1f} us {flops / t / 1e6:7.1f} TFLOP/s  {cfg}{'  (default)' if cfg == PREFILL else ''}")
     print(f"  default {PREFILL}: {times.get(PREFILL, float('nan')):.1f} us")
+
+
+def dense_crossover(m):
+    print(f"dense W4A16 at M={m}: the default kernel against dequantise-then-cuBLAS (us)")
+    for n, k in DENSE:
+        w = quantize_rtn(torch.randn(n, k, device="cuda") / k ** 0.5)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        t_default = do_bench(lambda: w4a16_matmul(x, w)) * 1e3
+        t_both = do_bench(lambda: x @ dequantize_triton(w, x.dtype)) * 1e3
+        print(f"  {n:6} x {k:6}: default {t_default:8.1f}  dequant+cuBLAS {t_both:8.1f}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, action="append", default=[])
+    ap.add_argument("--dense-only-m", type=int, action="append", default=[])
     args = ap.parse_args()
-    for m in args.m or [8192]:
+    for m in args.dense_only_m:
+        dense_crossover(m)
+    for m in args.m or ([] if args.dense_only_m else [8192]):
         dense(m)
         moe(m)
     return 0

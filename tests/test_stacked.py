@@ -40,8 +40,21 @@ def test_views_share_storage_and_mixed_kinds_refuse():
     lin = [torch.nn.Linear(8, n, bias=False) for n in (3, 5)]
     s = StackedProjection(*lin)
     assert lin[0].weight.data_ptr() == s.weight.data_ptr()           # a view, no copy
-    y = s(torch.randn(2, 8))
+    x = torch.randn(2, 8)
+    y = s(x)
     assert [t.shape[-1] for t in y] == [3, 5]
+    assert s.padding == 0 and s.weight.shape[0] == 8
+    for part, out in zip(lin, y):
+        torch.testing.assert_close(out, part(x))
+    # 3 + 6 rows: padded with zero rows to ROW_ALIGN (an aligned width for cuBLAS), the padding's outputs dropped
+    odd = [torch.nn.Linear(8, n, bias=False) for n in (3, 6)]
+    want = [m(x) for m in odd]
+    s = StackedProjection(*odd)
+    assert s.padding == 7 and s.weight.shape[0] == 16 and not s.weight[9:].any()
+    got = s(x)
+    assert len(got) == 2
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
     with pytest.raises(ValueError):
         StackedProjection(torch.nn.Linear(8, 3, bias=True), lin[1])
 

@@ -125,14 +125,18 @@ def test_triton_matches_reference(kernels, m, n, k, g, kind):
 
 
 @needs_triton
-@pytest.mark.parametrize("split_k,block_m,in_tile", [(1, 1, False), (3, 16, False), (2, 16, True)])
-def test_triton_split_and_tile_choices_agree(kernels, split_k, block_m, in_tile):
-    # The GEMM kernel forced at decode sizes (its no-dot mode at block_m < 16): the benchmark's baseline.
+@pytest.mark.parametrize("split_k,block_m,in_tile,swap_ab,kind", [
+    (1, 1, False, False, "asym"), (3, 16, False, False, "asym"), (2, 16, True, False, "asym"),
+    (1, 16, False, True, "asym"), (2, 16, True, True, "act"), (1, 16, False, True, "rtn")])
+def test_triton_split_and_tile_choices_agree(kernels, split_k, block_m, in_tile, swap_ab, kind):
+    # The GEMM kernel forced at decode sizes (its no-dot mode at block_m < 16: the benchmark's baseline), its
+    # split K, the scaled tile and the swapped operands (W.T @ x.T).
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    w, _ = make_weight(96, 384, 64, "asym", seed=7)
+    w, _ = make_weight(96, 384, 64, kind, seed=7)
     w = w.to(device)
     x = torch.randn(2, 384).to(device)
-    cfg = kernels.LaunchConfig(block_m=block_m, block_n=32, block_k=32, split_k=split_k, scale_in_tile=in_tile)
+    cfg = kernels.LaunchConfig(block_m=block_m, block_n=32, block_k=32, split_k=split_k, scale_in_tile=in_tile,
+                               swap_ab=swap_ab)
     assert rel_err(kernels.w4a16_matmul(x, w, cfg), w4a16_linear_reference(x, w)) < 1e-5
     assert kernels.w4a16_matmul(x[:0], w).shape == (0, 96)
 

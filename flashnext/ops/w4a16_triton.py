@@ -52,7 +52,8 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr,
                   M, N, K, stride_xm, stride_om, k_per_split,
                   GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
                   USE_DOT: tl.constexpr, ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  SCALE_IN_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  SCALE_IN_TILE: tl.constexpr, SWAP_AB: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -62,38 +63,56 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr,
     mask_n = offs_n < N
     offs_packed = tl.arange(0, BLOCK_K // 8)
     shifts = tl.arange(0, 8) * 4
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        packed = tl.load(qw_ptr + (k0 // 8 + offs_packed)[:, None] * N + offs_n[None, :],
-                         mask=mask_n[None, :], other=0)                          # [BK/8, BN] int32
-        # Arithmetic shift of the top nibble sign-extends; the mask drops it.
-        q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
         group = k0 // GROUP
         if HAS_ZEROS:
             zero = tl.load(z_ptr + group * N + offs_n, mask=mask_n, other=0).to(tl.int32)
-            q = q - zero[None, :]
         else:
-            q = q - 8
+            zero = tl.full((BLOCK_N,), 8, tl.int32)
+        scale = tl.load(s_ptr + group * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if HAS_PERM:
             cols = tl.load(perm_ptr + offs_k)
         else:
             cols = offs_k
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask_m[:, None], other=0.0)
-        scale = tl.load(s_ptr + group * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        if SCALE_IN_TILE:
-            # the scaled tile (rounded to x's dtype) accumulated straight into acc: chained MMAs on Hopper
-            acc = tl.dot(x, (q.to(tl.float32) * scale[None, :]).to(x.dtype), acc, input_precision=DOT_PRECISION)
-        else:
-            if USE_DOT:
-                part = tl.dot(x, q.to(x.dtype), input_precision=DOT_PRECISION)
+        if SWAP_AB:
+            # acc.T += W.T tile @ x.T tile: the dequantised weight is the dot's first operand, which Hopper's
+            # MMA can take from registers (no round trip through shared memory); tokens are the narrow N side
+            packed = tl.load(qw_ptr + (k0 // 8 + offs_packed)[None, :] * N + offs_n[:, None],
+                             mask=mask_n[:, None], other=0)                      # [BN, BK/8] int32
+            q = tl.reshape((packed[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K)) - zero[:, None]
+            x = tl.load(x_ptr + offs_m[None, :] * stride_xm + cols[:, None], mask=mask_m[None, :], other=0.0)
+            if SCALE_IN_TILE:
+                acc = tl.dot((q.to(tl.float32) * scale[:, None]).to(x.dtype), x, acc, input_precision=DOT_PRECISION)
             else:
-                part = tl.sum(x.to(tl.float32)[:, :, None] * q.to(tl.float32)[None, :, :], axis=1)
-            acc += part * scale[None, :]
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
+                acc += tl.dot(q.to(x.dtype), x, input_precision=DOT_PRECISION) * scale[:, None]
+        else:
+            packed = tl.load(qw_ptr + (k0 // 8 + offs_packed)[:, None] * N + offs_n[None, :],
+                             mask=mask_n[None, :], other=0)                      # [BK/8, BN] int32
+            # Arithmetic shift of the top nibble sign-extends; the mask drops it.
+            q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N)) - zero[None, :]
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask_m[:, None], other=0.0)
+            if SCALE_IN_TILE:
+                # the scaled tile (rounded to x's dtype) accumulated straight into acc: chained MMAs on Hopper
+                acc = tl.dot(x, (q.to(tl.float32) * scale[None, :]).to(x.dtype), acc, input_precision=DOT_PRECISION)
+            else:
+                if USE_DOT:
+                    part = tl.dot(x, q.to(x.dtype), input_precision=DOT_PRECISION)
+                else:
+                    part = tl.sum(x.to(tl.float32)[:, :, None] * q.to(tl.float32)[None, :, :], axis=1)
+                acc += part * scale[None, :]
+    if SWAP_AB:
+        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        mask = mask_m[None, :] & mask_n[:, None]
+    else:
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
     if ATOMIC:
         tl.atomic_add(out_ptrs, acc, mask=mask)
     else:
@@ -224,6 +243,7 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 3
     scale_in_tile: bool = False   # with use_dot: the tile scaled before the dot (see _w4a16_kernel)
+    swap_ab: bool = False         # with use_dot: W.T @ x.T, the weight tile as the dot's first operand
 
     @property
     def use_dot(self) -> bool:
@@ -406,6 +426,6 @@ def w4a16_matmul(x: torch.Tensor, w: Int4Weight, config: LaunchConfig | GemvConf
         m, n, k, x.stride(0), out.stride(0), k_per_split,
         GROUP=w.group_size, HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None,
         USE_DOT=cfg.use_dot, ATOMIC=atomic, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
-        SCALE_IN_TILE=cfg.scale_in_tile and cfg.use_dot, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SCALE_IN_TILE=cfg.scale_in_tile and cfg.use_dot, SWAP_AB=cfg.swap_ab and cfg.use_dot, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.to(x.dtype) if atomic else out
