@@ -1,11 +1,10 @@
 """On the GPU machine: the INT4 GEMMs of prefill at Flash-Next shapes — the dense W4A16 kernel (w4a16_triton
 `_w4a16_kernel`) and the grouped MoE kernels (moe_int4_triton) — over tile configurations, with the group scale
-applied to the fp32 partial or to the weight tile before the dot (scale_in_tile), with the weight tile as the dot's
-first operand or second (swap_ab), checked against the torch reference and timed against bf16
+applied to the fp32 partial or to the weight tile before the dot (scale_in_tile), checked against the torch reference and timed against bf16
 cuBLAS on the dequantised weight (dense) or the matmul FLOPs (MoE), and the dense dequantise-then-cuBLAS path
-(FLASHNEXT_W4A16_PREFILL=dequant). Prints the best config per shape.
+(the default from 256 rows). Prints the best config per shape.
 Run: python3 scripts/gpu_prefill_gemm.py [--m 8192] [--dense-only-m 512 ...]   (the second: no sweep, the default
-kernel against dequantise-then-cuBLAS at that M, where FLASHNEXT_W4A16_PREFILL=dequant starts to pay)"""
+kernel against dequantise-then-cuBLAS at that M: where the default dequantised path starts to pay)"""
 import argparse
 import itertools
 import sys
@@ -25,11 +24,6 @@ from gpu_moe import random_experts, routing
 DENSE = [(10240, 2560), (2560, 6144), (12288, 2560), (6144, 2560)]
 TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 128, 8, 3),
          (64, 256, 64, 8, 3), (128, 64, 64, 4, 4), (256, 128, 64, 8, 3)]
-# swap_ab: BLOCK_M is the token side (the MMA's N, 16..256), BLOCK_N the weight side (the MMA's M, 64 per warpgroup)
-SWAP_TILES = [(128, 128, 128, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3),
-              (64, 128, 128, 4, 4), (128, 64, 128, 4, 4)]
-MOE_SWAP_TILES = [(64, 128, 128, 4, 3), (64, 128, 64, 4, 4), (32, 128, 128, 4, 4), (64, 256, 64, 8, 3),
-                  (128, 128, 64, 8, 3), (32, 64, 128, 4, 4), (64, 64, 128, 4, 4), (16, 128, 128, 4, 4)]
 MOE_TILES = [(64, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 128, 128, 8, 3), (128, 64, 64, 4, 4),
              (64, 256, 64, 8, 3), (32, 128, 64, 4, 4), (64, 64, 128, 4, 4), (64, 64, 64, 4, 5)]
 
@@ -45,10 +39,8 @@ def dense(m):
         ref = x @ dense_w.t()
         cublas = do_bench(lambda: x @ dense_w.t()) * 1e3
         times = {}
-        candidates = [(t, in_tile, False) for t, in_tile in itertools.product(TILES, (False, True))] + \
-            [(t, in_tile, True) for t, in_tile in itertools.product(SWAP_TILES, (False, True))]
-        for (bm, bn, bk, warps, stages), in_tile, swap in candidates:
-            cfg = LaunchConfig(bm, bn, bk, 1, warps, stages, in_tile, swap)
+        for (bm, bn, bk, warps, stages), in_tile in itertools.product(TILES, (False, True)):
+            cfg = LaunchConfig(bm, bn, bk, 1, warps, stages, in_tile)
             try:
                 got = w4a16_matmul(x, w, cfg)
                 assert rel(got, ref) < 1e-2, rel(got, ref)
@@ -56,7 +48,7 @@ def dense(m):
             except Exception as exc:  # shared memory or registers exceeded
                 print(f"    skip {cfg}: {type(exc).__name__} {str(exc)[:80]}")
         t_default = do_bench(lambda: w4a16_matmul(x, w)) * 1e3
-        # FLASHNEXT_W4A16_PREFILL=dequant: the weight dequantised into a scratch tensor, then cuBLAS
+        # the default from DEQUANT_MIN_M rows: the weight dequantised into a scratch tensor, then cuBLAS
         err = rel(x @ dequantize_triton(w, x.dtype), ref)
         assert err < 1e-2, err
         t_dequant = do_bench(lambda: dequantize_triton(w, x.dtype)) * 1e3
@@ -76,10 +68,8 @@ def moe(m):
     ref = moe_int4_reference(x.float(), ids, w, wgu, wd)
     flops = 2 * m * 10 * 3 * h * i
     times = {}
-    candidates = [(t, in_tile, False) for t, in_tile in itertools.product(MOE_TILES, (False, True))] + \
-        [(t, in_tile, True) for t, in_tile in itertools.product(MOE_SWAP_TILES, (False, True))]
-    for (bm, bn, bk, warps, stages), in_tile, swap in candidates:
-        cfg = MoeConfig(bm, bn, bk, warps, stages, in_tile, swap)
+    for (bm, bn, bk, warps, stages), in_tile in itertools.product(MOE_TILES, (False, True)):
+        cfg = MoeConfig(bm, bn, bk, warps, stages, in_tile)
         try:
             got = moe_int4_triton(x, ids, w, wgu, wd, cfg)
             assert rel(got, ref) < 2e-2, rel(got, ref)

@@ -56,9 +56,9 @@ if [[ $parts == *" variants "* ]]; then   # the switches that are off until meas
   part decode_branches env FLASHNEXT_DECODE_BRANCHES=1 python3 scripts/gpu_decode.py --fp32-only
   part decode_step_branches env FLASHNEXT_DECODE_BRANCHES=1 python3 scripts/gpu_decode.py --skip-exactness \
     --model mem:flash-next --quantize int4
-  # the dense INT4 GEMMs and the routed experts through dequantised weights and cuBLAS (grouped for the
-  # experts) instead (docs/int4.md): does the whole prefill gain? (scripts/gpu_moe.py times the MoE alone)
-  part prefill_dequant env FLASHNEXT_W4A16_PREFILL=dequant FLASHNEXT_MOE_PREFILL=dequant python3 scripts/gpu_prefill.py \
+  # the routed experts through dequantised weights and torch's grouped GEMM instead (docs/int4.md; the dense
+  # INT4 GEMMs do so by default): does the whole prefill gain? (scripts/gpu_moe.py times the MoE alone)
+  part prefill_dequant env FLASHNEXT_MOE_PREFILL=dequant python3 scripts/gpu_prefill.py \
     --model mem:flash-next --quantize int4 --tokens 10000 --chunk 8192
 fi
 if [[ $parts == *" bench "* ]]; then

@@ -125,18 +125,14 @@ def test_triton_matches_reference(kernels, m, n, k, g, kind):
 
 
 @needs_triton
-@pytest.mark.parametrize("split_k,block_m,in_tile,swap_ab,kind", [
-    (1, 1, False, False, "asym"), (3, 16, False, False, "asym"), (2, 16, True, False, "asym"),
-    (1, 16, False, True, "asym"), (2, 16, True, True, "act"), (1, 16, False, True, "rtn")])
-def test_triton_split_and_tile_choices_agree(kernels, split_k, block_m, in_tile, swap_ab, kind):
-    # The GEMM kernel forced at decode sizes (its no-dot mode at block_m < 16: the benchmark's baseline), its
-    # split K, the scaled tile and the swapped operands (W.T @ x.T).
+@pytest.mark.parametrize("split_k,block_m,in_tile", [(1, 1, False), (3, 16, False), (2, 16, True)])
+def test_triton_split_and_tile_choices_agree(kernels, split_k, block_m, in_tile):
+    # The GEMM kernel forced at decode sizes (its no-dot mode at block_m < 16): the benchmark's baseline.
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    w, _ = make_weight(96, 384, 64, kind, seed=7)
+    w, _ = make_weight(96, 384, 64, "asym", seed=7)
     w = w.to(device)
     x = torch.randn(2, 384).to(device)
-    cfg = kernels.LaunchConfig(block_m=block_m, block_n=32, block_k=32, split_k=split_k, scale_in_tile=in_tile,
-                               swap_ab=swap_ab)
+    cfg = kernels.LaunchConfig(block_m=block_m, block_n=32, block_k=32, split_k=split_k, scale_in_tile=in_tile)
     assert rel_err(kernels.w4a16_matmul(x, w, cfg), w4a16_linear_reference(x, w)) < 1e-5
     assert kernels.w4a16_matmul(x[:0], w).shape == (0, 96)
 
@@ -219,7 +215,7 @@ def test_dequantize_kernel_equals_the_reference(n, k, g, kind):
 @needs_triton
 @pytest.mark.parametrize("kind", ["rtn", "act"])
 def test_prefill_sized_matmul_through_the_dequantised_weight(kernels, monkeypatch, kind):
-    monkeypatch.setenv("FLASHNEXT_W4A16_PREFILL", "dequant")
+    monkeypatch.delenv("FLASHNEXT_W4A16_PREFILL", raising=False)   # the default from DEQUANT_MIN_M rows
     monkeypatch.setattr(kernels, "DEQUANT_MIN_M", 17)
     from flashnext.ops.int4_dequant_triton import dequantize_triton
 
@@ -232,4 +228,7 @@ def test_prefill_sized_matmul_through_the_dequantised_weight(kernels, monkeypatc
     assert rel_err(kernels.w4a16_matmul(x, w), w4a16_linear_reference(x, w)) < 1e-5
     assert calls == [torch.float32]
     kernels.w4a16_matmul(x[:16], w)     # below DEQUANT_MIN_M: the GEMM kernel
+    assert len(calls) == 1
+    monkeypatch.setenv("FLASHNEXT_W4A16_PREFILL", "triton")            # the switch keeps the GEMM kernel
+    assert rel_err(kernels.w4a16_matmul(x, w), w4a16_linear_reference(x, w)) < 1e-5
     assert len(calls) == 1

@@ -2,9 +2,10 @@
 
 At prefill sizes (thousands of rows) a W4A16 GEMM is compute-bound, and the Triton GEMM kernel ran at ~0.38×
 bf16 cuBLAS on the H200 (BENCHMARKS.md). Dequantising the one weight a call needs into a scratch tensor
-costs reading its 0.5 byte and writing its 2 bytes per weight — for Flash-Next's in_proj_qkv (10240 × 2560) ~15
-µs against ~590 µs of cuBLAS at 8,192 rows — so `w4a16_matmul` may send large M here (`FLASHNEXT_W4A16_PREFILL
-=dequant`; vLLM's AWQ path does the same above 256 tokens). Only one weight's scratch exists at a time; the
+costs reading its 0.5 byte and writing its 2 bytes per weight — for Flash-Next's in_proj_qkv (10240 × 2560) 21
+µs against ~590 µs of cuBLAS at 8,192 rows — so `w4a16_matmul` sends M >= 256 here (2.3–2.8× the GEMM kernel on
+the H200 from 512 rows; `FLASHNEXT_W4A16_PREFILL=triton` turns it off; vLLM's AWQ path does the same above 256
+tokens). Only one weight's scratch exists at a time; the
 model keeps INT4. Stacked experts [E, K/8, N] dequantise in one launch (a grid axis per expert) for the MoE
 prefill path of ops/moe_int4_dequant.py.
 

@@ -6,7 +6,7 @@ experts are dequantised at once into a 16-bit scratch (Flash-Next, 512 experts: 
 ~2.4 ms to write and read back at the copy ceiling, freed after the layer; memory the KV plan does not reserve) and the (token, choice) rows, sorted by expert, go through
 `torch._grouped_mm` (CUTLASS on Hopper) twice. Each weight is rounded once to x's dtype, and so are the GEMMs'
 outputs (gate|up and down): two roundings more than the kernels, which keep gate|up and y in fp32 and round only
-h = silu(gate)·up. Like the dense FLASHNEXT_W4A16_PREFILL=dequant (ops/int4_dequant_triton.py), the model keeps
+h = silu(gate)·up. Like the dense prefill matmuls (ops/int4_dequant_triton.py), the model keeps
 INT4; only one layer's scratch exists at a time. Off by default until measured on the GPU.
 
 Rows go back to (token, choice) order in x's dtype, then are weighted and added per token in fp32 after the k

@@ -37,28 +37,23 @@ class MoeConfig:
     num_warps: int = 4
     num_stages: int = 2
     scale_in_tile: bool = False   # see _dequant_dot
-    swap_ab: bool = False         # the weight tile as the dot's first operand (see _dequant_dot)
 
 
-# Decode: many narrow N tiles so 10 experts still fill 132 SMs; prefill: tensor-core-sized tiles (the best of
-# scripts/gpu_prefill_gemm.py's H200 sweep at 8192 tokens: 5.9 ms per Flash-Next layer, 137 TFLOP/s, vs 6.5 ms
-# for 64×128×64). scripts/gpu_moe.py sweeps alternatives on the GPU.
-DECODE = MoeConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=3)
-PREFILL = MoeConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4)
+# Decode: many narrow N tiles so 10 experts still fill 132 SMs; prefill: tensor-core-sized tiles, the scale in
+# the tile (the best of scripts/gpu_prefill_gemm.py's 18-config H200 sweep at 8,192 tokens, 2026-11-30: 5.0 ms per
+# Flash-Next layer, 161 TFLOP/s, vs 5.8 ms with the scale on each K tile's partial). scripts/gpu_moe.py sweeps
+# alternatives on the GPU.
+PREFILL = MoeConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4, scale_in_tile=True)
 
 
 @triton.jit
-def _int4_tile(qweight_ptr, k0, offs_n, n_ok, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
-    """Rows k0 .. k0+BLOCK_K of one expert's [K, N] nibbles as int32 [BLOCK_K, BLOCK_N] (values 0..15), or
-    transposed [BLOCK_N, BLOCK_K] with SWAP_AB.
+def _int4_tile(qweight_ptr, k0, offs_n, n_ok, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows k0 .. k0+BLOCK_K of one expert's [K, N] nibbles as int32 [BLOCK_K, BLOCK_N] (values 0..15).
 
     Each packed word is loaded once and split in registers (row 8i+j is nibble j of word i)."""
     words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    shifts = tl.arange(0, 8) * 4
-    if SWAP_AB:
-        packed = tl.load(qweight_ptr + words[None, :] * N + offs_n[:, None], mask=n_ok[:, None], other=0)
-        return tl.reshape((packed[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
     packed = tl.load(qweight_ptr + words[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
+    shifts = tl.arange(0, 8) * 4
     nibbles = (packed[:, None, :] >> shifts[None, :, None]) & 0xF
     return tl.reshape(nibbles, (BLOCK_K, BLOCK_N))
 
@@ -66,57 +61,24 @@ def _int4_tile(qweight_ptr, k0, offs_n, n_ok, N, BLOCK_K: tl.constexpr, BLOCK_N:
 @triton.jit
 def _dequant_dot(acc, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, N,
                  HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PRECISION: tl.constexpr, SCALE_IN_TILE: tl.constexpr, SWAP_AB: tl.constexpr):
-    """acc + a @ W[k0:k0+BLOCK_K, offs_n] for one expert, the tile inside one quantisation group; with SWAP_AB
-    a is [BLOCK_K, BLOCK_M], acc [BLOCK_N, BLOCK_M] and the product W.T @ a: the dequantised weight is the dot's
-    first operand, which Hopper's MMA may take from registers instead of shared memory, and the expert's few
-    rows are its narrow N side.
+                 PRECISION: tl.constexpr, SCALE_IN_TILE: tl.constexpr):
+    """acc + a @ W[k0:k0+BLOCK_K, offs_n] for one expert, the tile inside one quantisation group.
 
     Default: the exact integers (q - zero) go into the dot and the fp32 partial is scaled. SCALE_IN_TILE: the
     tile is scaled (rounded to a's dtype) and the dot accumulates straight into acc, which lets Hopper chain its
     asynchronous MMAs across K tiles instead of waiting for each partial (scripts/gpu_prefill_gemm.py times both)."""
     group = k0 // group_size
-    q = _int4_tile(qweight_ptr, k0, offs_n, n_ok, N, BLOCK_K, BLOCK_N, SWAP_AB)
+    q = _int4_tile(qweight_ptr, k0, offs_n, n_ok, N, BLOCK_K, BLOCK_N)
     if HAS_ZEROS:
         zero = tl.load(zeros_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.int32)
     else:
         zero = tl.full((BLOCK_N,), 8, tl.int32)
     scale = tl.load(scales_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.float32)
-    if SWAP_AB:
-        if SCALE_IN_TILE:
-            w = ((q - zero[:, None]).to(tl.float32) * scale[:, None]).to(a.dtype)
-            return tl.dot(w, a, acc, input_precision=PRECISION)
-        partial = tl.dot((q - zero[:, None]).to(a.dtype), a, input_precision=PRECISION)
-        return acc + partial * scale[:, None]
     if SCALE_IN_TILE:
         w = ((q - zero[None, :]).to(tl.float32) * scale[None, :]).to(a.dtype)
         return tl.dot(a, w, acc, input_precision=PRECISION)
     partial = tl.dot(a, (q - zero[None, :]).to(a.dtype), input_precision=PRECISION)
     return acc + partial * scale[None, :]
-
-
-@triton.jit
-def _load_rows(ptr, rows, cols, ok, stride, SWAP_AB: tl.constexpr):
-    """ptr[rows, cols] as [len(rows), len(cols)], or transposed with SWAP_AB; rows masked by ok."""
-    if SWAP_AB:
-        return tl.load(ptr + rows[None, :] * stride + cols[:, None], mask=ok[None, :], other=0)
-    return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=ok[:, None], other=0)
-
-
-@triton.jit
-def _store_rows(ptr, rows, cols, value, ok, cols_ok, stride, SWAP_AB: tl.constexpr):
-    """ptr[rows, cols] = value ([len(rows), len(cols)], or transposed with SWAP_AB)."""
-    if SWAP_AB:
-        tl.store(ptr + rows[None, :] * stride + cols[:, None], value, mask=ok[None, :] & cols_ok[:, None])
-    else:
-        tl.store(ptr + rows[:, None] * stride + cols[None, :], value, mask=ok[:, None] & cols_ok[None, :])
-
-
-@triton.jit
-def _zeros_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
-    if SWAP_AB:
-        return tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    return tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
 
 
 @triton.jit
@@ -143,8 +105,7 @@ def _block_rows(start, sorted_ids_ptr, order_ptr, n_pairs, BLOCK_M: tl.constexpr
 def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr,
                     qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, n_pairs, H, I, group_size,
                     TOP_K: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, PRECISION: tl.constexpr,
-                    SCALE_IN_TILE: tl.constexpr, SWAP_AB: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    SCALE_IN_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     start = tl.load(block_start_ptr + tl.program_id(0))
     if start < 0:  # a spare entry of the block table
         return
@@ -158,24 +119,25 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr,
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
-    gate = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
-    up = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
+    gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        a = _load_rows(x_ptr, token, _columns(perm_ptr, k0, offs_k, HAS_PERM), ok, H, SWAP_AB)
+        cols = _columns(perm_ptr, k0, offs_k, HAS_PERM)
+        a = tl.load(x_ptr + token[:, None] * H + cols[None, :], mask=ok[:, None], other=0)
         gate = _dequant_dot(gate, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, N,
-                            HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, SCALE_IN_TILE, SWAP_AB)
+                            HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, SCALE_IN_TILE)
         up = _dequant_dot(up, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, I + offs_n, n_ok, N,
-                          HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, SCALE_IN_TILE, SWAP_AB)
+                          HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, SCALE_IN_TILE)
     h = gate * tl.sigmoid(gate) * up
-    _store_rows(h_ptr, rows, offs_n, h.to(h_ptr.dtype.element_ty), ok, n_ok, I, SWAP_AB)
+    tl.store(h_ptr + rows[:, None] * I + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def _down_kernel(h_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, order_ptr, block_start_ptr,
                  qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, n_pairs, H, I, group_size,
                  HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, PRECISION: tl.constexpr,
-                 SCALE_IN_TILE: tl.constexpr, SWAP_AB: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 SCALE_IN_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     start = tl.load(block_start_ptr + tl.program_id(0))
     if start < 0:  # a spare entry of the block table
         return
@@ -187,17 +149,14 @@ def _down_kernel(h_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, order_ptr, bloc
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
-    acc = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        a = _load_rows(h_ptr, rows, _columns(perm_ptr, k0, offs_k, HAS_PERM), ok, I, SWAP_AB)
+        cols = _columns(perm_ptr, k0, offs_k, HAS_PERM)
+        a = tl.load(h_ptr + rows[:, None] * I + cols[None, :], mask=ok[:, None], other=0)
         acc = _dequant_dot(acc, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, H,
-                           HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, SCALE_IN_TILE, SWAP_AB)
+                           HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, SCALE_IN_TILE)
     weight = tl.load(topk_weights_ptr + pair, mask=ok, other=0).to(tl.float32)
-    if SWAP_AB:
-        acc = acc * weight[None, :]
-    else:
-        acc = acc * weight[:, None]
-    _store_rows(y_ptr, pair, offs_n, acc, ok, n_ok, H, SWAP_AB)
+    tl.store(y_ptr + pair[:, None] * H + offs_n[None, :], acc * weight[:, None], mask=ok[:, None] & n_ok[None, :])
 
 
 def _decode_blocks(sorted_ids: torch.Tensor) -> torch.Tensor:
@@ -256,7 +215,7 @@ def moe_int4_triton(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: In
     h = torch.empty(n_pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(n_pairs, hidden, dtype=torch.float32, device=x.device)
     common = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, PRECISION=precision,
-                  SCALE_IN_TILE=config.scale_in_tile, SWAP_AB=config.swap_ab,
+                  SCALE_IN_TILE=config.scale_in_tile,
                   num_warps=config.num_warps, num_stages=config.num_stages)
 
     def optional(w):  # zeros and perm, or a dummy pointer never read (HAS_ZEROS/HAS_PERM are constexprs)

@@ -1,8 +1,8 @@
 """Triton W4A16 matmul: y [M, N] = x [M, K] @ W.T with W held in the INT4 kernel layout (docs/int4.md).
 
-Two kernels; `w4a16_matmul` sends M <= GEMV_MAX_M rows (decode) to the first, larger M to the second (or, with
-FLASHNEXT_W4A16_PREFILL=dequant and M >= DEQUANT_MIN_M, through a dequantised scratch weight to cuBLAS:
-ops/int4_dequant_triton.py).
+Two kernels; `w4a16_matmul` sends M <= GEMV_MAX_M rows (decode) to the first, M >= DEQUANT_MIN_M through a
+dequantised scratch weight to cuBLAS (ops/int4_dequant_triton.py; FLASHNEXT_W4A16_PREFILL=triton keeps the GEMM
+kernel instead), the M between to the second.
 
 `_w4a16_gemv_kernel` (decode, M <= 8): the weight is read once for all M rows and the read is all that costs
 (Flash-Next in_proj_qkv: 13 MB, ~3 µs at 4.27 TB/s), so the kernel is shaped for bytes in flight:
@@ -52,8 +52,7 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr,
                   M, N, K, stride_xm, stride_om, k_per_split,
                   GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
                   USE_DOT: tl.constexpr, ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  SCALE_IN_TILE: tl.constexpr, SWAP_AB: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  SCALE_IN_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -63,56 +62,38 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr,
     mask_n = offs_n < N
     offs_packed = tl.arange(0, BLOCK_K // 8)
     shifts = tl.arange(0, 8) * 4
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
+        packed = tl.load(qw_ptr + (k0 // 8 + offs_packed)[:, None] * N + offs_n[None, :],
+                         mask=mask_n[None, :], other=0)                          # [BK/8, BN] int32
+        # Arithmetic shift of the top nibble sign-extends; the mask drops it.
+        q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
         group = k0 // GROUP
         if HAS_ZEROS:
             zero = tl.load(z_ptr + group * N + offs_n, mask=mask_n, other=0).to(tl.int32)
+            q = q - zero[None, :]
         else:
-            zero = tl.full((BLOCK_N,), 8, tl.int32)
-        scale = tl.load(s_ptr + group * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            q = q - 8
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if HAS_PERM:
             cols = tl.load(perm_ptr + offs_k)
         else:
             cols = offs_k
-        if SWAP_AB:
-            # acc.T += W.T tile @ x.T tile: the dequantised weight is the dot's first operand, which Hopper's
-            # MMA can take from registers (no round trip through shared memory); tokens are the narrow N side
-            packed = tl.load(qw_ptr + (k0 // 8 + offs_packed)[None, :] * N + offs_n[:, None],
-                             mask=mask_n[:, None], other=0)                      # [BN, BK/8] int32
-            q = tl.reshape((packed[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K)) - zero[:, None]
-            x = tl.load(x_ptr + offs_m[None, :] * stride_xm + cols[:, None], mask=mask_m[None, :], other=0.0)
-            if SCALE_IN_TILE:
-                acc = tl.dot((q.to(tl.float32) * scale[:, None]).to(x.dtype), x, acc, input_precision=DOT_PRECISION)
-            else:
-                acc += tl.dot(q.to(x.dtype), x, input_precision=DOT_PRECISION) * scale[:, None]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask_m[:, None], other=0.0)
+        scale = tl.load(s_ptr + group * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        if SCALE_IN_TILE:
+            # the scaled tile (rounded to x's dtype) accumulated straight into acc: chained MMAs on Hopper
+            acc = tl.dot(x, (q.to(tl.float32) * scale[None, :]).to(x.dtype), acc, input_precision=DOT_PRECISION)
         else:
-            packed = tl.load(qw_ptr + (k0 // 8 + offs_packed)[:, None] * N + offs_n[None, :],
-                             mask=mask_n[None, :], other=0)                      # [BK/8, BN] int32
-            # Arithmetic shift of the top nibble sign-extends; the mask drops it.
-            q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N)) - zero[None, :]
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask_m[:, None], other=0.0)
-            if SCALE_IN_TILE:
-                # the scaled tile (rounded to x's dtype) accumulated straight into acc: chained MMAs on Hopper
-                acc = tl.dot(x, (q.to(tl.float32) * scale[None, :]).to(x.dtype), acc, input_precision=DOT_PRECISION)
+            if USE_DOT:
+                part = tl.dot(x, q.to(x.dtype), input_precision=DOT_PRECISION)
             else:
-                if USE_DOT:
-                    part = tl.dot(x, q.to(x.dtype), input_precision=DOT_PRECISION)
-                else:
-                    part = tl.sum(x.to(tl.float32)[:, :, None] * q.to(tl.float32)[None, :, :], axis=1)
-                acc += part * scale[None, :]
-    if SWAP_AB:
-        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-        mask = mask_m[None, :] & mask_n[:, None]
-    else:
-        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-        mask = mask_m[:, None] & mask_n[None, :]
+                part = tl.sum(x.to(tl.float32)[:, :, None] * q.to(tl.float32)[None, :, :], axis=1)
+            acc += part * scale[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
     if ATOMIC:
         tl.atomic_add(out_ptrs, acc, mask=mask)
     else:
@@ -243,7 +224,6 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 3
     scale_in_tile: bool = False   # with use_dot: the tile scaled before the dot (see _w4a16_kernel)
-    swap_ab: bool = False         # with use_dot: W.T @ x.T, the weight tile as the dot's first operand
 
     @property
     def use_dot(self) -> bool:
@@ -264,8 +244,10 @@ class GemvConfig:
 
 
 GEMV_MAX_M = 8        # w4a16_matmul sends M <= GEMV_MAX_M to the GEMV kernel
-# With FLASHNEXT_W4A16_PREFILL=dequant, M >= DEQUANT_MIN_M dequantises the weight and multiplies with cuBLAS
-# (ops/int4_dequant_triton.py); off until scripts/gpu_prefill_gemm.py has timed it against the GEMM kernel.
+# M >= DEQUANT_MIN_M dequantises the weight and multiplies with cuBLAS (ops/int4_dequant_triton.py) unless
+# FLASHNEXT_W4A16_PREFILL=triton. H200, Flash-Next's four dense shapes (scripts/gpu_prefill_gemm.py, 2026-11-30):
+# 2.3–2.8× faster than the GEMM kernel at 512, 1,808 and 8,192 rows (10240 × 2560: 59 vs 134, 150 vs 404,
+# 613 vs 1,575 µs; its best swept tile 1,138), the dequantisation 15–27 µs a weight. Below 512 not measured.
 DEQUANT_MIN_M = 256
 PROGRAMS_PER_SM = 4   # GEMV grid target: enough programs for bytes in flight on every SM
 # Configs measured on the H200 (scripts/gpu_w4a16.py prints this table's entries): (N, K, M bucket) →
@@ -405,7 +387,7 @@ def w4a16_matmul(x: torch.Tensor, w: Int4Weight, config: LaunchConfig | GemvConf
         x = x.contiguous()
     if m == 0:
         return x.new_empty(0, n)
-    if config is None and m >= DEQUANT_MIN_M and os.environ.get("FLASHNEXT_W4A16_PREFILL", "triton") == "dequant":
+    if config is None and m >= DEQUANT_MIN_M and os.environ.get("FLASHNEXT_W4A16_PREFILL", "dequant") == "dequant":
         return x @ dequantize_triton(w, x.dtype)
     if config is None:
         config = gemv_config(m, n, k, w.group_size, x.device) if m <= GEMV_MAX_M else \
@@ -426,6 +408,6 @@ def w4a16_matmul(x: torch.Tensor, w: Int4Weight, config: LaunchConfig | GemvConf
         m, n, k, x.stride(0), out.stride(0), k_per_split,
         GROUP=w.group_size, HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None,
         USE_DOT=cfg.use_dot, ATOMIC=atomic, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
-        SCALE_IN_TILE=cfg.scale_in_tile and cfg.use_dot, SWAP_AB=cfg.swap_ab and cfg.use_dot, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SCALE_IN_TILE=cfg.scale_in_tile and cfg.use_dot, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.to(x.dtype) if atomic else out
