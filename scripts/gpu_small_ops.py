@@ -23,7 +23,7 @@ for rows in (1, 8, 300):
     print(f"router_topk {rows} rows: same experts {same:.3f}, weight err {err:.1e}")
 from flashnext.ops.rms_norm import rms_norm_reference
 from flashnext.ops.rms_norm_triton import rms_norm_triton
-for rows, dim, group in [(1, 2048, None), (8, 2048, None), (300, 10240, 2560)]:
+for rows, dim, group in [(1, 2048, None), (8, 2048, None), (300, 10240, 2560), (8192, 2560, None), (8192, 4096, 128)]:
     x = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16) * 3
     w = torch.randn(dim, device="cuda", dtype=torch.bfloat16) * 0.2
     a = rms_norm_triton(x, w, 1e-6, group).float(); b = rms_norm_reference(x, w, 1e-6, group).float()
