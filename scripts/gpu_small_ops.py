@@ -77,9 +77,11 @@ for rows in (300, 3000):  # prefill sizes: the mix through the RMSNorm and combi
     (a, ia), (b, ib) = hc_mix(h, nw, wd, wu, wi, 4, 2560, 1e-6), hc_mix_reference(h, nw, wd, wu, wi, 4, 2560, 1e-6)
     e1 = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item(), ((ia.float() - ib.float()).abs().max() / ib.float().abs().max()).item())
     out = torch.randn(rows, 2560, device="cuda", dtype=torch.bfloat16)
-    e2 = ((hc_inject(h, out, ia).float() - hc_inject_reference(h, out, ia).float()).abs().max()).item()
-    ok &= e1 < 2e-2 and e2 < 5e-2
-    print(f"hc_mix / hc_inject prefill {rows} rows bf16 max rel err {e1:.1e} / abs err {e2:.1e}")
+    # relative to the largest output: one bf16 rounding step apart at |x| ≥ 8 is 6.2e-2 absolute (3,000 rows)
+    ref = hc_inject_reference(h, out, ia).float()
+    e2 = ((hc_inject(h, out, ia).float() - ref).abs().max() / ref.abs().max()).item()
+    ok &= e1 < 2e-2 and e2 < 1e-2
+    print(f"hc_mix / hc_inject prefill {rows} rows bf16 max rel err {e1:.1e} / {e2:.1e}")
 from flashnext.ops.qsa_scores import qsa_prefill_scores_reference
 from flashnext.ops.qsa_scores_triton import qsa_prefill_scores_triton
 for length, blocks in [(1024, 2500), (1000, 65536)]:  # the indexer's prefill: 10K and 262K context

@@ -43,6 +43,7 @@ class MoeConfig:
 # the tile (the best of scripts/gpu_prefill_gemm.py's 18-config H200 sweep at 8,192 tokens, 2026-11-30: 5.0 ms per
 # Flash-Next layer, 161 TFLOP/s, vs 5.8 ms with the scale on each K tile's partial). scripts/gpu_moe.py sweeps
 # alternatives on the GPU.
+DECODE = MoeConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=3)
 PREFILL = MoeConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4, scale_in_tile=True)
 
 
