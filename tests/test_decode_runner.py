@@ -83,3 +83,46 @@ def test_advanced_sampling_batch_equals_rebuilt():
     runner._sampling_batch = rebuilt
     assert [c.token_ids for c in llm.generate(prompts, params)] == advanced
     assert len(rebuilds) > 10
+
+
+def test_prompt_tail_fed_one_token_a_step_through_the_decode_graph():
+    """Scheduler.graph_tail: a prompt chunk of at most that many tokens (an agent turn's generation prompt after
+    the history cut; a short remainder after a prefix hit) goes one token a step through the fixed-shape runner,
+    rows that do not sample included; the tokens equal the eager engine's, the prefix cache hits alike."""
+    g = torch.Generator().manual_seed(5)
+    history = torch.randint(3, 400, (40,), generator=g).tolist()
+    args = dict(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def conversation(engine):
+        prompt, hist, turns = history + [7, 8, 9, 10, 11], 40, []
+        for turn in range(3):
+            request = engine.add_request(f"t{turn}", prompt, params, history_len=hist)
+            tokens = []
+            while engine.has_work():
+                for o in engine.step():
+                    tokens += o.token_ids
+            turns.append((tokens, request.num_cached))
+            hist = len(prompt) + len(tokens) + 3          # the reply and three tokens of a new user message
+            prompt = prompt + tokens + [12, 13, 14] + [7, 8, 9, 10, 11][: 2 + turn]
+        return turns
+
+    want = conversation(LLMEngine(EngineArgs(**args)))
+    engine = LLMEngine(EngineArgs(**args))
+    assert engine.scheduler.graph_tail == 0          # no decode graphs on a CPU engine: no token-by-token tail
+    runner = engine.runner
+    runner.graphs = DecodeGraphs(runner.model, engine.kv, engine.states, max_batch=4,
+                                 max_blocks_per_seq=engine.kv.blocks_for(engine.max_model_len))
+    engine.scheduler.graph_tail = 16
+    replayed_prompt_tokens = []
+    original = runner._replay
+
+    def spy(decoding):
+        replayed_prompt_tokens.extend(c for c in decoding if not c.samples)
+        return original(decoding)
+
+    runner._replay = spy
+    got = conversation(engine)
+    assert got == want
+    assert all(cached > 0 for _, cached in got[1:])
+    assert len(replayed_prompt_tokens) >= 3 * 4       # each turn's tail but its sampled last token

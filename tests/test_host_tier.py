@@ -99,3 +99,19 @@ def test_put_reads_a_long_conversation_in_pieces(monkeypatch):
     assert asked == [WRITE_PIECE, WRITE_PIECE, 37]
     runs, _ = tier.load(b"k" * 16)
     assert all(torch.equal(torch.cat([run[name] for run in runs]), t) for name, t in blocks.items())
+
+
+def test_host_copies_share_one_buffer():
+    """copy_tensors to the host: views of one allocation at aligned offsets, equal to the sources, any dtype and
+    shape (empty ones too), independent of them afterwards."""
+    from flashnext.cache.cache_entry import PIN_ALIGN, copy_tensors
+
+    src = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int16), "c": torch.zeros(0, 4),
+           "d": torch.rand(2, 3) > 0.5, "e": torch.randn(4, 2, dtype=torch.float64).t()}
+    out = copy_tensors(src, "cpu")
+    base = out["a"].untyped_storage().data_ptr()
+    for name, t in src.items():
+        assert out[name].dtype == t.dtype and out[name].shape == t.shape and torch.equal(out[name], t), name
+        assert out[name].untyped_storage().data_ptr() == base and out[name].data_ptr() % PIN_ALIGN == base % PIN_ALIGN
+    src["a"].add_(1)
+    assert not torch.equal(out["a"], src["a"])

@@ -44,9 +44,13 @@ class ModelRunner:
         (before an eager forward or a graph capture, which may keep the host for a while)."""
         launched = launched or (lambda: None)
         requests = [c.request for c in chunks if c.samples]
-        if not requests:
+        if not requests:   # prefill only: a prompt's last tokens fed one a step (Scheduler.graph_tail) replay too
             launched()
-            self._forward_eager(chunks)
+            decoding = self._graph_chunks(chunks)
+            if decoding:
+                self._replay(decoding)
+            if len(decoding) < len(chunks):
+                self._forward_eager([c for c in chunks if c not in decoding])
             return None
         # A new sampling batch is built before the forward is queued: its small host→device copies then find the
         # GPU idle instead of waiting behind the step (a pageable copy blocks the host until it is done). The last
@@ -61,9 +65,11 @@ class ModelRunner:
             launched()
         parts = []
         if decoding:
-            rs = [c.request for c in decoding]
-            parts.append((rs, self.graphs.run([r.all_ids[r.num_computed] for r in rs], [r.num_computed for r in rs],
-                                              [r.slot for r in rs], [r.blocks for r in rs])))
+            logits = self._replay(decoding)
+            sampled = [i for i, c in enumerate(decoding) if c.samples]
+            if len(sampled) < len(decoding):   # prompt tokens fed one a step: their logits are not wanted
+                logits = logits[torch.tensor(sampled, device=logits.device)]
+            parts.append(([decoding[i].request for i in sampled], logits))
             if replay_first:
                 launched()
         if eager:
@@ -80,11 +86,18 @@ class ModelRunner:
                     logits[torch.tensor([row[id(r)] for r in rs], device=self.device)] = part.float()
         return self._sample(logits, requests, batch)
 
+    def _replay(self, decoding: list[ScheduledChunk]) -> torch.Tensor:
+        """One token per request through the decode graph → logits [len(decoding), V]."""
+        rs = [c.request for c in decoding]
+        return self.graphs.run([r.all_ids[r.num_computed] for r in rs], [r.num_computed for r in rs],
+                               [r.slot for r in rs], [r.blocks for r in rs])
+
     def _graph_chunks(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
-        """The chunks the decode graph can run: one token that is sampled, all of them in one bucket."""
+        """The chunks the decode graph can run: one token each (a decode, or a prompt token fed alone), all of
+        them in one bucket."""
         if self.graphs is None:
             return []
-        decoding = [c for c in chunks if c.num_tokens == 1 and c.samples]
+        decoding = [c for c in chunks if c.num_tokens == 1]
         if decoding and self.graphs.can_run(len(decoding), max(len(c.request.blocks) for c in decoding)):
             return decoding
         return []

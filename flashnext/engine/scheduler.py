@@ -44,8 +44,15 @@ class ScheduledChunk:
 class Scheduler:
     def __init__(self, kv: KVPool, states: StatePool, max_num_seqs: int, token_budget: int,
                  prefix_cache: PrefixCache | None = None, snapshot_interval: int = 0,
-                 prefill_budget_while_decoding: int | None = None, pacer: PrefillPacer | None = None):
+                 prefill_budget_while_decoding: int | None = None, pacer: PrefillPacer | None = None,
+                 graph_tail: int = 0):
         self.kv = kv
+        # A prompt chunk of at most this many tokens goes one token a step, so the captured decode graph runs it
+        # (ModelRunner._graph_chunks): the engine sets it when it has decode graphs. On the H200 an eager prefill
+        # step of full-size Flash-Next INT4 costs 120–150 ms of host time however few its tokens (~4,000 kernel
+        # launches), a graph step ~5 ms; an agent's turn ends its prompt with such a chunk (the generation
+        # prompt after the history cut, ~5 tokens), and a short tool result after a prefix hit is one too.
+        self.graph_tail = graph_tail
         self.states = states
         self.max_num_seqs = max_num_seqs
         self.token_budget = token_budget
@@ -121,12 +128,16 @@ class Scheduler:
         takes them at the first chunk end past each interval mark): on the H200 a 10K Flash-Next prompt prefilled
         at 4.1K tok/s through the server when snapshots cut it into 1024-token chunks, and at 7.9K tok/s in the
         engine with 8192-token chunks. The one cut is at the request's history_len, the snapshot the
-        conversation's next turn resumes from: it costs one short chunk (the generation prompt's few tokens)."""
-        n = min(request.num_tokens - start, budget)
+        conversation's next turn resumes from: it costs one short chunk (the generation prompt's few tokens), which
+        with decode graphs goes one token a step (graph_tail)."""
+        remaining = request.num_tokens - start
+        n = min(remaining, budget)
         history = request.history_len
-        if history is not None and start < history < start + n:
+        cut = history is not None and start < history < start + n
+        if cut:
             n = history - start
-        return n
+        # a short chunk that ends at the cut or the prompt's end (not one the budget cut short) goes token by token
+        return 1 if n <= self.graph_tail and (cut or n == remaining) else n
 
     def _reserve_blocks(self, request: Request, n: int, chunks: list[ScheduledChunk]) -> bool:
         need = self.kv.blocks_for(request.num_computed + n) - len(request.blocks)
