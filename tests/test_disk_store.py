@@ -183,3 +183,15 @@ def test_a_batch_of_blocks_is_split_into_files_by_the_writer_and_read_back_by_th
     assert len(rows) == 5 and all(torch.equal(r[k], b[k]) for r, b in zip(rows, blocks) for k in b)
     assert len(threads) == 5 and all(name.startswith("flashnext-disk-writer") for name in threads), threads
     assert store._readers is not None
+
+
+def test_writer_gets_host_copies_of_its_own():
+    """What goes to the writer thread shares no memory with host inputs: the host tier's arena hands a dropped
+    entry's buffer out again while the write may still wait in the queue."""
+    from flashnext.cache.disk_tier import _own_host_copy
+
+    buf = torch.arange(64, dtype=torch.float32)
+    out = _own_host_copy({"a": buf[:16], "b": buf[16:48].view(4, 8)})
+    buf.zero_()
+    assert torch.equal(out["a"], torch.arange(16, dtype=torch.float32)) and out["b"].shape == (4, 8)
+    assert out["b"][0, 0] == 16

@@ -115,3 +115,34 @@ def test_host_copies_share_one_buffer():
         assert out[name].untyped_storage().data_ptr() == base and out[name].data_ptr() % PIN_ALIGN == base % PIN_ALIGN
     src["a"].add_(1)
     assert not torch.equal(out["a"], src["a"])
+
+
+def test_arena_recycles_buffers_by_size_class():
+    """PinnedArena: buffers of power-of-two classes carved from slabs, handed out again after give_back (a
+    different class is not), None beyond its capacity; the host store gives an entry's buffers back when it drops
+    the entry, and what it loads back equals what went down."""
+    from flashnext.cache import pinned_arena
+    from flashnext.cache.pinned_arena import PinnedArena, size_class
+
+    assert size_class(1) == pinned_arena.MIN_CLASS and size_class(pinned_arena.MIN_CLASS + 1) == 2 * pinned_arena.MIN_CLASS
+    arena = PinnedArena(2 * pinned_arena.SLAB_BYTES, pin=False)
+    a = arena.take(100_000)
+    b = arena.take(100_000)
+    assert a.numel() == 100_000 and b.data_ptr() - a.data_ptr() == size_class(100_000)
+    arena.give_back(a)
+    assert arena.take(70_000).data_ptr() == a.data_ptr()          # same class (128 KiB): recycled
+    assert arena.take(100_000).data_ptr() not in (a.data_ptr(), b.data_ptr())
+    assert arena.take(3 * pinned_arena.SLAB_BYTES) is None and arena.misses == 1
+    assert arena.take(pinned_arena.SLAB_BYTES) is not None        # a second slab, the last the capacity allows
+    assert arena.take(pinned_arena.SLAB_BYTES) is None and arena.reserved == 2 * pinned_arena.SLAB_BYTES
+
+    store = HostStore(pinned_arena.SLAB_BYTES)
+    state = {"s": torch.randn(40, 33), "c": torch.arange(12, dtype=torch.int32)}
+    store.store_snapshot(b"k", (state, None), None)
+    loaded, _ = store.load_snapshot(b"k")
+    assert all(torch.equal(loaded[n], state[n]) for n in state)
+    held = store.buffers[b"k"][0].data_ptr()
+    store.drop_snapshot(b"k")
+    assert b"k" not in store.buffers
+    store.store_snapshot(b"j", ({"s": torch.randn(40, 33)}, None), None)
+    assert store.buffers[b"j"][0].data_ptr() == held                 # the dropped snapshot's buffer, reused

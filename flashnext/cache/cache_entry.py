@@ -101,29 +101,41 @@ def tensor_bytes(tensors: dict[str, torch.Tensor] | None) -> int:
     return sum(t.numel() * t.element_size() for t in (tensors or {}).values())
 
 
-PIN_ALIGN = 64   # bytes: where each tensor starts inside a pinned buffer shared by several
+PIN_ALIGN = 64   # bytes: where each tensor starts inside a host buffer shared by several
 
 
-def copy_tensors(tensors: dict[str, torch.Tensor], device, pin: bool = False) -> dict[str, torch.Tensor]:
+def _offsets(tensors: dict[str, torch.Tensor]) -> list[int]:
+    """Where each tensor starts in a shared host buffer, and (last) the buffer's size."""
+    starts = [0]
+    for t in tensors.values():
+        starts.append(starts[-1] + -(-t.numel() * t.element_size() // PIN_ALIGN) * PIN_ALIGN)
+    return starts
+
+
+def packed_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    """The size of the one host buffer copy_tensors puts these tensors in."""
+    return _offsets(tensors)[-1]
+
+
+def copy_tensors(tensors: dict[str, torch.Tensor], device, pin: bool = False,
+                 into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Copies on `device`; `pin`: host copies in pinned memory, written once (not copied to pageable first).
 
-    Host copies share one allocation (views at PIN_ALIGN offsets) and wait for their device once: page-locking
-    memory costs ~1.3 ms a call on the H200's host, and a snapshot of full-size Flash-Next is ~150 tensors (one
-    allocation and one synchronous copy each cost a 32K-token agent turn ~200 ms before the first token)."""
+    Host copies share one buffer (views at PIN_ALIGN offsets; `into`, a uint8 tensor of packed_bytes, when given,
+    e.g. from the host tier's PinnedArena) and wait for their device once: page-locking memory costs ~1.3 ms a
+    call on the H200's host, and a snapshot of full-size Flash-Next is ~150 tensors (one allocation and one
+    synchronous copy each cost a 32K-token agent turn ~200 ms before the first token)."""
     if torch.device(device).type != "cpu":
         out = {}
         for name, t in tensors.items():
             out[name] = torch.empty(t.shape, dtype=t.dtype, device=device)
             out[name].copy_(t)
         return out
-    sizes = [t.numel() * t.element_size() for t in tensors.values()]
-    starts = [0]
-    for size in sizes:
-        starts.append(starts[-1] + -(-size // PIN_ALIGN) * PIN_ALIGN)
-    flat = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=pin)
+    starts = _offsets(tensors)
+    flat = into if into is not None else torch.empty(starts[-1], dtype=torch.uint8, pin_memory=pin)
     out = {}
-    for (name, t), start, size in zip(tensors.items(), starts, sizes):
-        out[name] = flat[start: start + size].view(t.dtype).view(t.shape)
+    for (name, t), start in zip(tensors.items(), starts):
+        out[name] = flat[start: start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         out[name].copy_(t, non_blocking=True)
     for t in tensors.values():
         if t.is_cuda:   # the copies ran on t's device's current stream: the host may read them after this

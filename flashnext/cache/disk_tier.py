@@ -113,9 +113,10 @@ class DiskStore(TierStore):
         return f"{absent} of its KV block files are missing in {self.dir}" if absent else None
 
     def _write(self, path: Path, tensors: dict[str, torch.Tensor], extra: dict[str, str]) -> int:
-        """Hand the file to the writer; returns its bytes as the tier counts them. The payload is in host memory
-        when this returns (device blocks are reused at once; the host tier's tensors are never written to)."""
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+        """Hand the file to the writer; returns its bytes as the tier counts them. The payload is a copy of its own
+        in host memory when this returns: device blocks are reused at once, and so are the host tier's buffers once
+        it drops an entry (cache/pinned_arena.py), while the writer may not have written them yet."""
+        tensors = _own_host_copy(tensors)
         self._submit(self._write_file, path, tensors, extra)
         return tensor_bytes(tensors) + HEADER_BYTES
 
@@ -160,9 +161,9 @@ class DiskStore(TierStore):
         return self._write(self.block_path(h), data, BLOCK_EXTRA)
 
     def store_blocks(self, hashes: list[bytes], batch: BlockData) -> list[int]:
-        """One file per block as always: the batch comes to the host in one copy per tensor, and the writer splits
-        it into files."""
-        host = {name: t.detach().to("cpu").contiguous() for name, t in batch.items()}
+        """One file per block as always: the batch comes to the host in one copy per tensor (see _write), and the
+        writer splits it into files."""
+        host = _own_host_copy(batch)
         self._submit(self._write_blocks, [self.block_path(h) for h in hashes], host)
         return [tensor_bytes(host) // len(hashes) + HEADER_BYTES] * len(hashes)
 
@@ -275,3 +276,9 @@ class DiskTier(TierIndex):
         if removed:
             log.info("disk cache: deleted %d files that no cached conversation needs", removed)
 
+
+def _own_host_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Host tensors the writer thread alone holds: device tensors copied down, host ones (the host tier's, whose
+    buffers its arena hands out again once the entry is dropped) copied too."""
+    return {k: (v.detach().to("cpu") if v.device.type != "cpu" else v.detach().clone()).contiguous()
+            for k, v in tensors.items()}

@@ -3,8 +3,9 @@ through at the end of every turn) wait here, in pinned memory when CUDA is prese
 are plain DMA, until a request hits them or they are evicted in turn (to disk when configured).
 The index is TierIndex; this is where the payloads sit (on several ranks, one such store per rank).
 
-Blocks that come down together (a conversation's new blocks) stay together: pinned tensors per tensor of the
-KV pool hold the batch (in a few pieces of power-of-two block counts), each block is a row, and blocks stored
+Host buffers come from a PinnedArena (page-locked slabs, buffers recycled when entries are dropped), not from a
+page-locking allocation per entry. Blocks that come down together (a conversation's new blocks) stay together:
+tensors per tensor of the KV pool, views of one buffer, hold the batch (in a few pieces of power-of-two block counts), each block is a row, and blocks stored
 together load back as a few runs of views (no copy) — a few transfers per tensor instead of one per block
 and tensor. A batch's memory is
 freed when its last block is dropped; until then the tier's byte count (its blocks') can be below what the
@@ -14,15 +15,19 @@ from __future__ import annotations
 
 import torch
 
-from flashnext.cache.cache_entry import copy_tensors, tensor_bytes
+from flashnext.cache.cache_entry import copy_tensors, packed_bytes, tensor_bytes
+from flashnext.cache.pinned_arena import PinnedArena
 from flashnext.cache.tier_index import BlockData, SnapshotData, SnapshotMeta, TierStore
 
 
 class HostStore(TierStore):
     name = "host"
 
-    def __init__(self):
+    def __init__(self, capacity: int = 0):
+        """`capacity`: bytes of pinned buffers kept for reuse (the tier's budget; 0: one allocation per entry)."""
         self.pin = torch.cuda.is_available()
+        self.arena = PinnedArena(capacity, self.pin)
+        self.buffers: dict[object, list[torch.Tensor]] = {}   # batch id or snapshot key → its host buffers
         self.batches: dict[int, BlockData] = {}          # batch id → name → [rows, …]
         self.live_rows: dict[int, int] = {}              # batch id → rows still stored
         self.rows: dict[bytes, tuple[int, int]] = {}     # block hash → (batch id, row)
@@ -38,7 +43,7 @@ class HostStore(TierStore):
         for size in _powers_of_two(len(hashes)):
             batch_id, self._next_batch = self._next_batch, self._next_batch + 1
             piece = {name: t[at: at + size] for name, t in batch.items()}
-            self.batches[batch_id] = copy_tensors(piece, "cpu", self.pin)
+            self.batches[batch_id] = self._copy(batch_id, piece)
             self.live_rows[batch_id] = size
             for row, h in enumerate(hashes[at: at + size]):
                 self.rows[h] = (batch_id, row)
@@ -50,9 +55,20 @@ class HostStore(TierStore):
 
     def store_snapshot(self, key: bytes, snap: SnapshotData, meta: SnapshotMeta | None) -> int:
         state, tail_kv = snap
-        self.snapshot_data[key] = (copy_tensors(state, "cpu", self.pin),
-                                   copy_tensors(tail_kv, "cpu", self.pin) if tail_kv is not None else None)
+        self.snapshot_data[key] = (self._copy(key, state), self._copy(key, tail_kv) if tail_kv is not None else None)
         return tensor_bytes(state) + tensor_bytes(tail_kv)
+
+    def _copy(self, owner, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Host copies of `tensors` in one buffer from the arena (or a fresh one), kept under `owner`."""
+        buf = self.arena.take(packed_bytes(tensors))
+        out = copy_tensors(tensors, "cpu", self.pin, into=buf)
+        if buf is not None:
+            self.buffers.setdefault(owner, []).append(buf)
+        return out
+
+    def _release(self, owner) -> None:
+        for buf in self.buffers.pop(owner, ()):
+            self.arena.give_back(buf)
 
     def load_blocks(self, hashes: list[bytes]) -> list[BlockData]:
         runs: list[tuple[int, int, int]] = []    # (batch id, first row, rows)
@@ -77,9 +93,11 @@ class HostStore(TierStore):
         self.live_rows[batch_id] -= 1
         if self.live_rows[batch_id] == 0:
             del self.live_rows[batch_id], self.batches[batch_id]
+            self._release(batch_id)
 
     def drop_snapshot(self, key: bytes) -> None:
         del self.snapshot_data[key]
+        self._release(key)
 
 
 def _powers_of_two(n: int) -> list[int]:

@@ -65,7 +65,7 @@ def _tier_stores(args: EngineArgs, loaded, dtype, rank: int) -> list[TierStore]:
     if args.kv_host_gb > 0:
         from flashnext.cache.host_tier import HostStore
 
-        stores.append(HostStore())
+        stores.append(HostStore(int(args.kv_host_gb * (1 << 30))))
     if args.kv_disk_dir:
         from flashnext.cache.disk_tier import disk_stores, model_identity
 
