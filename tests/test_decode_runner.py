@@ -126,3 +126,6 @@ def test_prompt_tail_fed_one_token_a_step_through_the_decode_graph():
     assert got == want
     assert all(cached > 0 for _, cached in got[1:])
     assert len(replayed_prompt_tokens) >= 3 * 4       # each turn's tail but its sampled last token
+    # a short prompt that starts a sequence runs eagerly: the decode step never clears a slot's old states
+    fresh = engine.add_request("fresh", [5, 6, 7, 8, 9, 10], params)
+    assert engine.scheduler._chunk_len(fresh, 0, 32) == 6 and engine.scheduler._chunk_len(fresh, 2, 32) == 1

@@ -136,8 +136,9 @@ class Scheduler:
         cut = history is not None and start < history < start + n
         if cut:
             n = history - start
-        # a short chunk that ends at the cut or the prompt's end (not one the budget cut short) goes token by token
-        return 1 if n <= self.graph_tail and (cut or n == remaining) else n
+        # A short chunk that ends at the cut or the prompt's end (not one the budget cut short) goes token by token
+        # — unless it starts the sequence: the decode step continues a slot's states and never clears them.
+        return 1 if 0 < start and n <= self.graph_tail and (cut or n == remaining) else n
 
     def _reserve_blocks(self, request: Request, n: int, chunks: list[ScheduledChunk]) -> bool:
         need = self.kv.blocks_for(request.num_computed + n) - len(request.blocks)
