@@ -107,6 +107,21 @@ def test_warm_up_leaves_no_trace():
     assert got == greedy_alone(engine, [7, 8, 9, 10], 6)
 
 
+def test_warm_up_prepares_one_sequence_at_every_width():
+    """With decode graphs on one GPU, the warm-up also prepares batch 1's step at every block-table width (on a
+    CPU the buckets are recorded uncaptured), so a long conversation's first tokens wait for no capture."""
+    from flashnext.engine.cuda_graph import MIN_WIDTH, DecodeGraphs
+
+    engine = LLMEngine(EngineArgs(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=2,
+                                  max_num_batched_tokens=32, max_model_len=1024))
+    graphs = DecodeGraphs(engine.runner.model, engine.kv, engine.states, 2, engine.kv.blocks_for(1024))
+    engine.runner.graphs = graphs
+    engine.warm_up()
+    widths = {w for size, w in graphs.graphs if size == 1}
+    assert widths == {MIN_WIDTH << i for i in range((graphs.max_width // MIN_WIDTH).bit_length())}
+    assert graphs.capture_widths(1) == 0             # nothing left to capture
+
+
 def test_same_seed_same_text(engine):
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
     engine.add_request("a", [5, 6, 7], params)

@@ -7,8 +7,8 @@ from a graph ~1.25 µs (../shared/PERF.md). So decode-only steps replay a graph 
 Buckets: the batch rounds up to a power of two (rows past the real batch point at a scratch state slot and
 a scratch KV block, reserved here for good, so their writes land where nobody reads), and the block table
 width rounds up to a power of two of at least 16 blocks (attention and the QSA indexer read per step what
-the table holds, so a short context does not pay for the longest). Graphs are captured on first use and
-share one memory pool. `--enforce-eager` turns all of this off (debugging; docs/architecture.md).
+the table holds, so a short context does not pay for the longest). Graphs are captured on first use (one
+sequence's at every width already at the engine's warm-up on one GPU) and share one memory pool. `--enforce-eager` turns all of this off (debugging; docs/architecture.md).
 On a CPU nothing is captured: `run` executes the same fixed-shape step eagerly, which is how the tests cover
 the buckets, the padding and the scratch rows without a GPU.
 """
@@ -90,6 +90,18 @@ class DecodeGraphs:
         if self.announce is not None:
             self.announce(self, input_ids, positions, slots, width, deltas)
         return self.step(input_ids, positions, slots, width, deltas)
+
+    def capture_widths(self, size: int) -> int:
+        """Capture the step for batch `size` at every table width not captured yet (engine warm-up on one GPU: a
+        conversation resumed at 58K tokens otherwise paid a 0.2–0.3 s capture before its second token on the
+        H200). → how many were captured."""
+        width, count = MIN_WIDTH, 0
+        while width <= self.max_width:
+            if (bucket(size), width) not in self.graphs:
+                self._capture(bucket(size), width)
+                count += 1
+            width *= 2
+        return count
 
     def step(self, input_ids: list[int], positions: list[int], slots: list[int], width: int,
              deltas: list[TableDelta]) -> torch.Tensor:

@@ -261,7 +261,8 @@ class LLMEngine:
         """Run throwaway requests before serving, so the first user's request does not pay for compiling the
         Triton kernels, fla-core's autotuning and the first graph captures (on the H200 the first 10K-token request
         to full-size Flash-Next took 73 s, the next ones 2.4 s): one prompt of a full step budget plus an odd tail
-        chunk, and a short one that enters while the first decodes. The prefix cache, the counters and the pools end
+        chunk, and a short one that enters while the first decodes; then one sequence's decode step at every
+        block-table width. The prefix cache, the counters and the pools end
         as they started. → seconds taken."""
         start = time.perf_counter()
         rng = random.Random(0)
@@ -276,6 +277,9 @@ class LLMEngine:
             self.step()
         while self.has_work():
             self.step()
+        graphs = self.runner.graphs
+        if graphs is not None and graphs.announce is None:   # one GPU (several: the workers capture as announced)
+            graphs.capture_widths(1)
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         (self.prompt_tokens_total, self.generation_tokens_total, self.scheduler.prefix_queries,
