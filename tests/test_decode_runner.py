@@ -129,3 +129,33 @@ def test_prompt_tail_fed_one_token_a_step_through_the_decode_graph():
     # a short prompt that starts a sequence runs eagerly: the decode step never clears a slot's old states
     fresh = engine.add_request("fresh", [5, 6, 7, 8, 9, 10], params)
     assert engine.scheduler._chunk_len(fresh, 0, 32) == 6 and engine.scheduler._chunk_len(fresh, 2, 32) == 1
+    # nor does a sequence's first token when the budget leaves one (several GPUs: the workers clear a slot only
+    # for an eager chunk that starts a sequence)
+    from flashnext.engine.scheduler import ScheduledChunk
+
+    assert runner._graph_chunks([ScheduledChunk(fresh, 1)]) == []
+
+
+def test_prompt_tail_beside_a_prompt_that_samples_eagerly():
+    """A step whose one-token chunks all feed prompt tails (nothing to sample from the graph) beside an eager
+    prompt that samples — and a fresh short prompt, which runs eagerly — gives the eager engine's tokens."""
+    args = dict(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+
+    def run(engine):
+        out = {"a": [], "b": []}
+        engine.add_request("a", list(range(3, 48)), params, history_len=40)
+        engine.step()
+        engine.add_request("b", [5, 6, 7, 8, 9, 10], params)
+        while engine.has_work():
+            for o in engine.step():
+                out[o.request_id] += o.token_ids
+        return out
+
+    want = run(LLMEngine(EngineArgs(**args)))
+    engine = LLMEngine(EngineArgs(**args))
+    runner = engine.runner
+    runner.graphs = DecodeGraphs(runner.model, engine.kv, engine.states, max_batch=4,
+                                 max_blocks_per_seq=engine.kv.blocks_for(engine.max_model_len))
+    engine.scheduler.graph_tail = 16
+    assert run(engine) == want

@@ -142,7 +142,64 @@ def test_arena_recycles_buffers_by_size_class():
     loaded, _ = store.load_snapshot(b"k")
     assert all(torch.equal(loaded[n], state[n]) for n in state)
     held = store.buffers[b"k"][0].data_ptr()
+    # dropped while its loaded views may still be read (the prefix cache installing it while evicting others):
+    # not handed out again until the next load
     store.drop_snapshot(b"k")
     assert b"k" not in store.buffers
     store.store_snapshot(b"j", ({"s": torch.randn(40, 33)}, None), None)
-    assert store.buffers[b"j"][0].data_ptr() == held                 # the dropped snapshot's buffer, reused
+    assert store.buffers[b"j"][0].data_ptr() != held and all(torch.equal(loaded[n], state[n]) for n in state)
+    store.load_snapshot(b"j")
+    store.store_snapshot(b"m", ({"s": torch.randn(40, 33)}, None), None)
+    assert store.buffers[b"m"][0].data_ptr() == held                 # after the next load: reused
+    store.drop_snapshot(b"m")                                        # never loaded: back at once
+    store.store_snapshot(b"n", ({"s": torch.randn(40, 33)}, None), None)
+    assert store.buffers[b"n"][0].data_ptr() == held
+    small = PinnedArena(3 * pinned_arena.MIN_CLASS + 5, pin=False)   # a tier under a slab: one slab of its size
+    assert small.slab_bytes == 3 * pinned_arena.MIN_CLASS and small.take(100) is not None
+
+
+def test_entry_evicted_from_the_host_while_it_is_installed(monkeypatch):
+    """Installing a host entry may evict device entries down to the host, which can push that very entry out of
+    the host tier: its buffers must not be handed out again (to the entries coming down) while its views are
+    still being copied in (regression: the resumed conversation read another one's state)."""
+    from flashnext.cache import pinned_arena
+    from flashnext.cache.cache_entry import read_block
+    from flashnext.cache.prefix_cache import PrefixCache
+    from flashnext.cache.state_pool import StatePool
+    from flashnext.cache.tier_index import TierIndex
+
+    monkeypatch.setattr(pinned_arena, "SLAB_BYTES", 1 << 22)
+    monkeypatch.setattr(pinned_arena, "MIN_CLASS", 1 << 8)
+    cfg = parse_config(get_preset("tiny-flash-next"))
+    bs = KVPool.fit_block_size(cfg, 16)
+    kv = KVPool(cfg, 6, bs, torch.float32, torch.device("cpu"))
+    states = StatePool(cfg, 4, torch.float32, torch.device("cpu"))
+
+    def conversation(seed, value, n):
+        tokens, blocks, slot = [seed * 100 + i for i in range(n * bs)], kv.allocate(n), states.allocate()
+        for group in (kv.k, kv.v, kv.index_keys):
+            for t in group.values():
+                t[blocks] = value
+        for t in states.tensors().values():
+            t[slot] = value
+        return tokens, blocks, slot
+
+    snap_bytes = sum(t[0].numel() * t.element_size() for t in states.tensors().values())
+    block_bytes = sum(t[0].numel() * t.element_size() for g in (kv.k, kv.v, kv.index_keys) for t in g.values())
+    host = TierIndex(HostStore(pinned_arena.SLAB_BYTES), int(2 * snap_bytes + 2.5 * block_bytes), bs)
+    cache = PrefixCache(kv, states, 10 ** 9, host)
+    ta, ba, sa = conversation(1, 1.0, 2)          # A goes down to the host
+    cache.insert(ta, ba, sa, 2 * bs)
+    kv.release(ba)
+    states.release(sa)
+    cache.evict_all()
+    for seed, value in ((2, 2.0), (3, 3.0)):       # B and C on the device
+        tokens, blocks, slot = conversation(seed, value, 1)
+        cache.insert(tokens, blocks, slot, bs)
+        kv.release(blocks)
+        states.release(slot)
+    kv.allocate(kv.num_free)                       # every other block in use: installing A evicts B and C
+    hit = cache.lookup(ta + [0], 2 * bs)
+    assert hit is not None and hit.num_tokens == 2 * bs
+    assert {float(read_block(kv, b)[f"k.{next(iter(kv.k))}"].flatten()[0]) for b in hit.blocks} == {1.0}
+    assert all(float(t.flatten()[0]) == 1.0 for t in hit.snapshot.state.values())

@@ -24,10 +24,16 @@ class HostStore(TierStore):
     name = "host"
 
     def __init__(self, capacity: int = 0):
-        """`capacity`: bytes of pinned buffers kept for reuse (the tier's budget; 0: one allocation per entry)."""
+        """`capacity`: bytes of buffers the arena may page-lock for reuse (the tier's budget; entries it cannot
+        serve get an allocation of their own)."""
         self.pin = torch.cuda.is_available()
         self.arena = PinnedArena(capacity, self.pin)
         self.buffers: dict[object, list[torch.Tensor]] = {}   # batch id or snapshot key → its host buffers
+        # Views handed out by a load may still be in use when their entry is dropped: the prefix cache installs
+        # an entry while evicting others, whose way down can push the very entry out of this tier. Buffers of
+        # entries loaded since the last load go back to the arena only at the next load.
+        self.held: set = set()
+        self.pending: list[torch.Tensor] = []
         self.batches: dict[int, BlockData] = {}          # batch id → name → [rows, …]
         self.live_rows: dict[int, int] = {}              # batch id → rows still stored
         self.rows: dict[bytes, tuple[int, int]] = {}     # block hash → (batch id, row)
@@ -67,10 +73,22 @@ class HostStore(TierStore):
         return out
 
     def _release(self, owner) -> None:
-        for buf in self.buffers.pop(owner, ()):
+        buffers = self.buffers.pop(owner, ())
+        if owner in self.held:
+            self.pending.extend(buffers)
+        else:
+            for buf in buffers:
+                self.arena.give_back(buf)
+
+    def _load_starts(self, owners) -> None:
+        """A load: what earlier loads handed out is no longer read, so their dropped buffers can be reused."""
+        for buf in self.pending:
             self.arena.give_back(buf)
+        self.pending.clear()
+        self.held = set(owners)
 
     def load_blocks(self, hashes: list[bytes]) -> list[BlockData]:
+        self._load_starts(self.rows[h][0] for h in hashes)
         runs: list[tuple[int, int, int]] = []    # (batch id, first row, rows)
         for h in hashes:
             batch_id, row = self.rows[h]
@@ -83,9 +101,11 @@ class HostStore(TierStore):
 
     def load_block(self, h: bytes) -> BlockData:
         batch_id, row = self.rows[h]
+        self._load_starts([batch_id])
         return {name: t[row] for name, t in self.batches[batch_id].items()}
 
     def load_snapshot(self, key: bytes) -> SnapshotData:
+        self._load_starts([key])
         return self.snapshot_data[key]
 
     def drop_block(self, h: bytes) -> None:

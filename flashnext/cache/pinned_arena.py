@@ -14,7 +14,7 @@ import torch
 
 from flashnext.weights.pinned import host_empty
 
-SLAB_BYTES = 1 << 30      # page-locked at a time as the tier grows
+SLAB_BYTES = 1 << 30      # page-locked at a time as the tier grows (a smaller tier: its own size)
 MIN_CLASS = 1 << 16       # the smallest buffer handed out (64 KiB)
 
 
@@ -25,6 +25,8 @@ def size_class(nbytes: int) -> int:
 class PinnedArena:
     def __init__(self, capacity: int, pin: bool):
         self.capacity = capacity          # bytes of slabs at most (the tier's budget)
+        # a tier smaller than SLAB_BYTES gets one slab of its size (in whole MIN_CLASS units)
+        self.slab_bytes = min(SLAB_BYTES, capacity // MIN_CLASS * MIN_CLASS)
         self.pin = pin
         self.slabs: list[torch.Tensor] = []
         self.used = 0                     # bytes of the last slab handed out
@@ -33,12 +35,14 @@ class PinnedArena:
 
     @property
     def reserved(self) -> int:
-        return len(self.slabs) * SLAB_BYTES
+        return len(self.slabs) * self.slab_bytes
 
     def take(self, nbytes: int) -> torch.Tensor | None:
-        """A uint8 buffer of at least nbytes, or None (larger than a slab, or the capacity is reached)."""
+        """A uint8 buffer of at least nbytes, or None (larger than a slab, or the capacity is reached: buffers
+        never split or merge across classes, so a tier of mixed sizes can miss while slabs hold free buffers of
+        other classes; the caller then allocates on its own)."""
         cls = size_class(nbytes)
-        if cls > SLAB_BYTES:
+        if cls > self.slab_bytes:
             self.misses += 1
             return None
         recycled = self.free.get(cls)
@@ -47,11 +51,11 @@ class PinnedArena:
             if done is not None:
                 done.synchronize()
             return buf[:nbytes]
-        if not self.slabs or self.used + cls > SLAB_BYTES:
-            if self.reserved + SLAB_BYTES > self.capacity:
+        if not self.slabs or self.used + cls > self.slab_bytes:
+            if self.reserved + self.slab_bytes > self.capacity:
                 self.misses += 1
                 return None
-            self.slabs.append(host_empty((SLAB_BYTES,), torch.uint8, self.pin, "the host tier"))
+            self.slabs.append(host_empty((self.slab_bytes,), torch.uint8, self.pin, "the host tier"))
             self.used = 0
         buf = self.slabs[-1][self.used: self.used + cls]
         self.used += cls
@@ -62,7 +66,7 @@ class PinnedArena:
         start = buf.data_ptr()
         for slab in self.slabs:
             offset = start - slab.data_ptr()
-            if 0 <= offset < SLAB_BYTES:
+            if 0 <= offset < self.slab_bytes:
                 break
         else:
             return   # not ours: an allocation of the caller's, freed with its tensors

@@ -1,8 +1,9 @@
 """The decode step as captured CUDA graphs: one graph per (batch bucket, block-table width bucket).
 
 A decode step of Flash-Next is ~1,700 kernels (BENCHMARKS.md); launched from Python each costs ~8–24 µs, replayed
-from a graph ~1.25 µs (../shared/PERF.md). So decode-only steps replay a graph of `model.decode` +
-`compute_logits` over static input tensors (models/decode_batch.py); prefill chunks stay eager.
+from a graph ~1.25 µs (../shared/PERF.md). So one-token steps of sequences under way (decodes, and a prompt's
+last few tokens fed one a step: Scheduler.graph_tail) replay a graph of `model.decode` + `compute_logits` over
+static input tensors (models/decode_batch.py); other prefill chunks stay eager.
 
 Buckets: the batch rounds up to a power of two (rows past the real batch point at a scratch state slot and
 a scratch KV block, reserved here for good, so their writes land where nobody reads), and the block table

@@ -322,7 +322,7 @@ class LLMEngine:
                     lp = TokenLogprob(tokens[i], logprobs[i], pairs)
                 self._append_token(request, tokens[i], lp)
             if self.scheduler.pacer is not None:   # the sampled tokens are on the host: the GPU is done
-                decodes = sum(c.num_tokens == 1 and c.samples for c in chunks)
+                decodes = sum(c.num_tokens == 1 for c in chunks)   # decodes and prompt tails: graph rows
                 self.scheduler.pacer.record(sum(c.num_tokens for c in chunks) - decodes, decodes,
                                             time.perf_counter() - started)
         for c in chunks:

@@ -1,8 +1,9 @@
 """Runs one scheduled step through the model and samples the requests whose chunk reached their end.
 
-This is the one place that turns scheduler output into tensors. Requests that decode one token replay the
-captured decode graph when `graphs` is given (engine/cuda_graph.py); prefill chunks run the eager torch path,
-in the same step, so running streams keep their fast path while a long prompt enters.
+This is the one place that turns scheduler output into tensors. Requests that decode one token — or feed one
+prompt token of a sequence under way (Scheduler.graph_tail) — replay the captured decode graph when `graphs` is
+given (engine/cuda_graph.py); other prefill chunks run the eager torch path, in the same step, so running
+streams keep their fast path while a long prompt enters.
 """
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], launched: Callable[[], None] | None = None) -> SamplerOutput | None:
-        """One step: chunks that decode one token go through the captured graph (when there is one), the rest
-        (prefill chunks) through the eager forward, in the same step; sampled in the order of `chunks`.
+        """One step: one-token chunks of sequences under way (decodes, prompt tails) go through the captured graph
+        (when there is one), the rest (prefill chunks) through the eager forward, in the same step; the chunks
+        that sample are sampled in the order of `chunks`.
         `launched` is called once: after the graph replay when an existing graph runs the whole step, else first
         (before an eager forward or a graph capture, which may keep the host for a while)."""
         launched = launched or (lambda: None)
@@ -68,8 +70,9 @@ class ModelRunner:
             logits = self._replay(decoding)
             sampled = [i for i, c in enumerate(decoding) if c.samples]
             if len(sampled) < len(decoding):   # prompt tokens fed one a step: their logits are not wanted
-                logits = logits[torch.tensor(sampled, device=logits.device)]
-            parts.append(([decoding[i].request for i in sampled], logits))
+                logits = logits[torch.tensor(sampled, dtype=torch.long, device=logits.device)]
+            if sampled:
+                parts.append(([decoding[i].request for i in sampled], logits))
             if replay_first:
                 launched()
         if eager:
@@ -97,7 +100,9 @@ class ModelRunner:
         them in one bucket."""
         if self.graphs is None:
             return []
-        decoding = [c for c in chunks if c.num_tokens == 1]
+        # not a sequence's first token: the decode step continues a slot's states (on several GPUs the workers
+        # clear a slot only for an eager chunk that starts a sequence)
+        decoding = [c for c in chunks if c.num_tokens == 1 and c.request.num_computed > 0]
         if decoding and self.graphs.can_run(len(decoding), max(len(c.request.blocks) for c in decoding)):
             return decoding
         return []
