@@ -3,7 +3,7 @@
 applied to the fp32 partial or to the weight tile before the dot (scale_in_tile), checked against the torch reference and timed against bf16
 cuBLAS on the dequantised weight (dense) or the matmul FLOPs (MoE), and the dense dequantise-then-cuBLAS path
 (the default from 256 rows). Prints the best config per shape.
-Run: python3 scripts/gpu_prefill_gemm.py [--m 8192] [--moe-only] [--dense-only-m 512 ...]   (the second: no sweep, the default
+Run: python3 scripts/gpu_prefill_gemm.py [--m 8192] [--dense-only-m 512 ...]   (the second: no sweep, the default
 kernel against dequantise-then-cuBLAS at that M: where the default dequantised path starts to pay)"""
 import argparse
 import itertools
@@ -24,9 +24,6 @@ from gpu_moe import random_experts, routing
 DENSE = [(10240, 2560), (2560, 6144), (12288, 2560), (6144, 2560)]
 TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 128, 8, 3),
          (64, 256, 64, 8, 3), (128, 64, 64, 4, 4), (256, 128, 64, 8, 3)]
-# nibble_dots (eight dots of K/8 a tile, no unpacked-tile reshape): K tiles of 128
-MOE_NIBBLE_TILES = [(64, 64, 128, 4, 4), (64, 64, 128, 4, 3), (64, 128, 128, 4, 3), (64, 128, 128, 8, 3),
-                    (128, 64, 128, 4, 3), (128, 128, 128, 8, 3), (32, 128, 128, 4, 4)]
 MOE_TILES = [(64, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 128, 128, 8, 3), (128, 64, 64, 4, 4),
              (64, 256, 64, 8, 3), (32, 128, 64, 4, 4), (64, 64, 128, 4, 4), (64, 64, 64, 4, 5)]
 
@@ -63,7 +60,7 @@ def dense(m):
             print(f"        {t:8.1f} us  {cfg}")
 
 
-def moe(m, nibble_only=False):
+def moe(m):
     h, i = 2560, 640
     print(f"\nMoE grouped INT4, M={m} tokens, top-10 of 512, H={h} I={i}, bf16")
     wgu, wd = random_experts(2 * i, h, seed=0), random_experts(h, i, seed=1)
@@ -71,11 +68,8 @@ def moe(m, nibble_only=False):
     ref = moe_int4_reference(x.float(), ids, w, wgu, wd)
     flops = 2 * m * 10 * 3 * h * i
     times = {}
-    candidates = [PREFILL] if nibble_only else [
-        MoeConfig(bm, bn, bk, warps, stages, in_tile)
-        for (bm, bn, bk, warps, stages), in_tile in itertools.product(MOE_TILES, (False, True))]
-    candidates += [MoeConfig(bm, bn, bk, warps, stages, nibble_dots=True) for bm, bn, bk, warps, stages in MOE_NIBBLE_TILES]
-    for cfg in candidates:
+    for (bm, bn, bk, warps, stages), in_tile in itertools.product(MOE_TILES, (False, True)):
+        cfg = MoeConfig(bm, bn, bk, warps, stages, in_tile)
         try:
             got = moe_int4_triton(x, ids, w, wgu, wd, cfg)
             assert rel(got, ref) < 2e-2, rel(got, ref)
@@ -101,14 +95,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, action="append", default=[])
     ap.add_argument("--dense-only-m", type=int, action="append", default=[])
-    ap.add_argument("--moe-only", action="store_true", help="the MoE alone: the default against the nibble_dots tiles")
     args = ap.parse_args()
     for m in args.dense_only_m:
         dense_crossover(m)
     for m in args.m or ([] if args.dense_only_m else [8192]):
-        if not args.moe_only:
-            dense(m)
-        moe(m, nibble_only=args.moe_only)
+        dense(m)
+        moe(m)
     return 0
 
 

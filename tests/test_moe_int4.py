@@ -125,17 +125,3 @@ def test_triton_default_configs(m):
     x, ids, weights, w_gate_up, w_down = case(m, 8, 3, 128, 64, 64, 64, asym=True)
     got = moe_int4_triton(x, ids, weights, w_gate_up, w_down)
     assert rel_err(got, moe_int4_reference(x, ids, weights, w_gate_up, w_down)) < 1e-5
-
-
-@pytest.mark.parametrize("m,asym,act_order", [(3, True, False), (40, False, True), (40, True, True)])
-def test_triton_nibble_dots(m, asym, act_order):
-    """MoeConfig.nibble_dots: eight dots of K = BLOCK_K/8 per tile, x's columns 8i + j against nibble j of each
-    word (decode and prefill blocks, zeros and act-order); K tiles under 128 rows are refused."""
-    from flashnext.ops.moe_int4_triton import MoeConfig, moe_int4_triton
-
-    x, ids, weights, w_gate_up, w_down = case(m, 8, 3, 256, 128, 128, 128, asym, act_order)
-    config = MoeConfig(block_m=16, block_n=32, block_k=128, nibble_dots=True)
-    got = moe_int4_triton(x, ids, weights, w_gate_up, w_down, config)
-    assert rel_err(got, moe_int4_reference(x, ids, weights, w_gate_up, w_down)) < 1e-5
-    with pytest.raises(ValueError):
-        moe_int4_triton(x, ids, weights, w_gate_up, w_down, MoeConfig(16, 32, 64, nibble_dots=True))

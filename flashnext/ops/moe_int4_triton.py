@@ -37,7 +37,6 @@ class MoeConfig:
     num_warps: int = 4
     num_stages: int = 2
     scale_in_tile: bool = False   # see _dequant_dot
-    nibble_dots: bool = False     # see _nibble_weights (block_k >= 128)
 
 
 # Decode: many narrow N tiles so 10 experts still fill 132 SMs; prefill: tensor-core-sized tiles, the scale in
@@ -84,32 +83,6 @@ def _dequant_dot(acc, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, off
 
 
 @triton.jit
-def _packed_group(qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, N,
-                  HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The K tile's packed words [BLOCK_K/8, BLOCK_N] as loaded, and its group's bias (2**23 + zero) and scale
-    [1, BLOCK_N] (a tile inside one group)."""
-    words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    packed = tl.load(qweight_ptr + words[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
-    group = k0 // group_size
-    if HAS_ZEROS:
-        zero = tl.load(zeros_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.float32)
-    else:
-        zero = tl.full((BLOCK_N,), 8.0, tl.float32)
-    scale = tl.load(scales_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.float32)
-    return packed, (8388608.0 + zero)[None, :], scale[None, :]
-
-
-@triton.jit
-def _nibble_weights(packed, bias, scale, j: tl.constexpr, dtype: tl.constexpr):
-    """Rows 8i + j of a K tile (nibble j of each packed word) dequantised and scaled, in `dtype`: the weights of
-    one of eight dots of K = BLOCK_K/8 (MoeConfig.nibble_dots), which take x's columns 8i + j — no reshape of
-    the unpacked tile into [BLOCK_K, BLOCK_N] (a shuffle of every nibble through registers or shared memory).
-    The nibble ORed into the mantissa of 2**23 is the fp32 2**23 + q exactly: no int→float conversion."""
-    q = (((packed >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-    return ((q - bias) * scale).to(dtype)
-
-
-@triton.jit
 def _columns(perm_ptr, k0, offs_k, HAS_PERM: tl.constexpr):
     """The activation columns packed rows k0.. multiply: act-order weights gather them through perm."""
     if HAS_PERM:
@@ -133,8 +106,7 @@ def _block_rows(start, sorted_ids_ptr, order_ptr, n_pairs, BLOCK_M: tl.constexpr
 def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr,
                     qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, n_pairs, H, I, group_size,
                     TOP_K: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, PRECISION: tl.constexpr,
-                    SCALE_IN_TILE: tl.constexpr, NIBBLE_DOTS: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    SCALE_IN_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     start = tl.load(block_start_ptr + tl.program_id(0))
     if start < 0:  # a spare entry of the block table
         return
@@ -150,25 +122,13 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr,
     offs_k = tl.arange(0, BLOCK_K)
     gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    offs_w = 8 * tl.arange(0, BLOCK_K // 8)
     for k0 in range(0, H, BLOCK_K):
-        if NIBBLE_DOTS:
-            pg, bg, sg = _packed_group(qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, N,
-                                       HAS_ZEROS, BLOCK_K, BLOCK_N)
-            pu, bu, su = _packed_group(qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, I + offs_n, n_ok, N,
-                                       HAS_ZEROS, BLOCK_K, BLOCK_N)
-            for j in tl.static_range(8):
-                cols = _columns(perm_ptr, k0, offs_w + j, HAS_PERM)
-                a = tl.load(x_ptr + token[:, None] * H + cols[None, :], mask=ok[:, None], other=0)
-                gate = tl.dot(a, _nibble_weights(pg, bg, sg, j, a.dtype), gate, input_precision=PRECISION)
-                up = tl.dot(a, _nibble_weights(pu, bu, su, j, a.dtype), up, input_precision=PRECISION)
-        else:
-            cols = _columns(perm_ptr, k0, offs_k, HAS_PERM)
-            a = tl.load(x_ptr + token[:, None] * H + cols[None, :], mask=ok[:, None], other=0)
-            gate = _dequant_dot(gate, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, N,
-                                HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, SCALE_IN_TILE)
-            up = _dequant_dot(up, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, I + offs_n, n_ok, N,
-                              HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, SCALE_IN_TILE)
+        cols = _columns(perm_ptr, k0, offs_k, HAS_PERM)
+        a = tl.load(x_ptr + token[:, None] * H + cols[None, :], mask=ok[:, None], other=0)
+        gate = _dequant_dot(gate, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, N,
+                            HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, SCALE_IN_TILE)
+        up = _dequant_dot(up, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, I + offs_n, n_ok, N,
+                          HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, SCALE_IN_TILE)
     h = gate * tl.sigmoid(gate) * up
     tl.store(h_ptr + rows[:, None] * I + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=ok[:, None] & n_ok[None, :])
@@ -178,8 +138,7 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr,
 def _down_kernel(h_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, order_ptr, block_start_ptr,
                  qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, n_pairs, H, I, group_size,
                  HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, PRECISION: tl.constexpr,
-                 SCALE_IN_TILE: tl.constexpr, NIBBLE_DOTS: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 SCALE_IN_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     start = tl.load(block_start_ptr + tl.program_id(0))
     if start < 0:  # a spare entry of the block table
         return
@@ -192,20 +151,11 @@ def _down_kernel(h_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, order_ptr, bloc
     n_ok = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    offs_w = 8 * tl.arange(0, BLOCK_K // 8)
     for k0 in range(0, I, BLOCK_K):
-        if NIBBLE_DOTS:
-            packed, bias, scale = _packed_group(qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, H,
-                                                HAS_ZEROS, BLOCK_K, BLOCK_N)
-            for j in tl.static_range(8):
-                cols = _columns(perm_ptr, k0, offs_w + j, HAS_PERM)
-                a = tl.load(h_ptr + rows[:, None] * I + cols[None, :], mask=ok[:, None], other=0)
-                acc = tl.dot(a, _nibble_weights(packed, bias, scale, j, a.dtype), acc, input_precision=PRECISION)
-        else:
-            cols = _columns(perm_ptr, k0, offs_k, HAS_PERM)
-            a = tl.load(h_ptr + rows[:, None] * I + cols[None, :], mask=ok[:, None], other=0)
-            acc = _dequant_dot(acc, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, H,
-                               HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, SCALE_IN_TILE)
+        cols = _columns(perm_ptr, k0, offs_k, HAS_PERM)
+        a = tl.load(h_ptr + rows[:, None] * I + cols[None, :], mask=ok[:, None], other=0)
+        acc = _dequant_dot(acc, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, H,
+                           HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, SCALE_IN_TILE)
     weight = tl.load(topk_weights_ptr + pair, mask=ok, other=0).to(tl.float32)
     tl.store(y_ptr + pair[:, None] * H + offs_n[None, :], acc * weight[:, None], mask=ok[:, None] & n_ok[None, :])
 
@@ -266,27 +216,23 @@ def moe_int4_triton(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: In
     h = torch.empty(n_pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(n_pairs, hidden, dtype=torch.float32, device=x.device)
     common = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, PRECISION=precision,
-                  SCALE_IN_TILE=config.scale_in_tile, NIBBLE_DOTS=config.nibble_dots,
+                  SCALE_IN_TILE=config.scale_in_tile,
                   num_warps=config.num_warps, num_stages=config.num_stages)
 
     def optional(w):  # zeros and perm, or a dummy pointer never read (HAS_ZEROS/HAS_PERM are constexprs)
         return (w.scales if w.zeros is None else w.zeros, w.qweight if w.perm is None else w.perm,
                 dict(HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None))
 
-    block_k_up = block_k_for_group(config.block_k, w_gate_up.group_size)
-    block_k_down = block_k_for_group(config.block_k, w_down.group_size)
-    if config.nibble_dots and min(block_k_up, block_k_down) < 128:
-        raise ValueError(f"nibble_dots needs K tiles of >= 128 rows (dots of K >= 16), got {config} with groups "
-                         f"{w_gate_up.group_size} / {w_down.group_size}")
     grid = (block_start.numel(), triton.cdiv(inter, config.block_n))
     zeros, perm, flags = optional(w_gate_up)
     _gate_up_kernel[grid](
         x, h, sorted_ids, order, block_start, w_gate_up.qweight, w_gate_up.scales, zeros, perm,
-        n_pairs, hidden, inter, w_gate_up.group_size, TOP_K=top_k, BLOCK_K=block_k_up, **flags, **common)
+        n_pairs, hidden, inter, w_gate_up.group_size, TOP_K=top_k,
+        BLOCK_K=block_k_for_group(config.block_k, w_gate_up.group_size), **flags, **common)
     grid = (block_start.numel(), triton.cdiv(hidden, config.block_n))
     zeros, perm, flags = optional(w_down)
     _down_kernel[grid](
         h, y, topk_weights.reshape(-1).contiguous(), sorted_ids, order, block_start,
         w_down.qweight, w_down.scales, zeros, perm, n_pairs, hidden, inter, w_down.group_size,
-        BLOCK_K=block_k_down, **flags, **common)
+        BLOCK_K=block_k_for_group(config.block_k, w_down.group_size), **flags, **common)
     return y.view(m, top_k, hidden).sum(1).to(x.dtype)
