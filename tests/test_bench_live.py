@@ -136,6 +136,8 @@ def test_agentic_session_grows_turn_by_turn(run):
     assert prompts == sorted(prompts) and len(set(prompts)) == TURNS
     assert {s["call_source"] for s in samples} <= {"model", "scripted"}
     assert all(s["tool"] for s in samples) and samples[-1]["result_bytes"] >= 40
+    # our server opens a choice with its first token: the first chunk never comes after the first text
+    assert all(0 < s["first_chunk_s"] <= s["ttft_s"] for s in samples)
 
 
 def test_idle_conversations_are_judged_by_their_cached_history(run):

@@ -207,7 +207,8 @@ def test_stream_timing_usage_and_request_body():
     r = asyncio.run(_client(body, seen=seen).chat([{"role": "user", "content": "hi"}], 2, ignore_eos=True))
     assert (r.content, r.prompt_tokens, r.completion_tokens, r.cached_tokens) == ("Hello", 12, 2, 8)
     assert r.n_deltas == 2 and r.finish_reason == "length" and r.ttft_source == "delta"
-    assert 0 <= r.ttft_s <= r.last_delta_s <= r.wall_s
+    assert 0 <= r.first_chunk_s <= r.ttft_s <= r.last_delta_s <= r.wall_s
+    assert r.sample()["first_chunk_s"] == r.first_chunk_s
     sent = seen[0]
     assert sent["stream"] and sent["stream_options"] == {"include_usage": True}
     assert (sent["temperature"], sent["top_p"], sent["top_k"], sent["min_p"]) == (0.6, 0.95, 20, 0.0)
@@ -222,7 +223,7 @@ def test_stream_merges_tool_call_fragments_and_reasoning():
                 _delta(tool_calls=[{"index": 0, "function": {"arguments": 'th": "a.py"}'}}]),
                 {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 9}})
     r = asyncio.run(_client(body).chat([], 16, tools=TOOLS, tool_choice="required"))
-    assert r.reasoning == "hmm" and r.cached_tokens is None and r.n_deltas == 3
+    assert r.reasoning == "hmm" and r.cached_tokens is None and r.n_deltas == 3 and r.first_chunk_s is not None
     assert r.tool_calls == [{"id": "call_1", "type": "function",
                              "function": {"name": "read", "arguments": '{"path": "a.py"}'}}]
 

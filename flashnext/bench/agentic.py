@@ -47,14 +47,19 @@ def headline(result: dict) -> dict | None:
 
 def table(result: dict) -> str:
     rows = [[s["turn"], f"{s['prompt_tokens']:,}", md.num(s["cached_tokens"], 0),
-             md.num(s["ttft_s"], 3), s["tool"], s["call_source"], f"{s['result_bytes']:,}"]
+             md.num(s["ttft_s"], 3), md.num(s.get("first_chunk_s"), 3), s["tool"], s["call_source"],
+             f"{s['result_bytes']:,}"]
             for s in result["samples"]]
-    out = md.table(["turn", "prompt tokens", "cached tokens", "TTFT s", "tool call", "call from",
+    out = md.table(["turn", "prompt tokens", "cached tokens", "TTFT s", "first chunk s", "tool call", "call from",
                     "result bytes"], rows)
     last = headline(result)
     if last:
         out += (f"\n\nHeadline: turn-{last['turn']} TTFT {md.num(last['ttft_s'], 3)} s at "
-                f"{last['prompt_tokens']:,} prompt tokens ({md.num(last['cached_tokens'], 0)} cached).")
+                f"{last['prompt_tokens']:,} prompt tokens ({md.num(last['cached_tokens'], 0)} cached)")
+        if last.get("first_chunk_s") is not None:
+            out += (f"; first chunk {md.num(last['first_chunk_s'], 3)} s (the first token where the server opens a "
+                    "choice with it: a tool call's text comes whole at its end)")
+        out += "."
     return out
 
 

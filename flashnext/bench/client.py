@@ -40,6 +40,10 @@ class StreamResult:
     # "delta"; or "finish" when the reply had no visible delta at all (a random-weight model that
     # says only EOS): then the chunk that ended the choice is the first sign of the first token.
     ttft_source: str | None = None
+    # the first data chunk with a choice in it (its role, as a rule): the first generated token on servers
+    # that open a choice with it (ours, OpenAI's, vLLM's), also when the text comes later (a tool call held
+    # until it is complete); None when no chunk had a choice
+    first_chunk_s: float | None = None
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -54,7 +58,7 @@ class StreamResult:
             "n_deltas": self.n_deltas, "finish_reason": self.finish_reason,
             "content_chars": len(self.content), "reasoning_chars": len(self.reasoning),
             "tool_calls": len(self.tool_calls), "decode_tok_s": self.decode_tok_s, "ttft_source": self.ttft_source,
-            **extra,
+            "first_chunk_s": self.first_chunk_s, **extra,
         }
 
 
@@ -149,7 +153,7 @@ class OpenAIClient:
                 body["tool_choice"] = tool_choice
         t_start = time.time()
         t0 = time.perf_counter()
-        ttft = last = finished_at = None
+        ttft = last = finished_at = first_chunk = None
         n_deltas = 0
         usage: dict | None = None
         finish_reason = None
@@ -172,6 +176,8 @@ class OpenAIClient:
                     raise BenchError(f"the stream carried an error: {chunk['error']}")
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+                if chunk.get("choices") and first_chunk is None:
+                    first_chunk = now
                 for choice in chunk.get("choices") or []:
                     delta = choice.get("delta") or {}
                     text = delta.get("content") or ""
@@ -201,7 +207,7 @@ class OpenAIClient:
             prompt_tokens=usage.get("prompt_tokens"), completion_tokens=usage.get("completion_tokens"),
             cached_tokens=details.get("cached_tokens"), n_deltas=n_deltas, finish_reason=finish_reason,
             content="".join(content), reasoning="".join(reasoning),
-            tool_calls=[calls[i] for i in sorted(calls)], ttft_source=source)
+            tool_calls=[calls[i] for i in sorted(calls)], ttft_source=source, first_chunk_s=first_chunk)
 
 
 def _merge_tool_call(calls: dict[int, dict], delta: dict) -> None:

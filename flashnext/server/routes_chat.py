@@ -202,6 +202,7 @@ class _ChatChunks:
         self.include_usage = include_usage
         self.called_tools = [False] * len(parsers_)
         self.completion = [0] * len(parsers_)
+        self.opened = [False] * len(parsers_)
         self.prompt_tokens = self.cached_tokens = 0
 
     def _chunk(self, index: int, delta: dict, finish_reason=None, logprobs=None) -> dict:
@@ -212,9 +213,16 @@ class _ChatChunks:
         return chunk
 
     def start(self) -> list[dict]:
-        return [self._chunk(i, {"role": "assistant", "content": ""}) for i in range(len(self.parsers))]
+        # A choice's role chunk goes out with its first output, as OpenAI's and vLLM's do: the first data frame
+        # then marks the first generated token (a client's time to first token), also when the text is held
+        # back (a tool call is emitted whole at its end); a long prefill sends keep-alive comments meanwhile.
+        return []
 
     def output(self, index: int, out) -> list[dict]:
+        opening = []
+        if not self.opened[index]:
+            self.opened[index] = True
+            opening.append(self._chunk(index, {"role": "assistant", "content": ""}))
         self.completion[index] = out.completion_tokens
         if index == 0:
             self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
@@ -232,7 +240,7 @@ class _ChatChunks:
             logprobs = None
         if out.finished:
             chunks.append(self._chunk(index, {}, _finish_reason(out.finish_reason, self.called_tools[index])))
-        return chunks
+        return opening + chunks
 
     def end(self) -> list[dict]:
         if not self.include_usage:
