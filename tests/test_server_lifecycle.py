@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 
@@ -102,6 +103,17 @@ def test_keepalive_comments_while_the_prompt_is_prefilled(tight_server):
     first_data = next(i for i, line in enumerate(lines) if line.startswith("data: "))
     assert first_data > 0 and all(line == ": keep-alive" for line in lines[:first_data]), lines[:5]
     assert lines[-1] == "data: [DONE]"
+
+
+def test_chat_stream_opens_its_choice_with_the_first_token(tight_server):
+    # The role chunk comes with the first generated token, after the prefill's keep-alives (as OpenAI's does),
+    # so the first data frame marks the first token even when the text is held back.
+    body = {"messages": [{"role": "user", "content": "tokens " * 2500}], "max_tokens": 2, "stream": True}
+    with tight_server.client() as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+        lines = [line for line in r.iter_lines() if line]
+    first_data = next(i for i, line in enumerate(lines) if line.startswith("data: "))
+    assert first_data > 0 and all(line == ": keep-alive" for line in lines[:first_data]), lines[:5]
+    assert json.loads(lines[first_data][6:])["choices"][0]["delta"]["role"] == "assistant"
 
 
 def test_sigterm_writes_the_prefix_cache_to_the_disk_tier_before_exiting(tmp_path):
