@@ -133,6 +133,20 @@ def test_host_tier_restore(flash):
     assert run(engine, turn2) == (cold(engine, turn2, 6), 95)
     pools_idle(engine)
     assert not engine.prefix_cache.lower.snaps
+    # /metrics: the hit came from the host tier; every tier's bytes, budget and entries are reported
+    from types import SimpleNamespace
+
+    from flashnext.server.metrics import _EngineCollector
+
+    assert engine.prefix_cache.restored_tokens == {"host": 95} and engine.prefix_cache.restore_seconds["host"] > 0
+    families = {f.name: f for f in _EngineCollector(SimpleNamespace(served_model_name="m"), lambda: engine).collect()}
+    restored = {s.labels["tier"]: s.value for s in families["flashnext_prefix_cache_restored_tokens"].samples
+                if s.name.endswith("_total")}
+    assert restored == {"host": 95}
+    held = {s.labels["tier"]: s.value for s in families["flashnext_prefix_cache_bytes"].samples}
+    budget = {s.labels["tier"]: s.value for s in families["flashnext_prefix_cache_capacity_bytes"].samples}
+    assert held.keys() == budget.keys() == {"device", "host"} and held["device"] == engine.prefix_cache.snapshot_bytes
+    assert budget["host"] == engine.prefix_cache.lower.capacity
 
 
 def test_disk_restart_corrupt_and_foreign(flash, tmp_path, caplog):

@@ -20,7 +20,8 @@ Device memory is LRU by bytes: snapshots under --prefix-cache-gb, KV blocks when
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+import time
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from flashnext.cache.cache_entry import (ROOT_HASH, Snapshot, batch_rows, block_hash, read_block, read_blocks,
@@ -73,6 +74,9 @@ class PrefixCache:
         self.root = Node((), ROOT_HASH, -1, None)
         self.lru: OrderedDict[bytes, tuple[Node, tuple[int, ...]]] = OrderedDict()
         self.snapshot_bytes = 0
+        # prefix hits served from a lower tier, by its name: their tokens, and the host time of copying them in
+        self.restored_tokens: Counter[str] = Counter()
+        self.restore_seconds: Counter[str] = Counter()
         # Several ranks (flashnext/parallel/mirror.py): every snapshot taken, resumed or dropped here, and every
         # entry copied in from a lower tier, is also done by each rank on its own share; None on one device.
         self.mirror = None
@@ -86,6 +90,7 @@ class PrefixCache:
         while tier is not None:
             entry = tier.match(tokens, limit, deeper_than=depth)
             if entry is not None:
+                started = time.perf_counter()
                 loaded = tier.load(entry[0])
                 if loaded is not None and self.mirror is not None and not self.mirror.fetch(tier, *entry):
                     log.warning("%s cache: dropping entry %s: another rank cannot read its share", tier.name,
@@ -93,6 +98,8 @@ class PrefixCache:
                     tier.remove(entry[0])
                     loaded = None
                 if loaded is not None and self._install(tokens, *loaded):
+                    self.restored_tokens[tier.name] += entry[1].num_tokens
+                    self.restore_seconds[tier.name] += time.perf_counter() - started
                     found = self._match(tokens, limit)
                     break
             tier = tier.lower
@@ -237,10 +244,7 @@ class PrefixCache:
     def persist(self) -> int:
         """Copy every device and host entry that the disk tier lacks down to it (at shutdown: conversations then
         survive a restart even without --kv-host-write-through); returns how many were written."""
-        tiers, tier = [], self.lower
-        while tier is not None:
-            tiers.append(tier)
-            tier = tier.lower
+        tiers = self.tiers()
         if not tiers or tiers[-1].name != "disk":
             return 0
         disk, written = tiers[-1], 0
@@ -272,3 +276,11 @@ class PrefixCache:
     @property
     def num_snapshots(self) -> int:
         return len(self.lru)
+
+    def tiers(self) -> list[TierIndex]:
+        """The lower tiers, top down (host, then disk)."""
+        tiers, tier = [], self.lower
+        while tier is not None:
+            tiers.append(tier)
+            tier = tier.lower
+        return tiers

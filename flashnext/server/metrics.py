@@ -48,6 +48,9 @@ class _EngineCollector:
                 c = CounterMetricFamily(prefix + name, doc, labels=["model_name"])
                 c.add_metric(labels, value)
                 yield c
+        prefix = prefix_cache_of(engine)
+        if prefix is not None:
+            yield from _prefix_cache_metrics(prefix, labels)
         cache = expert_cache_of(engine)
         if cache is not None:  # --expert-vram-gb (docs/expert_cache.md); the bench reads these exact names
             st = cache.stats
@@ -62,6 +65,33 @@ class _EngineCollector:
                 c = CounterMetricFamily(f"flashnext_expert_cache_{name}", doc, labels=["model_name"])
                 c.add_metric(labels, value)
                 yield c
+
+
+def _prefix_cache_metrics(cache, labels: list[str]):
+    """Per tier (device: state snapshots; host, disk: KV blocks and snapshots): bytes held, their budget,
+    entries, and the prefix hits served from a lower tier (tokens, host seconds of copying them in)."""
+    tiers = [("device", cache.snapshot_bytes, cache.snapshot_budget, cache.num_snapshots)]
+    tiers += [(t.name, t.bytes, t.capacity, len(t.snaps)) for t in cache.tiers()]
+    for name, doc, column in (("bytes", "Bytes the prefix cache holds, by tier.", 1),
+                              ("capacity_bytes", "Bytes the prefix cache may hold, by tier.", 2),
+                              ("entries", "Conversation states (snapshots) held, by tier.", 3)):
+        g = GaugeMetricFamily(f"flashnext_prefix_cache_{name}", doc, labels=["model_name", "tier"])
+        for tier in tiers:
+            g.add_metric(labels + [tier[0]], tier[column])
+        yield g
+    for name, doc, counts in (
+            ("restored_tokens", "Prompt tokens of prefix hits copied in from a lower tier.", cache.restored_tokens),
+            ("restore_seconds", "Host time spent copying prefix hits in from a lower tier.", cache.restore_seconds)):
+        c = CounterMetricFamily(f"flashnext_prefix_cache_{name}", doc, labels=["model_name", "tier"])
+        for tier in tiers[1:]:
+            c.add_metric(labels + [tier[0]], counts[tier[0]])
+        yield c
+
+
+def prefix_cache_of(engine):
+    """The PrefixCache behind an AsyncLLM or LLMEngine, or None (prefix caching off)."""
+    inner = getattr(engine, "engine", engine)
+    return getattr(inner, "prefix_cache", None)
 
 
 def expert_cache_of(engine):
