@@ -3,8 +3,8 @@
 applied to the fp32 partial or to the weight tile before the dot (scale_in_tile), checked against the torch reference and timed against bf16
 cuBLAS on the dequantised weight (dense) or the matmul FLOPs (MoE), and the dense dequantise-then-cuBLAS path
 (the default from 256 rows). Prints the best config per shape.
-Run: python3 scripts/gpu_prefill_gemm.py [--m 8192] [--dense-only-m 512 ...]   (the second: no sweep, the default
-kernel against dequantise-then-cuBLAS at that M: where the default dequantised path starts to pay)"""
+Run: python3 scripts/gpu_prefill_gemm.py [--m 8192] [--dense-only-m 512 ...]   (the second: no sweep, the GEMM
+kernel's default tiles against dequantise-then-cuBLAS at that M: where the dequantised path starts to pay)"""
 import argparse
 import itertools
 import sys
@@ -16,7 +16,7 @@ from flashnext.ops.int4_dequant_triton import dequantize_triton
 from flashnext.ops.moe_int4 import moe_int4_reference
 from flashnext.ops.moe_int4_triton import PREFILL, MoeConfig, moe_int4_triton
 from flashnext.ops.w4a16 import w4a16_linear_reference
-from flashnext.ops.w4a16_triton import LaunchConfig, w4a16_matmul
+from flashnext.ops.w4a16_triton import LaunchConfig, default_config, w4a16_matmul
 from flashnext.weights.int4_layout import quantize_rtn
 from gpu_common import rel
 from gpu_moe import random_experts, routing
@@ -28,9 +28,11 @@ MOE_TILES = [(64, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64,
              (64, 256, 64, 8, 3), (32, 128, 64, 4, 4), (64, 64, 128, 4, 4), (64, 64, 64, 4, 5)]
 
 
-def dense(m):
+def dense(m, sweep=True):
+    """Per Flash-Next shape: bf16 cuBLAS, dequantise-then-cuBLAS (the default from DEQUANT_MIN_M rows), the GEMM
+    kernel's default tiles, and (sweep) its best of TILES with and without the scale in the tile."""
     print(f"dense W4A16, M={m}, bf16, g128 sym")
-    print(f"{'N':>6} {'K':>6} {'cuBLAS bf16 us':>14} {'dequant+cuBLAS us':>17} {'dequant us':>10} {'default us':>10} "
+    print(f"{'N':>6} {'K':>6} {'cuBLAS bf16 us':>14} {'dequant+cuBLAS us':>17} {'dequant us':>10} {'kernel us':>10} "
           f"{'best us':>8} {'best TFLOP/s':>12}  best config")
     for n, k in DENSE:
         w = quantize_rtn(torch.randn(n, k, device="cuda") / k ** 0.5)
@@ -38,25 +40,24 @@ def dense(m):
         dense_w = w4a16_linear_reference(torch.eye(k, device="cuda", dtype=torch.bfloat16), w).t().contiguous()
         ref = x @ dense_w.t()
         cublas = do_bench(lambda: x @ dense_w.t()) * 1e3
+        kernel = default_config(m, n, k, w.group_size, x.device)
         times = {}
-        for (bm, bn, bk, warps, stages), in_tile in itertools.product(TILES, (False, True)):
-            cfg = LaunchConfig(bm, bn, bk, 1, warps, stages, in_tile)
+        for cfg in [kernel] + ([LaunchConfig(bm, bn, bk, 1, warps, stages, in_tile) for (bm, bn, bk, warps, stages), in_tile
+                                in itertools.product(TILES, (False, True))] if sweep else []):
             try:
                 got = w4a16_matmul(x, w, cfg)
                 assert rel(got, ref) < 1e-2, rel(got, ref)
                 times[cfg] = do_bench(lambda: w4a16_matmul(x, w, cfg)) * 1e3
             except Exception as exc:  # shared memory or registers exceeded
                 print(f"    skip {cfg}: {type(exc).__name__} {str(exc)[:80]}")
-        t_default = do_bench(lambda: w4a16_matmul(x, w)) * 1e3
-        # the default from DEQUANT_MIN_M rows: the weight dequantised into a scratch tensor, then cuBLAS
         err = rel(x @ dequantize_triton(w, x.dtype), ref)
         assert err < 1e-2, err
         t_dequant = do_bench(lambda: dequantize_triton(w, x.dtype)) * 1e3
         t_both = do_bench(lambda: x @ dequantize_triton(w, x.dtype)) * 1e3
         best = min(times, key=times.get)
-        print(f"{n:6} {k:6} {cublas:14.1f} {t_both:17.1f} {t_dequant:10.1f} {t_default:10.1f} {times[best]:8.1f} "
-              f"{2 * m * n * k / times[best] / 1e6:12.1f}  {best}  (dequant path err {err:.1e})")
-        for cfg, t in sorted(times.items(), key=lambda kv: kv[1])[:4]:
+        print(f"{n:6} {k:6} {cublas:14.1f} {t_both:17.1f} {t_dequant:10.1f} {times.get(kernel, float('nan')):10.1f} "
+              f"{times[best]:8.1f} {2 * m * n * k / times[best] / 1e6:12.1f}  {best}  (dequant path err {err:.1e})")
+        for cfg, t in sorted(times.items(), key=lambda kv: kv[1])[1:4] if sweep else []:
             print(f"        {t:8.1f} us  {cfg}")
 
 
@@ -81,23 +82,13 @@ def moe(m):
     print(f"  default {PREFILL}: {times.get(PREFILL, float('nan')):.1f} us")
 
 
-def dense_crossover(m):
-    print(f"dense W4A16 at M={m}: the default kernel against dequantise-then-cuBLAS (us)")
-    for n, k in DENSE:
-        w = quantize_rtn(torch.randn(n, k, device="cuda") / k ** 0.5)
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        t_default = do_bench(lambda: w4a16_matmul(x, w)) * 1e3
-        t_both = do_bench(lambda: x @ dequantize_triton(w, x.dtype)) * 1e3
-        print(f"  {n:6} x {k:6}: default {t_default:8.1f}  dequant+cuBLAS {t_both:8.1f}")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, action="append", default=[])
     ap.add_argument("--dense-only-m", type=int, action="append", default=[])
     args = ap.parse_args()
     for m in args.dense_only_m:
-        dense_crossover(m)
+        dense(m, sweep=False)
     for m in args.m or ([] if args.dense_only_m else [8192]):
         dense(m)
         moe(m)

@@ -15,6 +15,7 @@ import argparse
 import random
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -59,24 +60,22 @@ def main() -> int:
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     for depth in args.depth or [3500, 32000]:
         conv = [rng.randrange(100, vocab - 100) for _ in range(depth)]
-        out = llm.generate([conv], params)[0]
+        reply = llm.generate([conv], params)[0].token_ids
         for turn in range(3):
-            conv = conv + out.token_ids + [rng.randrange(100, vocab - 100) for _ in range(args.new)]
-            rid = f"d{depth}-t{turn}"
-            if turn < 2:
-                steps, total, request = first_token_steps(engine, rid, conv, params, len(conv) - 5)
-                print(f"depth {depth} turn {turn}: prompt {len(conv)}, cached {request.num_cached}: first token in "
-                      f"{total:.1f} ms over {len(steps)} steps: " + ", ".join(f"{label} {ms:.1f} ms" for label, ms in steps))
-            else:   # the same, profiled
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    steps, total, request = first_token_steps(engine, rid, conv, params, len(conv) - 5)
-                print(f"depth {depth} turn {turn} (profiled): first token in {total:.1f} ms, {len(steps)} steps")
+            conv = conv + reply + [rng.randrange(100, vocab - 100) for _ in range(args.new)]
+            profiled = turn == 2   # the same turn again, under the profiler
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if profiled else nullcontext() as prof:
+                steps, total, request = first_token_steps(engine, f"d{depth}-t{turn}", conv, params, len(conv) - 5)
+            print(f"depth {depth} turn {turn}{' (profiled)' if profiled else ''}: prompt {len(conv)}, cached "
+                  f"{request.num_cached}: first token in {total:.1f} ms over {len(steps)} steps: "
+                  + ", ".join(f"{label} {ms:.1f} ms" for label, ms in steps))
+            if profiled:
                 print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70))
                 if torch.cuda.is_available():
                     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70))
             while engine.has_work():
                 engine.step()
-            out = type("Out", (), {"token_ids": list(request.output_ids)})
+            reply = list(request.output_ids)
     return 0
 
 

@@ -27,6 +27,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from flashnext.ops.device import num_sms
+
 COPY_CEILING = 4.27e12
 ROTATION_BYTES = 256 << 20  # weight copies per cold timing: > 5x the H200's 50 MB L2
 # (name, N, K) of Qwen3.8-Flash-Next (hidden 2560) and Qwen3-Next-80B-A3B (hidden 2048)
@@ -146,7 +148,7 @@ def sweep_configs(kernels, m, n, k, group_size, device):
                 continue
             for block_k in (128,) if use_dot or bucket <= 2 else (64, 128):
                 tiles = k // block_k
-                base = max(1, -(-kernels.PROGRAMS_PER_SM * kernels._num_sms(device) // -(-n // block_n)))
+                base = max(1, -(-kernels.PROGRAMS_PER_SM * num_sms(device) // -(-n // block_n)))
                 for split in sorted({max(1, base // 2), base, 2 * base}):
                     for warps in (4,) if block_n <= 32 else (4, 8):
                         cfg = kernels.GemvConfig(block_n, block_k, min(split, tiles), use_dot, warps, 3)
@@ -212,7 +214,7 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {kernels.triton.__version__}  "
-          f"{kernels._num_sms(dev)} SMs")
+          f"{num_sms(dev)} SMs")
     shapes = [s for s in SHAPES if s[0] in QUICK] if args.quick else SHAPES
     if args.sweep_m is None:
         args.sweep_m = "" if args.quick else "1,8"

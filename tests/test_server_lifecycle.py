@@ -106,7 +106,7 @@ def test_keepalive_comments_while_the_prompt_is_prefilled(tight_server):
 
 
 def test_chat_stream_opens_its_choice_with_the_first_token(tight_server):
-    # The role chunk comes with the first generated token, after the prefill's keep-alives (as OpenAI's does),
+    # The role chunk comes with the first generated token, after the prefill's keep-alives,
     # so the first data frame marks the first token even when the text is held back.
     body = {"messages": [{"role": "user", "content": "tokens " * 2500}], "max_tokens": 2, "stream": True}
     with tight_server.client() as c, c.stream("POST", "/v1/chat/completions", json=body) as r:

@@ -41,7 +41,7 @@ class StreamResult:
     # says only EOS): then the chunk that ended the choice is the first sign of the first token.
     ttft_source: str | None = None
     # the first data chunk with a choice in it (its role, as a rule): the first generated token on servers
-    # that open a choice with it (ours, OpenAI's, vLLM's), also when the text comes later (a tool call held
+    # that open a choice with it (ours, vLLM's), also when the text comes later (a tool call held
     # until it is complete); None when no chunk had a choice
     first_chunk_s: float | None = None
 

@@ -123,7 +123,7 @@ def copy_tensors(tensors: dict[str, torch.Tensor], device, pin: bool = False,
 
     Host copies share one buffer (views at PIN_ALIGN offsets; `into`, a uint8 tensor of packed_bytes, when given,
     e.g. from the host tier's PinnedArena) and wait for their device once: page-locking memory costs ~1.3 ms a
-    call on the H200's host, and a snapshot of full-size Flash-Next is ~150 tensors (one allocation and one
+    call on the H200's host, and a snapshot of full-size Flash-Next is 86 state tensors (one allocation and one
     synchronous copy each cost a 32K-token agent turn ~200 ms before the first token)."""
     if torch.device(device).type != "cpu":
         out = {}

@@ -3,8 +3,8 @@ from slabs that are page-locked in place as the tier grows (weights/pinned.host_
 drops what they held.
 
 Why not torch.empty(pin_memory=True) per entry: each new allocation is a cudaHostAlloc, which page-locks on the
-spot — on the H200's host ~0.45 ms per MB (58 ms for a 116 MB Flash-Next snapshot), inside the engine step that
-moves the entry down, so an agent's turn waited ~180 ms for its first token. Registering a slab in place costs
+spot — on the H200's host ~58 ms for each of the three entry buffers of a 32K-token Flash-Next turn (a snapshot
+is 116 MB), inside the engine step that moves the entry down: the turn waited ~180 ms for its first token. Registering a slab in place costs
 ~0.1 s per GiB once; a recycled buffer costs nothing. A buffer given back may still be the source of an
 asynchronous host→device copy: it is handed out again only after an event recorded at give-back has passed.
 """

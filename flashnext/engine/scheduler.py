@@ -50,7 +50,7 @@ class Scheduler:
         # A prompt chunk of at most this many tokens goes one token a step, so the captured decode graph runs it
         # (ModelRunner._graph_chunks): the engine sets it when it has decode graphs. On the H200 an eager prefill
         # step of full-size Flash-Next INT4 costs 120–150 ms of host time however few its tokens (~4,000 kernel
-        # launches), a graph step ~5 ms; an agent's turn ends its prompt with such a chunk (the generation
+        # launches), a graph step 6–8 ms a token; an agent's turn ends its prompt with such a chunk (the generation
         # prompt after the history cut, ~5 tokens), and a short tool result after a prefix hit is one too.
         self.graph_tail = graph_tail
         self.states = states

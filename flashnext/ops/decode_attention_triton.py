@@ -19,13 +19,13 @@ gets l = 0 and an output of zeros.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from flashnext.ops.device import num_sms
 from flashnext.ops.pdl import launch_options, wait_for_inputs
 
 LOG2E = 1.4426950408889634
@@ -140,19 +140,12 @@ class LaunchConfig:
     num_stages: int = 3
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8
-
-
 def default_config(batch: int, kv_heads: int, head_dim: int, span: int, device: torch.device) -> LaunchConfig:
     """Splits from static sizes only (CUDA graphs): about two programs per SM at the longest length the
     table can hold, never fewer than min_split positions per split at that length."""
     block_n = 32 if head_dim > 128 else 64
     min_split = 4 * block_n
-    want = triton.cdiv(2 * _num_sms(device), max(1, batch * kv_heads))
+    want = triton.cdiv(2 * num_sms(device), max(1, batch * kv_heads))
     return LaunchConfig(max(1, min(want, triton.cdiv(span, min_split))), block_n, min_split)
 
 

@@ -30,8 +30,8 @@ def sigmoid_gate_reference(out: torch.Tensor, gate: torch.Tensor) -> torch.Tenso
     return out.flatten(1) * torch.sigmoid(gate.flatten(1))
 
 
-def _triton(*tensors: torch.Tensor) -> bool:
-    return (tensors[0].is_cuda and tensors[0].dim() == 2 and all(t.dtype == tensors[0].dtype for t in tensors)
+def _triton(*tensors: torch.Tensor, dim: int = 2) -> bool:
+    return (tensors[0].is_cuda and tensors[0].dim() == dim and all(t.dtype == tensors[0].dtype for t in tensors)
             and os.environ.get("FLASHNEXT_ELEMENTWISE", "triton") != "reference")
 
 
@@ -52,9 +52,7 @@ def gated_add(routed: torch.Tensor, shared: torch.Tensor, logit: torch.Tensor) -
 
 
 def sigmoid_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    if (out.is_cuda and out.dim() == 3 and gate.shape == out.shape and gate.dtype == out.dtype
-            and out.stride(-1) == 1 and gate.stride(-1) == 1
-            and os.environ.get("FLASHNEXT_ELEMENTWISE", "triton") != "reference"):
+    if (_triton(out, gate, dim=3) and gate.shape == out.shape and out.stride(-1) == 1 and gate.stride(-1) == 1):
         from flashnext.ops.gated_elementwise_triton import sigmoid_gate_triton
 
         return sigmoid_gate_triton(out, gate)

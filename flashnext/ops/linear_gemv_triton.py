@@ -19,6 +19,7 @@ MAX_K = 8192
 # Larger weights stay on cuBLAS, which streams big matrices at ~80% of the bandwidth (bf16 GDN qkv|z, 84 MB: 23 µs)
 MAX_WEIGHT_BYTES = 8 << 20
 ELEMENTS_PER_THREAD = 64   # the weight tile a thread holds: BLOCK_N × next_pow2(K) / (32 · warps)
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -42,7 +43,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.stride(-1) == 1)
 
 
-def linear_gemv(x: torch.Tensor, weight: torch.Tensor, num_warps: int = 4) -> torch.Tensor:
+def linear_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T → [M, N] in x's dtype (see supports())."""
     assert supports(x, weight), (tuple(x.shape), tuple(weight.shape), x.dtype, weight.dtype)
     m, k = x.shape
@@ -52,8 +53,8 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, num_warps: int = 4) -> to
     if m == 0:
         return out
     block_k = triton.next_power_of_2(k)
-    block_n = max(1, min(triton.next_power_of_2(n), ELEMENTS_PER_THREAD * 32 * num_warps // block_k))
+    block_n = max(1, min(triton.next_power_of_2(n), ELEMENTS_PER_THREAD * 32 * NUM_WARPS // block_k))
     _linear_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **launch_options(x.device))
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, **launch_options(x.device))
     return out

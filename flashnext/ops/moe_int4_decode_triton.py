@@ -33,7 +33,6 @@ No host sync and static shapes: the call can be captured in a CUDA graph (scratc
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +42,7 @@ import triton.language as tl
 from flashnext.ops.arrival import arrival_counters, arrive_last
 from flashnext.ops.int4_groups import group_zero_scale
 from flashnext.ops.moe_int4_triton import block_k_for_group
+from flashnext.ops.device import num_sms
 from flashnext.ops.pdl import launch_options, wait_for_inputs
 from flashnext.weights.int4_layout import Int4Weight
 
@@ -189,16 +189,11 @@ def _down_kernel(h_ptr, ids_ptr, topk_weights_ptr, qweight_ptr, scales_ptr, zero
         tl.store(out_ptr + token * H + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-
-
 def _splits(k: int, block_k: int, wanted: int, programs: int, device: torch.device) -> tuple[int, int]:
     """(rows per split, number of splits) of a K of k rows; wanted 0: enough for PROGRAMS_PER_SM per SM."""
     steps = k // block_k
     if wanted == 0:
-        wanted = triton.cdiv(PROGRAMS_PER_SM * _num_sms(device), programs)
+        wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms(device), programs)
     per = triton.cdiv(steps, max(1, min(wanted, steps)))
     return per * block_k, triton.cdiv(steps, per)
 

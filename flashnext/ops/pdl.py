@@ -18,17 +18,13 @@ FLASHNEXT_PDL=0 turns it off (to bisect, or to measure what it buys: scripts/gpu
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-
-@functools.lru_cache(maxsize=None)
-def _hopper_or_later(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] >= 9
+from flashnext.ops.device import compute_capability
 
 
 # Triton exposes the grid-dependency instructions (and the launch_pdl option) from 3.3 on.
@@ -39,7 +35,7 @@ def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL (CUDA, compute capability >= 9, a Triton that has it,
     FLASHNEXT_PDL not 0)."""
     return (device.type == "cuda" and _TRITON_HAS_PDL and os.environ.get("FLASHNEXT_PDL", "1") != "0"
-            and os.environ.get("TRITON_INTERPRET", "0") != "1" and _hopper_or_later(device))
+            and os.environ.get("TRITON_INTERPRET", "0") != "1" and compute_capability(device)[0] >= 9)
 
 
 def launch_options(device: torch.device) -> dict:

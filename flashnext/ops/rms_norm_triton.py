@@ -4,12 +4,12 @@ thousands of short ones (Flash-Next's GatedDeltaNet: 8,192 tokens × 32 heads of
 left the GPU waiting on program launches (0.29 ms per 8,192-token layer on the H200, ~6× its bytes' time)."""
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from flashnext.ops.device import num_sms
 from flashnext.ops.pdl import launch_options, wait_for_inputs
 from flashnext.ops.rounding import round_to_dtype
 
@@ -17,14 +17,9 @@ PROGRAMS_PER_SM = 2       # rows are grouped only while every SM keeps this many
 MAX_TILE = 4096           # elements a program holds (ROWS × BLOCK): 32 fp32 registers a thread at 4 warps
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-
-
 def rows_per_program(rows: int, block: int, device: torch.device) -> int:
     """A power of two: 1 for decode's few rows (one program each, all SMs busy), up to MAX_TILE // block."""
-    per = max(1, rows // (PROGRAMS_PER_SM * _num_sms(device)))
+    per = max(1, rows // (PROGRAMS_PER_SM * num_sms(device)))
     return max(1, min(triton.next_power_of_2(per + 1) // 2, MAX_TILE // block))
 
 

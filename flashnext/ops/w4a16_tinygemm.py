@@ -18,12 +18,12 @@ for Flash-Next).
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
 import torch
 
+from flashnext.ops.device import compute_capability
 from flashnext.weights.int4 import unpack_int32
 from flashnext.weights.int4_layout import SYMMETRIC_ZERO, Int4Weight
 
@@ -37,7 +37,6 @@ class TinygemmWeight:
     packed: torch.Tensor             # _convert_weight_to_int4pack's layout (CUDA) or its CPU twin's
     scales_and_zeros: torch.Tensor   # bf16 [K/g, N, 2]
     group_size: int
-    out_features: int
 
 
 def enabled() -> bool:
@@ -50,10 +49,9 @@ def supports(w: Int4Weight) -> bool:
             and k % (16 * INNER_K_TILES) == 0 and _device_has_it(w.qweight.device))
 
 
-@functools.lru_cache(maxsize=None)
 def _device_has_it(device: torch.device) -> bool:
     """tinygemm's CUDA kernel needs Ampere (compute capability 8.0) or later; its CPU twin runs anywhere."""
-    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8)
+    return device.type == "cpu" or (device.type == "cuda" and compute_capability(device)[0] >= 8)
 
 
 def codes(w: Int4Weight) -> torch.Tensor:
@@ -75,7 +73,7 @@ def to_tinygemm(w: Int4Weight, inner_k_tiles: int = INNER_K_TILES) -> TinygemmWe
                                                             inner_k_tiles)
     else:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, inner_k_tiles)
-    return TinygemmWeight(packed, scales_and_zeros(w), w.group_size, w.out_features)
+    return TinygemmWeight(packed, scales_and_zeros(w), w.group_size)
 
 
 def tinygemm_matmul(x: torch.Tensor, tw: TinygemmWeight) -> torch.Tensor:

@@ -32,7 +32,6 @@ for act-order weights, so the result differs from dequantise-then-matmul only by
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -43,6 +42,7 @@ import triton.language as tl
 from flashnext.ops.arrival import arrival_counters, arrive_last
 from flashnext.ops.int4_dequant_triton import dequantize_triton
 from flashnext.ops.int4_groups import group_zero_scale, optional_tensors
+from flashnext.ops.device import num_sms
 from flashnext.ops.pdl import launch_options, wait_for_inputs
 from flashnext.weights.int4_layout import Int4Weight
 
@@ -276,13 +276,6 @@ TUNED: dict[tuple[int, int, int], GemvConfig] = {
 }
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8
-
-
 def m_bucket(m: int) -> int:
     """The GEMV kernel's BLOCK_M for m rows (1, 2, 4, 8): configs are chosen per bucket."""
     return triton.next_power_of_2(m)
@@ -301,7 +294,7 @@ def gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device) -
     the sweep of scripts/gpu_w4a16.py fills TUNED. (Tiles of a program's whole K share, several groups each,
     lost to it on every stacked Flash-Next shape at M = 1, 2 and 4 on the H200: 37 µs against 21 for qkv|z.)"""
     bucket = m_bucket(m)
-    key = (n, k, group_size, bucket, _num_sms(device))
+    key = (n, k, group_size, bucket, num_sms(device))
     cfg = _GEMV_CONFIGS.get(key)
     if cfg is not None:
         return cfg
@@ -311,7 +304,7 @@ def gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device) -
         block_k = min(group_size, 64 if bucket > 4 and not use_dot else 128)
         tiles = k // block_k
         # above 2 rows a program has more arithmetic per byte and the partials grow with M: half the programs
-        target = PROGRAMS_PER_SM * _num_sms(device) // (1 if bucket <= 2 else 2)
+        target = PROGRAMS_PER_SM * num_sms(device) // (1 if bucket <= 2 else 2)
         block_n = 128
         while block_n > 32 and triton.cdiv(n, block_n) * tiles < target:
             block_n //= 2
@@ -335,7 +328,7 @@ def default_config(m: int, n: int, k: int, group_size: int, device: torch.device
         # H200 sweep at M = 8192 (scripts/gpu_prefill_gemm.py): K tiles of 128 beat 64 by ~13% on every shape
         block_m, block_n, block_k, warps, stages = 128, 128, min(group_size, 128), 8, 3
     programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    split = max(1, min(triton.cdiv(2 * _num_sms(device), programs), k // block_k))
+    split = max(1, min(triton.cdiv(2 * num_sms(device), programs), k // block_k))
     return LaunchConfig(block_m, block_n, block_k, split, warps, stages)
 
 

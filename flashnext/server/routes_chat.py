@@ -213,9 +213,9 @@ class _ChatChunks:
         return chunk
 
     def start(self) -> list[dict]:
-        # A choice's role chunk goes out with its first output (OpenAI's and vLLM's come with the first token
-        # too): the first data frame then marks the first generated token, also when the text is held back (a
-        # tool call is emitted whole at its end); a long prefill sends keep-alive comments meanwhile.
+        # A choice's role chunk goes out with its first output (vLLM's serving_chat sends its role chunks at the
+        # first engine output too): the first data frame then marks the first generated token, also when the
+        # text is held back (a tool call is emitted whole at its end); a long prefill sends keep-alives meanwhile.
         return []
 
     def output(self, index: int, out) -> list[dict]:

@@ -73,7 +73,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--graph-prefill-tail", type=int,
          help="with CUDA graphs, a prompt chunk of at most this many tokens (an agent turn's generation prompt, a "
               "short tool result after a prefix hit) is fed one token a step through the captured decode graph "
-              "instead of one eager step (~5 ms a token against 120-150 ms a step for full-size Flash-Next on an "
+              "instead of one eager step (6-8 ms a token against 120-150 ms a step for full-size Flash-Next on an "
               "H200); 0: off (default 16)")
     _add(parser, "--kv-cache-gb", type=float, help="KV cache size in GiB (default: from free memory)")
     _add(parser, "--block-size", type=int, help="tokens per KV block (default 16)")

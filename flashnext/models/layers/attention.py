@@ -68,7 +68,7 @@ class GatedAttention(nn.Module):
         token_index, token_valid = selection if selection is not None else (None, None)
         out = decode_attention(q, k_cache, v_cache, batch.block_table, batch.seq_lens, self.scaling,
                                token_index=token_index, token_valid=token_valid)
-        return self.o_proj(sigmoid_gate(out.reshape(x.shape[0], self.num_heads, self.head_dim), gate))
+        return self.o_proj(sigmoid_gate(out, gate))   # out: [B, heads, D] as sigmoid_gate wants it
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n = x.shape[0]
