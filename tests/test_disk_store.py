@@ -188,10 +188,10 @@ def test_a_batch_of_blocks_is_split_into_files_by_the_writer_and_read_back_by_th
 def test_writer_gets_host_copies_of_its_own():
     """What goes to the writer thread shares no memory with host inputs: the host tier's arena hands a dropped
     entry's buffer out again while the write may still wait in the queue."""
-    from flashnext.cache.disk_tier import _own_host_copy
+    from flashnext.cache.cache_entry import copy_tensors
 
     buf = torch.arange(64, dtype=torch.float32)
-    out = _own_host_copy({"a": buf[:16], "b": buf[16:48].view(4, 8)})
+    out = copy_tensors({"a": buf[:16], "b": buf[16:48].view(4, 8)}, "cpu")   # what DiskStore._write hands over
     buf.zero_()
     assert torch.equal(out["a"], torch.arange(16, dtype=torch.float32)) and out["b"].shape == (4, 8)
     assert out["b"][0, 0] == 16

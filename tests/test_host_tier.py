@@ -117,21 +117,21 @@ def test_host_copies_share_one_buffer():
     assert not torch.equal(out["a"], src["a"])
 
 
-def test_arena_recycles_buffers_by_size_class():
-    """PinnedArena: buffers of power-of-two classes carved from slabs, handed out again after give_back (a
-    different class is not), None beyond its capacity; the host store gives an entry's buffers back when it drops
-    the entry, and what it loads back equals what went down."""
+def test_arena_recycles_buffers_by_size():
+    """PinnedArena: buffers of whole pages carved from slabs, handed out again after give_back to a request of
+    the same size (not another), None beyond its capacity; the host store gives an entry's buffers back when it
+    drops the entry, and what it loads back equals what went down."""
     from flashnext.cache import pinned_arena
-    from flashnext.cache.pinned_arena import PinnedArena, size_class
+    from flashnext.cache.pinned_arena import PAGE, PinnedArena, size_class
 
-    assert size_class(1) == pinned_arena.MIN_CLASS and size_class(pinned_arena.MIN_CLASS + 1) == 2 * pinned_arena.MIN_CLASS
+    assert size_class(1) == PAGE and size_class(PAGE + 1) == 2 * PAGE and size_class(3 * PAGE) == 3 * PAGE
     arena = PinnedArena(2 * pinned_arena.SLAB_BYTES, pin=False)
     a = arena.take(100_000)
     b = arena.take(100_000)
     assert a.numel() == 100_000 and b.data_ptr() - a.data_ptr() == size_class(100_000)
     arena.give_back(a)
-    assert arena.take(70_000).data_ptr() == a.data_ptr()          # same class (128 KiB): recycled
-    assert arena.take(100_000).data_ptr() not in (a.data_ptr(), b.data_ptr())
+    assert arena.take(70_000).data_ptr() not in (a.data_ptr(), b.data_ptr())   # another size: a new buffer
+    assert arena.take(99_000).data_ptr() == a.data_ptr()          # the same pages: recycled
     assert arena.take(3 * pinned_arena.SLAB_BYTES) is None and arena.misses == 1
     assert arena.take(pinned_arena.SLAB_BYTES) is not None        # a second slab, the last the capacity allows
     assert arena.take(pinned_arena.SLAB_BYTES) is None and arena.reserved == 2 * pinned_arena.SLAB_BYTES
@@ -142,26 +142,19 @@ def test_arena_recycles_buffers_by_size_class():
     loaded, _ = store.load_snapshot(b"k")
     assert all(torch.equal(loaded[n], state[n]) for n in state)
     held = store.buffers[b"k"][0].data_ptr()
-    # dropped while its loaded views may still be read (the prefix cache installing it while evicting others):
-    # not handed out again until the next load
     store.drop_snapshot(b"k")
     assert b"k" not in store.buffers
-    store.store_snapshot(b"j", ({"s": torch.randn(40, 33)}, None), None)
-    assert store.buffers[b"j"][0].data_ptr() != held and all(torch.equal(loaded[n], state[n]) for n in state)
-    store.load_snapshot(b"j")
-    store.store_snapshot(b"m", ({"s": torch.randn(40, 33)}, None), None)
-    assert store.buffers[b"m"][0].data_ptr() == held                 # after the next load: reused
-    store.drop_snapshot(b"m")                                        # never loaded: back at once
-    store.store_snapshot(b"n", ({"s": torch.randn(40, 33)}, None), None)
-    assert store.buffers[b"n"][0].data_ptr() == held
-    small = PinnedArena(3 * pinned_arena.MIN_CLASS + 5, pin=False)   # a tier under a slab: one slab of its size
-    assert small.slab_bytes == 3 * pinned_arena.MIN_CLASS and small.take(100) is not None
+    store.store_snapshot(b"j", ({"s": torch.randn(40, 33), "c": torch.ones(12, dtype=torch.int32)}, None), None)
+    assert store.buffers[b"j"][0].data_ptr() == held                 # the dropped snapshot's buffer, reused
+    small = PinnedArena(3 * PAGE + 5, pin=False)                     # a tier under a slab: one slab of its size
+    assert small.slab_bytes == 3 * PAGE and small.take(100) is not None
 
 
 def test_entry_evicted_from_the_host_while_it_is_installed(monkeypatch):
     """Installing a host entry may evict device entries down to the host, which can push that very entry out of
-    the host tier: its buffers must not be handed out again (to the entries coming down) while its views are
-    still being copied in (regression: the resumed conversation read another one's state)."""
+    the host tier: it is kept there until the install ends (TierIndex.installing), or its buffers would be
+    handed out again to the entries coming down — B's way down pushed A out, C's snapshot and 2-block piece
+    reused A's buffers, and the resumed conversation read C's state and blocks (the regression)."""
     from flashnext.cache import pinned_arena
     from flashnext.cache.cache_entry import read_block
     from flashnext.cache.prefix_cache import PrefixCache
@@ -169,7 +162,6 @@ def test_entry_evicted_from_the_host_while_it_is_installed(monkeypatch):
     from flashnext.cache.tier_index import TierIndex
 
     monkeypatch.setattr(pinned_arena, "SLAB_BYTES", 1 << 22)
-    monkeypatch.setattr(pinned_arena, "MIN_CLASS", 1 << 8)
     cfg = parse_config(get_preset("tiny-flash-next"))
     bs = KVPool.fit_block_size(cfg, 16)
     kv = KVPool(cfg, 6, bs, torch.float32, torch.device("cpu"))
@@ -193,12 +185,12 @@ def test_entry_evicted_from_the_host_while_it_is_installed(monkeypatch):
     kv.release(ba)
     states.release(sa)
     cache.evict_all()
-    for seed, value in ((2, 2.0), (3, 3.0)):       # B and C on the device
-        tokens, blocks, slot = conversation(seed, value, 1)
-        cache.insert(tokens, blocks, slot, bs)
+    for seed, value, n in ((2, 2.0, 1), (3, 3.0, 2)):   # B and C on the device; C's blocks as many as A's
+        tokens, blocks, slot = conversation(seed, value, n)
+        cache.insert(tokens, blocks, slot, n * bs)
         kv.release(blocks)
         states.release(slot)
-    kv.allocate(kv.num_free)                       # every other block in use: installing A evicts B and C
+    kv.allocate(kv.num_free)                       # every other block in use: installing A evicts B, then C
     hit = cache.lookup(ta + [0], 2 * bs)
     assert hit is not None and hit.num_tokens == 2 * bs
     assert {float(read_block(kv, b)[f"k.{next(iter(kv.k))}"].flatten()[0]) for b in hit.blocks} == {1.0}

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from flashnext.cache.cache_entry import tensor_bytes
+from flashnext.cache.cache_entry import copy_tensors, tensor_bytes
 from flashnext.cache.cache_file import UnreadableFile, read_cache_file, read_header, tensors_digest
 from flashnext.cache.tier_index import BlockData, CorruptEntry, SnapshotData, SnapshotMeta, TierIndex, TierStore
 from flashnext.weights.shared_table import process_alive
@@ -116,7 +116,7 @@ class DiskStore(TierStore):
         """Hand the file to the writer; returns its bytes as the tier counts them. The payload is a copy of its own
         in host memory when this returns: device blocks are reused at once, and so are the host tier's buffers once
         it drops an entry (cache/pinned_arena.py), while the writer may not have written them yet."""
-        tensors = _own_host_copy(tensors)
+        tensors = copy_tensors(tensors, "cpu")
         self._submit(self._write_file, path, tensors, extra)
         return tensor_bytes(tensors) + HEADER_BYTES
 
@@ -163,7 +163,7 @@ class DiskStore(TierStore):
     def store_blocks(self, hashes: list[bytes], batch: BlockData) -> list[int]:
         """One file per block as always: the batch comes to the host in one copy per tensor (see _write), and the
         writer splits it into files."""
-        host = _own_host_copy(batch)
+        host = copy_tensors(batch, "cpu")
         self._submit(self._write_blocks, [self.block_path(h) for h in hashes], host)
         return [tensor_bytes(host) // len(hashes) + HEADER_BYTES] * len(hashes)
 
@@ -246,7 +246,7 @@ class DiskTier(TierIndex):
             self._index(key, SnapshotMeta(blocks, tail, num_tokens, path.stat().st_size))
         if self.snaps:
             log.info("disk cache: %d snapshots (%.2f GiB) in %s", len(self.snaps), self.bytes / (1 << 30), store.dir)
-        self._fit()
+        self.fit()
         self._collect()
 
     def _collect(self) -> None:
@@ -275,10 +275,3 @@ class DiskTier(TierIndex):
                     removed += 1
         if removed:
             log.info("disk cache: deleted %d files that no cached conversation needs", removed)
-
-
-def _own_host_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Host tensors the writer thread alone holds: device tensors copied down, host ones (the host tier's, whose
-    buffers its arena hands out again once the entry is dropped) copied too."""
-    return {k: (v.detach().to("cpu") if v.device.type != "cpu" else v.detach().clone()).contiguous()
-            for k, v in tensors.items()}

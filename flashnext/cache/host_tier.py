@@ -29,11 +29,6 @@ class HostStore(TierStore):
         self.pin = torch.cuda.is_available()
         self.arena = PinnedArena(capacity, self.pin)
         self.buffers: dict[object, list[torch.Tensor]] = {}   # batch id or snapshot key → its host buffers
-        # Views handed out by a load may still be in use when their entry is dropped: the prefix cache installs
-        # an entry while evicting others, whose way down can push the very entry out of this tier. Buffers of
-        # entries loaded since the last load go back to the arena only at the next load.
-        self.held: set = set()
-        self.pending: list[torch.Tensor] = []
         self.batches: dict[int, BlockData] = {}          # batch id → name → [rows, …]
         self.live_rows: dict[int, int] = {}              # batch id → rows still stored
         self.rows: dict[bytes, tuple[int, int]] = {}     # block hash → (batch id, row)
@@ -42,9 +37,9 @@ class HostStore(TierStore):
 
     def store_blocks(self, hashes: list[bytes], batch: BlockData) -> list[int]:
         # Pieces of power-of-two block counts (a batch of TierIndex.put is at most WRITE_PIECE = 256 blocks; its
-        # last of a 3,625-block conversation, 41 blocks, is 32 + 8 + 1): the pinned
-        # allocator rounds every allocation up to a power of two, and a block's tensors are powers of two
-        # (16 KB of K or V per layer for Flash-Next), so the pinned memory is what the tier counts.
+        # last of a 3,625-block conversation, 41 blocks, is 32 + 8 + 1): pieces come in few sizes, which the
+        # arena recycles by size, and an allocation of its own when the arena misses (torch rounds those up to a
+        # power of two) loses nothing, a block's tensors being powers of two (16 KB of K or V per layer).
         at = 0
         for size in _powers_of_two(len(hashes)):
             batch_id, self._next_batch = self._next_batch, self._next_batch + 1
@@ -73,22 +68,10 @@ class HostStore(TierStore):
         return out
 
     def _release(self, owner) -> None:
-        buffers = self.buffers.pop(owner, ())
-        if owner in self.held:
-            self.pending.extend(buffers)
-        else:
-            for buf in buffers:
-                self.arena.give_back(buf)
-
-    def _load_starts(self, owners) -> None:
-        """A load: what earlier loads handed out is no longer read, so their dropped buffers can be reused."""
-        for buf in self.pending:
+        for buf in self.buffers.pop(owner, ()):
             self.arena.give_back(buf)
-        self.pending.clear()
-        self.held = set(owners)
 
     def load_blocks(self, hashes: list[bytes]) -> list[BlockData]:
-        self._load_starts(self.rows[h][0] for h in hashes)
         runs: list[tuple[int, int, int]] = []    # (batch id, first row, rows)
         for h in hashes:
             batch_id, row = self.rows[h]
@@ -101,11 +84,9 @@ class HostStore(TierStore):
 
     def load_block(self, h: bytes) -> BlockData:
         batch_id, row = self.rows[h]
-        self._load_starts([batch_id])
         return {name: t[row] for name, t in self.batches[batch_id].items()}
 
     def load_snapshot(self, key: bytes) -> SnapshotData:
-        self._load_starts([key])
         return self.snapshot_data[key]
 
     def drop_block(self, h: bytes) -> None:

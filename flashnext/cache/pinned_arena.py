@@ -1,12 +1,15 @@
-"""Pinned host memory for the host tier, allocated once and reused: buffers of power-of-two size classes carved
-from slabs that are page-locked in place as the tier grows (weights/pinned.host_empty), and recycled when the tier
-drops what they held.
+"""Pinned host memory for the host tier, allocated once and reused: buffers carved from slabs that are page-locked
+in place as the tier grows (weights/pinned.host_empty), and recycled, by size, when the tier drops what they held.
+The tier's entries come in few sizes (a model's snapshots are all alike; block pieces are powers of two of equal
+blocks), so a buffer of the exact size (in whole pages) is kept for the next entry of that size: what is pinned
+is what the tier counts, give or take a page per entry.
 
 Why not torch.empty(pin_memory=True) per entry: each new allocation is a cudaHostAlloc, which page-locks on the
 spot — on the H200's host ~58 ms for each of the three entry buffers of a 32K-token Flash-Next turn (a snapshot
 is 116 MB), inside the engine step that moves the entry down: the turn waited ~180 ms for its first token. Registering a slab in place costs
 ~0.1 s per GiB once; a recycled buffer costs nothing. A buffer given back may still be the source of an
-asynchronous host→device copy: it is handed out again only after an event recorded at give-back has passed.
+asynchronous host→device copy: it is handed out again only once an event recorded at give-back has passed (one
+not yet passed is left for later, not waited for).
 """
 from __future__ import annotations
 
@@ -15,18 +18,18 @@ import torch
 from flashnext.weights.pinned import host_empty
 
 SLAB_BYTES = 1 << 30      # page-locked at a time as the tier grows (a smaller tier: its own size)
-MIN_CLASS = 1 << 16       # the smallest buffer handed out (64 KiB)
+PAGE = 1 << 12            # buffers are whole pages
 
 
 def size_class(nbytes: int) -> int:
-    return max(MIN_CLASS, 1 << (max(nbytes, 1) - 1).bit_length())
+    return -(-max(nbytes, 1) // PAGE) * PAGE
 
 
 class PinnedArena:
     def __init__(self, capacity: int, pin: bool):
         self.capacity = capacity          # bytes of slabs at most (the tier's budget)
-        # a tier smaller than SLAB_BYTES gets one slab of its size (in whole MIN_CLASS units)
-        self.slab_bytes = min(SLAB_BYTES, capacity // MIN_CLASS * MIN_CLASS)
+        # a tier smaller than SLAB_BYTES gets one slab of its size (in whole pages)
+        self.slab_bytes = min(SLAB_BYTES, capacity // PAGE * PAGE)
         self.pin = pin
         self.slabs: list[torch.Tensor] = []
         self.used = 0                     # bytes of the last slab handed out
@@ -38,27 +41,25 @@ class PinnedArena:
         return len(self.slabs) * self.slab_bytes
 
     def take(self, nbytes: int) -> torch.Tensor | None:
-        """A uint8 buffer of at least nbytes, or None (larger than a slab, or the capacity is reached: buffers
-        never split or merge across classes, so a tier of mixed sizes can miss while slabs hold free buffers of
-        other classes; the caller then allocates on its own)."""
-        cls = size_class(nbytes)
-        if cls > self.slab_bytes:
+        """A uint8 buffer of nbytes, or None (larger than a slab, or the capacity is reached while no free buffer
+        of this size is ready: buffers are never split or merged, and the caller then allocates on its own)."""
+        size = size_class(nbytes)
+        if size > self.slab_bytes:
             self.misses += 1
             return None
-        recycled = self.free.get(cls)
-        if recycled:
-            buf, done = recycled.pop()
-            if done is not None:
-                done.synchronize()
-            return buf[:nbytes]
-        if not self.slabs or self.used + cls > self.slab_bytes:
+        free = self.free.get(size, [])
+        for i, (buf, done) in enumerate(free):
+            if done is None or done.query():
+                del free[i]
+                return buf[:nbytes]
+        if not self.slabs or self.used + size > self.slab_bytes:
             if self.reserved + self.slab_bytes > self.capacity:
                 self.misses += 1
                 return None
             self.slabs.append(host_empty((self.slab_bytes,), torch.uint8, self.pin, "the host tier"))
             self.used = 0
-        buf = self.slabs[-1][self.used: self.used + cls]
-        self.used += cls
+        buf = self.slabs[-1][self.used: self.used + size]
+        self.used += size
         return buf[:nbytes]
 
     def give_back(self, buf: torch.Tensor) -> None:
@@ -70,9 +71,9 @@ class PinnedArena:
                 break
         else:
             return   # not ours: an allocation of the caller's, freed with its tensors
-        cls = size_class(buf.numel())
+        size = size_class(buf.numel())
         done = None
         if self.pin and torch.cuda.is_available():
             done = torch.cuda.Event()
             done.record()
-        self.free.setdefault(cls, []).append((slab[offset: offset + cls], done))
+        self.free.setdefault(size, []).append((slab[offset: offset + size], done))

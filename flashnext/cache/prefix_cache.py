@@ -86,23 +86,28 @@ class PrefixCache:
         """The deepest snapshot of a prefix of tokens[:limit], copied in from a lower tier if deeper there."""
         found = self._match(tokens, limit)
         depth = found[0].snapshots[found[1]].num_tokens if found else 0
-        tier = self.lower
-        while tier is not None:
+        for tier in self.tiers():
             entry = tier.match(tokens, limit, deeper_than=depth)
-            if entry is not None:
-                started = time.perf_counter()
+            if entry is None:
+                continue
+            started = time.perf_counter()
+            tier.installing.add(entry[0])
+            try:
                 loaded = tier.load(entry[0])
                 if loaded is not None and self.mirror is not None and not self.mirror.fetch(tier, *entry):
                     log.warning("%s cache: dropping entry %s: another rank cannot read its share", tier.name,
                                 entry[0].hex())
                     tier.remove(entry[0])
                     loaded = None
-                if loaded is not None and self._install(tokens, *loaded):
-                    self.restored_tokens[tier.name] += entry[1].num_tokens
-                    self.restore_seconds[tier.name] += time.perf_counter() - started
-                    found = self._match(tokens, limit)
-                    break
-            tier = tier.lower
+                installed = loaded is not None and self._install(tokens, *loaded)
+            finally:
+                tier.installing.discard(entry[0])
+                tier.fit()
+            if installed:
+                self.restored_tokens[tier.name] += entry[1].num_tokens
+                self.restore_seconds[tier.name] += time.perf_counter() - started
+                found = self._match(tokens, limit)
+                break
         if found is None:
             return None
         node, tail = found
@@ -161,10 +166,8 @@ class PrefixCache:
         self.lru[key] = (node, tail)
         self.lru.move_to_end(key)
         if turn_end and self.write_through:
-            tier = self.lower
-            while tier is not None:
+            for tier in self.tiers():
                 self._write_down(tier, node, key, snap)
-                tier = tier.lower
         while self.snapshot_bytes > self.snapshot_budget and self.lru:
             self._evict(next(iter(self.lru)))
 
@@ -264,14 +267,12 @@ class PrefixCache:
 
     def clear(self) -> None:
         """Drop every device and host entry (the disk tier keeps its files)."""
-        lower, self.lower = self.lower, None
+        tiers, lower, self.lower = self.tiers(), self.lower, None
         self.evict_all()
         self.lower = lower
-        tier = lower
-        while tier is not None:
+        for tier in tiers:
             if tier.name != "disk":
                 tier.clear()
-            tier = tier.lower
 
     @property
     def num_snapshots(self) -> int:

@@ -84,6 +84,10 @@ class TierIndex:
         self.snaps: OrderedDict[bytes, SnapshotMeta] = OrderedDict()
         self.by_last_block: dict[bytes, dict[tuple[int, ...], bytes]] = {}
         self.bytes = 0
+        # Entries being copied up (PrefixCache.lookup): the install evicts device entries down, and their way in
+        # must not push out the entry whose loaded views are being read (the host tier reuses a dropped entry's
+        # buffers); fit() passes them over, the tier may exceed its bytes until the install ends.
+        self.installing: set[bytes] = set()
         self.mirror = None      # several ranks: parallel/mirror.SnapshotMirror; None on one device
 
     @property
@@ -140,7 +144,7 @@ class TierIndex:
         if self.mirror is not None:
             self.mirror.store_snapshot(self, key, snap if device_blocks is not None else None)
         self._index(key, meta)
-        self._fit()
+        self.fit()
 
     def _index(self, key: bytes, meta: SnapshotMeta) -> None:
         self.snaps[key] = meta
@@ -161,9 +165,13 @@ class TierIndex:
         self.snaps.move_to_end(key)
         return blocks, Snapshot(meta.num_tokens, meta.tail, state, tail_kv)
 
-    def _fit(self) -> None:
-        while self.bytes > self.capacity and self.snaps:
-            self.evict(next(iter(self.snaps)))
+    def fit(self) -> None:
+        """Evict least recently used entries (down a tier, when there is one) until the bytes fit."""
+        while self.bytes > self.capacity:
+            key = next((k for k in self.snaps if k not in self.installing), None)
+            if key is None:
+                return
+            self.evict(key)
 
     def evict(self, key: bytes) -> None:
         meta = self.snaps[key]

@@ -68,11 +68,9 @@ class ModelRunner:
         parts = []
         if decoding:
             logits = self._replay(decoding)
-            sampled = [i for i, c in enumerate(decoding) if c.samples]
-            if len(sampled) < len(decoding):   # prompt tokens fed one a step: their logits are not wanted
-                logits = logits[torch.tensor(sampled, dtype=torch.long, device=logits.device)]
-            if sampled:
-                parts.append(([decoding[i].request for i in sampled], logits))
+            sampled = [c.request for c in decoding if c.samples]   # the first rows (_graph_chunks' order)
+            if sampled:   # prompt tokens fed one a step come last: their logits are not wanted
+                parts.append((sampled, logits[:len(sampled)]))
             if replay_first:
                 launched()
         if eager:
@@ -97,12 +95,13 @@ class ModelRunner:
 
     def _graph_chunks(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """The chunks the decode graph can run: one token each (a decode, or a prompt token fed alone), all of
-        them in one bucket."""
+        them in one bucket; those that sample first."""
         if self.graphs is None:
             return []
         # not a sequence's first token: the decode step continues a slot's states (on several GPUs the workers
         # clear a slot only for an eager chunk that starts a sequence)
         decoding = [c for c in chunks if c.num_tokens == 1 and c.request.num_computed > 0]
+        decoding.sort(key=lambda c: not c.samples)   # rows that sample first: their logits are a slice
         if decoding and self.graphs.can_run(len(decoding), max(len(c.request.blocks) for c in decoding)):
             return decoding
         return []

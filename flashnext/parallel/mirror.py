@@ -54,10 +54,8 @@ class SnapshotMirror:
     def attach(self, cache) -> None:
         """Log what `cache` (rank 0's PrefixCache) and each of its lower tiers do."""
         self.cache, cache.mirror = cache, self
-        tier = cache.lower
-        while tier is not None:
+        for tier in cache.tiers():
             self.levels[tier], tier.mirror = len(self.levels), self
-            tier = tier.lower
 
     def _new_id(self, snap) -> int:
         snap.mirror_id = self._next
