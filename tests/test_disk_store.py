@@ -173,16 +173,22 @@ def test_a_batch_of_blocks_is_split_into_files_by_the_writer_and_read_back_by_th
     original = disk_tier.checksum
     monkeypatch.setattr(disk_tier, "checksum", lambda t: threads.append(threading.current_thread().name) or original(t))
     store = DiskStore(tmp_path, "model-a")
+    submitted, readers = [], []
+    submit, read = store._submit, store._read_written
+    store._submit = lambda fn, *a, **k: submitted.append(fn.__name__) or submit(fn, *a, **k)
+    store._read_written = lambda path: readers.append(threading.current_thread().name) or read(path)
     blocks = [_block(i) for i in range(5)]
     batch = {name: torch.stack([b[name] for b in blocks]) for name in blocks[0]}
     hashes = [bytes([i]) * 8 for i in range(5)]
     sizes = store.store_blocks(hashes, batch)
+    assert submitted == ["_write_blocks"]                      # the batch goes over in one task
     assert sizes == [sum(t.numel() * t.element_size() for t in blocks[0].values()) + HEADER_BYTES] * 5
     runs = store.load_blocks(hashes)
     rows = [{name: t[i] for name, t in run.items()} for run in runs for i in range(next(iter(run.values())).shape[0])]
     assert len(rows) == 5 and all(torch.equal(r[k], b[k]) for r, b in zip(rows, blocks) for k in b)
     assert len(threads) == 5 and all(name.startswith("flashnext-disk-writer") for name in threads), threads
     assert store._readers is not None
+    assert len(readers) == 5 and all(name.startswith("flashnext-disk-reader") for name in readers), readers
 
 
 def test_writer_gets_host_copies_of_its_own():

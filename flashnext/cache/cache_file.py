@@ -33,14 +33,22 @@ def tensors_digest(named_buffers) -> str:
     return digest.hexdigest()
 
 
+def _header(path: Path, raw: bytes) -> dict:
+    """A safetensors header's JSON (the bytes after its 8-byte length), or UnreadableFile."""
+    try:
+        header = json.loads(raw)
+    except ValueError as e:
+        raise UnreadableFile(f"{path} has a damaged header: {e}") from None
+    if not isinstance(header, dict):
+        raise UnreadableFile(f"{path} has a damaged header: not an object")
+    return header
+
+
 def read_header(path: Path) -> dict[str, str]:
     """The metadata of a safetensors file, from its header alone."""
     with open(path, "rb") as f:
         length = int.from_bytes(f.read(8), "little")
-        try:
-            return json.loads(f.read(length)).get("__metadata__") or {}
-        except (ValueError, AttributeError) as e:
-            raise UnreadableFile(f"{path} has a damaged header: {e}") from None
+        return _header(path, f.read(length)).get("__metadata__") or {}
 
 
 def read_cache_file(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor], str]:
@@ -53,9 +61,9 @@ def read_cache_file(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]
         if f.readinto(buf) != size:
             raise UnreadableFile(f"{path} changed while it was read")
     view = memoryview(buf)
+    length = int.from_bytes(view[:8], "little")
+    header = _header(path, bytes(view[8: 8 + length]))
     try:
-        length = int.from_bytes(view[:8], "little")
-        header = json.loads(bytes(view[8: 8 + length]))
         meta = header.pop("__metadata__", None) or {}
         base = 8 + length
         spans = {name: (SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), *info["data_offsets"])

@@ -160,7 +160,8 @@ class LLMEngine:
             from flashnext.cache.host_tier import HostStore
             from flashnext.cache.tier_index import TierIndex
 
-            lower = TierIndex(HostStore(int(args.kv_host_gb * gib)), int(args.kv_host_gb * gib), block_size, lower)
+            host_bytes = int(args.kv_host_gb * gib)
+            lower = TierIndex(HostStore(host_bytes), host_bytes, block_size, lower)
         return PrefixCache(self.kv, self.states, int(args.prefix_cache_gb * gib), lower, args.kv_host_write_through)
 
     def _chunk_activation_bytes(self) -> int:

@@ -284,6 +284,13 @@ def m_bucket(m: int) -> int:
 _GEMV_CONFIGS: dict[tuple, GemvConfig] = {}
 
 
+def gemv_fits(cfg: GemvConfig, k: int, group_size: int) -> bool:
+    """Whether the GEMV kernel can run `cfg`: K tiles inside one group (a divisor of it), or of whole groups
+    that divide K (FMA mode only), of >= 16 rows (>= 128 with use_dot: eight dots of K = block_k / 8)."""
+    return cfg.block_k >= (128 if cfg.use_dot else 16) and (group_size % cfg.block_k == 0 or (
+        cfg.block_k % group_size == 0 and k % cfg.block_k == 0 and not cfg.use_dot))
+
+
 def gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> GemvConfig:
     """The GEMV launch for this shape: TUNED if listed, else a heuristic, cached per (N, K, g, M bucket, SMs).
 
@@ -299,7 +306,7 @@ def gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device) -
     if cfg is not None:
         return cfg
     cfg = TUNED.get((n, k, bucket))
-    if cfg is None or (group_size % cfg.block_k and (cfg.block_k % group_size or k % cfg.block_k or cfg.use_dot)):
+    if cfg is None or not gemv_fits(cfg, k, group_size):
         use_dot = bucket > 4 and group_size >= 128
         block_k = min(group_size, 64 if bucket > 4 and not use_dot else 128)
         tiles = k // block_k
@@ -344,9 +351,7 @@ def _gemv(x: torch.Tensor, w: Int4Weight, cfg: GemvConfig) -> torch.Tensor:
     n = w.out_features
     # a tile inside one group, or (FMA mode) whole groups that divide K
     row_groups = cfg.block_k > w.group_size
-    assert m <= GEMV_MAX_M and cfg.block_k >= (128 if cfg.use_dot else 16) and (
-        w.group_size % cfg.block_k == 0 if not row_groups else
-        cfg.block_k % w.group_size == 0 and k % cfg.block_k == 0 and not cfg.use_dot), (m, k, w.group_size, cfg)
+    assert m <= GEMV_MAX_M and gemv_fits(cfg, k, w.group_size), (m, k, w.group_size, cfg)
     tiles = k // cfg.block_k
     per = triton.cdiv(tiles, max(1, min(cfg.split_k, tiles)))
     split = triton.cdiv(tiles, per)
