@@ -33,10 +33,12 @@ SHAPES = {"flash-next": (2560, 640), "qwen3-next": (2048, 512)}
 E, TOP_K, G = 512, 10, 128
 DECODE_M, PREFILL_M = (1, 2, 4, 8), 4096
 LAYERS = 8
-# (block_n, block_k, split_k, split_down, warps, stages); split 0 = by the shapes (~4 programs per SM at M = 1)
-DECODE_SWEEP = [DEFAULT] + [DecodeConfig(*c) for c in [(32, 128, 0, 0, 4, 3), (128, 128, 0, 0, 4, 4),
-                                                       (64, 128, 1, 1, 4, 3), (64, 128, 10, 5, 4, 3),
-                                                       (64, 128, 0, 0, 8, 3)]]
+# (block_n, down_block_n, block_k, split_k, split_down, warps, stages); split 0 = by the shapes (~4 programs
+# per SM at M = 1)
+DECODE_SWEEP = [DEFAULT] + [DecodeConfig(*c) for c in [
+    (32, 128, 128, 0, 0, 4, 3), (32, 256, 128, 0, 0, 4, 3), (32, 256, 128, 0, 0, 8, 3), (64, 128, 128, 0, 0, 4, 3),
+    (64, 256, 128, 0, 0, 8, 3), (128, 128, 128, 0, 0, 4, 4), (128, 256, 128, 0, 0, 8, 3),
+    (64, 128, 128, 0, 0, 8, 2), (32, 64, 128, 0, 0, 4, 3), (64, 64, 128, 0, 0, 4, 3), (64, 0, 128, 10, 5, 4, 3)]]
 PREFILL_SWEEP = [PREFILL] + [MoeConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in
                              [(64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 128, 128, 8, 3), (128, 64, 64, 4, 4),
                               (32, 128, 64, 4, 4), (128, 128, 128, 8, 2)]]
@@ -159,7 +161,8 @@ def _cfg(c) -> str:
     if c is None:
         return "(cuBLAS grouped)"
     if isinstance(c, DecodeConfig):
-        return f"n{c.block_n} k{c.block_k} s{c.split_k}/{c.split_down} w{c.num_warps} st{c.num_stages}"
+        return (f"n{c.block_n}/{c.down_block_n or c.block_n} k{c.block_k} s{c.split_k}/{c.split_down} w{c.num_warps} "
+                f"st{c.num_stages}")
     return f"m{c.block_m} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}"
 
 

@@ -37,6 +37,7 @@ CASES = [
     (5, 3, 64, 48, True, True, True, dict(block_n=64, block_k=64, split_down=3)),
     (5, 1, 32, 16, True, False, False, dict(block_n=64, block_k=32)),                          # k = 1: a direct store
     (2, 3, 16, 16, False, False, False, dict()),                                               # the defaults
+    (3, 3, 32, 16, True, False, False, dict(block_n=16, down_block_n=64, block_k=32, split_down=2)),  # down's tiles
 ]
 
 

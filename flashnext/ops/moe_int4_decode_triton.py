@@ -50,6 +50,7 @@ from flashnext.weights.int4_layout import Int4Weight
 @dataclass(frozen=True)
 class DecodeConfig:
     block_n: int = 32      # output columns per program (H200 sweep: 32 has the least time summed over M = 1…8)
+    down_block_n: int = 0  # down's output columns per program; 0: block_n
     block_k: int = 128     # K rows per loop step, lowered to divide the group size
     split_k: int = 0       # K splits of gate_up (over H); 0: enough for ~PROGRAMS_PER_SM programs at M = 1
     split_down: int = 0    # K splits of down (over I); 0: the same rule
@@ -214,7 +215,8 @@ def moe_int4_decode(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: In
     tiles_up = triton.cdiv(inter, cfg.block_n)
     per_up, split_up = _splits(hidden, bk_up, cfg.split_k, top_k * tiles_up, device)
     bk_down = block_k_for_group(cfg.block_k, w_down.group_size)
-    tiles_down = triton.cdiv(hidden, cfg.block_n)
+    down_block_n = cfg.down_block_n or cfg.block_n
+    tiles_down = triton.cdiv(hidden, down_block_n)
     per_down, split_down = _splits(inter, bk_down, cfg.split_down, top_k * tiles_down, device)
     counters = arrival_counters(device, max(pairs * tiles_up, m * tiles_down))
     h = torch.empty(pairs, inter, dtype=torch.float32, device=device)
@@ -222,7 +224,7 @@ def moe_int4_decode(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: In
     part_up = torch.empty(pairs, split_up, 2 * inter, dtype=torch.float32, device=device) if split_up > 1 else h
     parts_down = top_k * split_down
     part_down = torch.empty(m, parts_down, hidden, dtype=torch.float32, device=device) if parts_down > 1 else out
-    launch = dict(BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    launch = dict(NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   **launch_options(x.device))
 
     def optional(w):  # zeros and perm, or a dummy pointer never read (HAS_ZEROS/HAS_PERM are constexprs)
@@ -233,10 +235,10 @@ def moe_int4_decode(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: In
     _gate_up_kernel[(pairs, tiles_up, split_up)](
         x, ids, w_gate_up.qweight, w_gate_up.scales, zeros, perm, h, part_up, counters,
         hidden, inter, per_up, GROUP=w_gate_up.group_size, TOP_K=top_k, SPLIT=split_up,
-        SPLIT_P2=triton.next_power_of_2(split_up), BLOCK_K=bk_up, **flags, **launch)
+        SPLIT_P2=triton.next_power_of_2(split_up), BLOCK_N=cfg.block_n, BLOCK_K=bk_up, **flags, **launch)
     zeros, perm, flags = optional(w_down)
     _down_kernel[(pairs, tiles_down, split_down)](
         h, ids, topk_weights.reshape(-1).contiguous(), w_down.qweight, w_down.scales, zeros, perm, out, part_down,
         counters, hidden, inter, per_down, GROUP=w_down.group_size, TOP_K=top_k, SPLIT=split_down,
-        PARTS_P2=triton.next_power_of_2(parts_down), BLOCK_K=bk_down, **flags, **launch)
+        PARTS_P2=triton.next_power_of_2(parts_down), BLOCK_N=down_block_n, BLOCK_K=bk_down, **flags, **launch)
     return out
