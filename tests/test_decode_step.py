@@ -46,10 +46,30 @@ def test_short_table_decodes_dense_without_scoring(case):
     _check_decode(case, (2, 3, 1), 2, extra_width=0)
 
 
-def _check_decode(case, prompts_len, steps, extra_width):
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=[IDS[0], IDS[2]])
+def test_int4_decode_runs_the_shared_expert_in_the_expert_kernels(case):
+    """INT4 experts and dense projections (`--quantize int4`, stacked as loading does): the decode step hands the
+    shared expert to the routed kernels as one more expert (Int4Experts.shared_int4) and still equals the
+    eager forward, which runs it on its own."""
+    from flashnext.models.layers.moe import SparseMoe
+    from flashnext.models.quantize import quantize_dense_int4, quantize_experts_int4
+    from flashnext.models.stacked import stack_projections
+
+    def int4(model):
+        quantize_dense_int4(model)
+        quantize_experts_int4(model)
+        stack_projections(model)
+        moes = [m for m in model.modules() if isinstance(m, SparseMoe)]
+        assert moes and all(m.experts.shared_int4(m.shared_expert) is not None for m in moes)
+        return model
+
+    _check_decode(case, PROMPTS, 6, extra_width=1, transform=int4)
+
+
+def _check_decode(case, prompts_len, steps, extra_width, transform=lambda model: model):
     arch, overrides = case
     hf, raw = hf_model(arch, seed=CASES.index(case), **overrides)
-    model = ours_from_hf(hf, raw)
+    model = transform(ours_from_hf(hf, raw))
     cfg = model.cfg
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=g) for n in prompts_len]

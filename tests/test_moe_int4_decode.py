@@ -74,3 +74,48 @@ def test_decode_token_bits_independent_of_batch():
     alone = moe_int4_decode(x[1:2], ids[1:2], weights[1:2], w_gate_up, w_down, config)
     assert torch.equal(batch[1:2], alone)
     assert buffers(x.device) and not any(buf.any() for buf in buffers(x.device))
+
+
+def shared_expert(m, g_up, g_down, asym, seed=5):
+    """A shared expert in the routed experts' forms (one expert of a stack), and a gate logit per token with a row
+    stride of its own (as a column of the router's output)."""
+    from flashnext.ops.moe_int4 import SharedExpert
+
+    def one(w):
+        pick = (lambda t: None if t is None else t[0].contiguous())
+        return type(w)(pick(w.qweight), pick(w.scales), pick(w.zeros), None, w.group_size)
+
+    logits = torch.randn(m, 5, generator=torch.Generator().manual_seed(seed))
+    return SharedExpert(one(random_int4(1, 2 * I, H, g_up, asym, False, seed)),
+                        one(random_int4(1, H, I, g_down, asym, False, seed + 1)), logits[:, 3:4])
+
+
+@pytest.mark.parametrize("m,k,asym,config", [
+    (1, 3, False, dict(block_n=32, block_k=32)),
+    (2, 3, True, dict(block_n=16, block_k=32, split_k=2, split_down=2)),
+    (3, 1, False, dict(block_n=64, down_block_n=16, block_k=16)),
+])
+def test_decode_runs_the_shared_expert_as_one_more_slot(m, k, asym, config):
+    """With a shared expert the kernels add sigmoid(logit) × its output to the routed sum (one more slot per token)."""
+    from flashnext.ops.moe_int4 import moe_int4_reference
+    from flashnext.ops.moe_int4 import shared_fits
+    from flashnext.ops.moe_int4_decode_triton import DecodeConfig, moe_int4_decode
+
+    x, ids, weights, w_gate_up, w_down = case(m, k, 32, 16, asym=asym)
+    shared = shared_expert(m, 32, 16, asym)
+    assert shared_fits(w_gate_up, w_down, shared.gate_up, shared.down)
+    got = moe_int4_decode(x, ids, weights, w_gate_up, w_down, DecodeConfig(**config), shared=shared)
+    want = moe_int4_reference(x, ids, weights, w_gate_up, w_down, shared)
+    assert rel_err(got, want) < 1e-5
+    routed_only = moe_int4_reference(x, ids, weights, w_gate_up, w_down)
+    assert rel_err(routed_only, want) > 1e-2   # the shared term is there to be missed
+
+
+def test_shared_expert_must_match_the_routed_forms():
+    from flashnext.ops.moe_int4 import shared_fits
+
+    _, _, _, w_gate_up, w_down = case(1, 3, 32, 16, asym=False)
+    assert not shared_fits(w_gate_up, w_down, *[shared_expert(1, 32, 16, asym=True).__dict__[n]
+                                                for n in ("gate_up", "down")])   # zeros on one side only
+    other_group = shared_expert(1, 16, 16, asym=False)
+    assert not shared_fits(w_gate_up, w_down, other_group.gate_up, other_group.down)

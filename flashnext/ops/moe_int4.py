@@ -4,12 +4,14 @@ Shapes: x [M, H]; topk_ids [M, k] (int); topk_weights [M, k]; w_gate_up a stacke
 [E, 2I, H] gate|up weights (gate rows first, as `Experts.gate_up_proj`); w_down a stacked Int4Weight of
 the [E, H, I] down weights. Returns [M, H] in x's dtype:
     out[m] = sum_j topk_weights[m, j] * down_e(silu(gate_e(x[m])) * up_e(x[m])),  e = topk_ids[m, j]
+           (+ sigmoid(shared.logit[m]) * down_s(silu(gate_s(x[m])) * up_s(x[m])) with a `SharedExpert`)
 The kernel layout (qweight int32 [E, K/8, N], scales [E, K/g, N], zeros uint8 [E, K/g, N] or None) is
 docs/int4.md's; `flashnext.weights.int4_layout` owns it.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,38 +27,79 @@ _PREFILL = os.environ.get("FLASHNEXT_MOE_PREFILL", "triton")
 DECODE_MAX_M = 8  # the decode kernels re-read an expert per token that chose it: fine up to a few tokens
 
 
+@dataclass(frozen=True)
+class SharedExpert:
+    """A shared expert with INT4 weights, added to the routed sum gated by sigmoid(logit): gate_up [H/8, 2I] words
+    (gate columns first, as a routed expert's), down [I/8, H], logit [M, 1] (any row stride). At decode the
+    kernels run it as one more expert per token, so its GEMVs cost no launches of their own."""
+    gate_up: Int4Weight
+    down: Int4Weight
+    logit: torch.Tensor
+
+
+def shared_fits(w_gate_up: Int4Weight, w_down: Int4Weight, shared_gate_up: Int4Weight, shared_down: Int4Weight) -> bool:
+    """Whether the kernels can run a shared expert beside these routed ones: the same intermediate size, group
+    sizes, zero form and scale dtype (one set of constexprs serves both), no act-order, one token's words
+    contiguous ([H/8, 2I] and [I/8, H])."""
+    pairs = ((w_gate_up, shared_gate_up), (w_down, shared_down))
+    return all(
+        s.qweight.dim() == 2 and s.qweight.shape == r.qweight.shape[1:] and s.group_size == r.group_size
+        and s.scales.dtype == r.scales.dtype and (s.zeros is None) == (r.zeros is None)
+        and r.perm is None and s.perm is None and all(t.is_contiguous() for t in s.tensors().values())
+        for r, s in pairs)
+
+
 def _expert(w: Int4Weight, e: int) -> Int4Weight:
     pick = (lambda t: None if t is None else t[e])
     return Int4Weight(w.qweight[e], w.scales[e], pick(w.zeros), pick(w.perm), w.group_size)
 
 
-def moe_int4_reference(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weight) -> torch.Tensor:
+def _expert_fp32(xf, w_gate_up: Int4Weight, w_down: Int4Weight) -> torch.Tensor:
+    gate, up = F.linear(xf, dequantize(w_gate_up)).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, dequantize(w_down))
+
+
+def _shared_fp32(x, shared: SharedExpert) -> torch.Tensor:
+    return torch.sigmoid(shared.logit.float()) * _expert_fp32(x.float(), shared.gate_up, shared.down)
+
+
+def moe_int4_reference(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weight,
+                       shared: SharedExpert | None = None) -> torch.Tensor:
     """Dequantise each chosen expert once, run its tokens through it in fp32, add them up in fp32."""
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     xf = x.float()
     for e in topk_ids.unique().tolist():
         token, slot = torch.where(topk_ids == e)
-        gate, up = F.linear(xf[token], dequantize(_expert(w_gate_up, e))).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, dequantize(_expert(w_down, e)))
+        y = _expert_fp32(xf[token], _expert(w_gate_up, e), _expert(w_down, e))
         out.index_add_(0, token, y * topk_weights[token, slot, None].float())
+    if shared is not None:
+        out += _shared_fp32(x, shared)
     return out.to(x.dtype)
 
 
-def moe_int4(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weight) -> torch.Tensor:
-    """CUDA: M <= DECODE_MAX_M -> the decode GEMV kernels (moe_int4_decode_triton), larger M -> the grouped
-    kernels (moe_int4_triton), or with FLASHNEXT_MOE_PREFILL=dequant from DEQUANT_MIN_M on the grouped GEMM over
-    dequantised experts (moe_int4_dequant); elsewhere the reference."""
+def moe_int4(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weight,
+             shared: SharedExpert | None = None) -> torch.Tensor:
+    """CUDA: M <= DECODE_MAX_M -> the decode GEMV kernels (moe_int4_decode_triton; they run `shared` as one more
+    expert), larger M -> the grouped kernels (moe_int4_triton), or with FLASHNEXT_MOE_PREFILL=dequant from
+    DEQUANT_MIN_M on the grouped GEMM over dequantised experts (moe_int4_dequant); elsewhere the reference.
+    A shared expert on the grouped paths (FLASHNEXT_MOE_INT4=grouped only: the models pass one at decode) is
+    added in fp32 from its dequantised weights."""
     if x.is_cuda and _BACKEND != "reference":
         if x.shape[0] <= DECODE_MAX_M and _BACKEND != "grouped":
             from flashnext.ops.moe_int4_decode_triton import moe_int4_decode
 
-            return moe_int4_decode(x, topk_ids, topk_weights, w_gate_up, w_down)
-        if _PREFILL == "dequant" and _BACKEND == "auto":
-            from flashnext.ops.moe_int4_dequant import DEQUANT_MIN_M, moe_int4_dequant
+            return moe_int4_decode(x, topk_ids, topk_weights, w_gate_up, w_down, shared=shared)
+        out = _routed_grouped(x, topk_ids, topk_weights, w_gate_up, w_down)
+        return out if shared is None else (out.float() + _shared_fp32(x, shared)).to(x.dtype)
+    return moe_int4_reference(x, topk_ids, topk_weights, w_gate_up, w_down, shared)
 
-            if x.shape[0] >= DEQUANT_MIN_M:
-                return moe_int4_dequant(x, topk_ids, topk_weights, w_gate_up, w_down)
-        from flashnext.ops.moe_int4_triton import moe_int4_triton
 
-        return moe_int4_triton(x, topk_ids, topk_weights, w_gate_up, w_down)
-    return moe_int4_reference(x, topk_ids, topk_weights, w_gate_up, w_down)
+def _routed_grouped(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weight) -> torch.Tensor:
+    if _PREFILL == "dequant" and _BACKEND == "auto":
+        from flashnext.ops.moe_int4_dequant import DEQUANT_MIN_M, moe_int4_dequant
+
+        if x.shape[0] >= DEQUANT_MIN_M:
+            return moe_int4_dequant(x, topk_ids, topk_weights, w_gate_up, w_down)
+    from flashnext.ops.moe_int4_triton import moe_int4_triton
+
+    return moe_int4_triton(x, topk_ids, topk_weights, w_gate_up, w_down)

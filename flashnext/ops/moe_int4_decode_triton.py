@@ -40,9 +40,10 @@ import triton
 import triton.language as tl
 
 from flashnext.ops.arrival import arrival_counters, arrive_last
-from flashnext.ops.int4_groups import group_zero_scale
-from flashnext.ops.moe_int4_triton import block_k_for_group
 from flashnext.ops.device import num_sms
+from flashnext.ops.int4_groups import group_zero_scale
+from flashnext.ops.moe_int4 import SharedExpert, shared_fits
+from flashnext.ops.moe_int4_triton import block_k_for_group
 from flashnext.ops.pdl import launch_options, wait_for_inputs
 from flashnext.weights.int4_layout import Int4Weight
 
@@ -120,33 +121,38 @@ def _sum_rows(ptr, first_row, n_rows, row_stride, offs, ok, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, ids_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, h_ptr, part_ptr, counter_ptr,
-                    H, I, k_per_split, GROUP: tl.constexpr, TOP_K: tl.constexpr, SPLIT: tl.constexpr,
-                    SPLIT_P2: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+def _gate_up_kernel(x_ptr, ids_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, shared_q_ptr, shared_s_ptr,
+                    shared_z_ptr, h_ptr, part_ptr, counter_ptr, H, I, k_per_split, GROUP: tl.constexpr,
+                    TOP_K: tl.constexpr, SLOTS: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
+                    HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
     pair, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    token, slot = pair // SLOTS, pair % SLOTS
     N = 2 * I
-    qweight_ptr += expert * (H // 8) * N
-    scales_ptr += expert * (H // GROUP) * N
-    zeros_ptr += expert * (H // GROUP) * N
-    perm_ptr += expert * H
-    x_ptr += (pair // TOP_K) * H
+    if slot == TOP_K:   # the shared expert (SLOTS = TOP_K + 1)
+        qweight, scales, zeros = shared_q_ptr, shared_s_ptr, shared_z_ptr
+    else:
+        expert = tl.load(ids_ptr + token * TOP_K + slot).to(tl.int64)
+        qweight = qweight_ptr + expert * (H // 8) * N
+        scales = scales_ptr + expert * (H // GROUP) * N
+        zeros = zeros_ptr + expert * (H // GROUP) * N
+        perm_ptr += expert * H
+    x_ptr += token * H
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
     gate = tl.zeros((BLOCK_K // 8, BLOCK_N), tl.float32)
     up = tl.zeros((BLOCK_K // 8, BLOCK_N), tl.float32)
     k_start = split * k_per_split
     for k0 in tl.range(k_start, tl.minimum(k_start + k_per_split, H), BLOCK_K, num_stages=NUM_STAGES):
-        gate += _tile_dot(x_ptr, perm_ptr, qweight_ptr, scales_ptr, zeros_ptr, k0, offs_n, n_ok, N, GROUP,
+        gate += _tile_dot(x_ptr, perm_ptr, qweight, scales, zeros, k0, offs_n, n_ok, N, GROUP,
                           HAS_ZEROS, HAS_PERM, BLOCK_K, BLOCK_N)
-        up += _tile_dot(x_ptr, perm_ptr, qweight_ptr, scales_ptr, zeros_ptr, k0, I + offs_n, n_ok, N, GROUP,
+        up += _tile_dot(x_ptr, perm_ptr, qweight, scales, zeros, k0, I + offs_n, n_ok, N, GROUP,
                         HAS_ZEROS, HAS_PERM, BLOCK_K, BLOCK_N)
     g = tl.sum(gate, axis=0)
     u = tl.sum(up, axis=0)
     if SPLIT > 1:
-        # part [M*k, SPLIT, 2I]: gate partials, then up partials
+        # part [M*slots, SPLIT, 2I]: gate partials, then up partials
         row = pair * SPLIT + split
         tl.store(part_ptr + row * N + offs_n, g, mask=n_ok)
         tl.store(part_ptr + row * N + I + offs_n, u, mask=n_ok)
@@ -159,29 +165,35 @@ def _gate_up_kernel(x_ptr, ids_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr
 
 
 @triton.jit
-def _down_kernel(h_ptr, ids_ptr, topk_weights_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr, part_ptr,
-                 counter_ptr, H, I, k_per_split, GROUP: tl.constexpr, TOP_K: tl.constexpr, SPLIT: tl.constexpr,
+def _down_kernel(h_ptr, ids_ptr, topk_weights_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, shared_q_ptr,
+                 shared_s_ptr, shared_z_ptr, shared_logit_ptr, stride_logit, out_ptr, part_ptr, counter_ptr, H, I,
+                 k_per_split, GROUP: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, SPLIT: tl.constexpr,
                  PARTS_P2: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
     pair, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    token = pair // TOP_K
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    qweight_ptr += expert * (I // 8) * H
-    scales_ptr += expert * (I // GROUP) * H
-    zeros_ptr += expert * (I // GROUP) * H
-    perm_ptr += expert * I
+    token, slot = pair // SLOTS, pair % SLOTS
+    if slot == TOP_K:   # the shared expert, gated by sigmoid of its logit
+        qweight, scales, zeros = shared_q_ptr, shared_s_ptr, shared_z_ptr
+        weight = tl.sigmoid(tl.load(shared_logit_ptr + token * stride_logit).to(tl.float32))
+    else:
+        expert = tl.load(ids_ptr + token * TOP_K + slot).to(tl.int64)
+        qweight = qweight_ptr + expert * (I // 8) * H
+        scales = scales_ptr + expert * (I // GROUP) * H
+        zeros = zeros_ptr + expert * (I // GROUP) * H
+        perm_ptr += expert * I
+        weight = tl.load(topk_weights_ptr + token * TOP_K + slot).to(tl.float32)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
     acc = tl.zeros((BLOCK_K // 8, BLOCK_N), tl.float32)
     k_start = split * k_per_split
     for k0 in tl.range(k_start, tl.minimum(k_start + k_per_split, I), BLOCK_K, num_stages=NUM_STAGES):
-        acc += _tile_dot(h_ptr + pair * I, perm_ptr, qweight_ptr, scales_ptr, zeros_ptr, k0, offs_n, n_ok, H, GROUP,
+        acc += _tile_dot(h_ptr + pair * I, perm_ptr, qweight, scales, zeros, k0, offs_n, n_ok, H, GROUP,
                          HAS_ZEROS, HAS_PERM, BLOCK_K, BLOCK_N)
-    y = tl.sum(acc, axis=0) * tl.load(topk_weights_ptr + pair).to(tl.float32)
-    parts = TOP_K * SPLIT  # a constexpr
+    y = tl.sum(acc, axis=0) * weight
+    parts = SLOTS * SPLIT  # a constexpr
     if parts > 1:
-        # part [M, k*SPLIT, H]: one row per (slot, split) of the token
+        # part [M, slots*SPLIT, H]: one row per (slot, split) of the token
         tl.store(part_ptr + (pair * SPLIT + split) * H + offs_n, y, mask=n_ok)
         if arrive_last(counter_ptr + token * tl.num_programs(1) + tile, parts):
             y = _sum_rows(part_ptr, token * parts, parts, H, offs_n, n_ok, PARTS_P2)
@@ -200,13 +212,15 @@ def _splits(k: int, block_k: int, wanted: int, programs: int, device: torch.devi
 
 
 def moe_int4_decode(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weight,
-                    config: DecodeConfig | None = None) -> torch.Tensor:
-    """Same contract as ops.moe_int4.moe_int4_reference; x [M, H] bf16/fp16/fp32 on CUDA (or interpreted)."""
+                    config: DecodeConfig | None = None, shared: SharedExpert | None = None) -> torch.Tensor:
+    """Same contract as ops.moe_int4.moe_int4_reference; x [M, H] bf16/fp16/fp32 on CUDA (or interpreted).
+    `shared` runs as slot k of every token (its weights in the experts' forms: see shared_fits)."""
     cfg = config or DEFAULT
     m, hidden = x.shape
     top_k = topk_ids.shape[1]
+    slots = top_k + (shared is not None)
     inter = w_gate_up.qweight.shape[-1] // 2
-    pairs = m * top_k
+    pairs = m * slots
     x = x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()
     device = x.device
@@ -222,7 +236,7 @@ def moe_int4_decode(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: In
     h = torch.empty(pairs, inter, dtype=torch.float32, device=device)
     out = torch.empty(m, hidden, dtype=x.dtype, device=device)
     part_up = torch.empty(pairs, split_up, 2 * inter, dtype=torch.float32, device=device) if split_up > 1 else h
-    parts_down = top_k * split_down
+    parts_down = slots * split_down
     part_down = torch.empty(m, parts_down, hidden, dtype=torch.float32, device=device) if parts_down > 1 else out
     launch = dict(NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   **launch_options(x.device))
@@ -231,14 +245,23 @@ def moe_int4_decode(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: In
         return (w.scales if w.zeros is None else w.zeros, w.qweight if w.perm is None else w.perm,
                 dict(HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None))
 
+    def shared_pointers(w):   # the routed weights stand in (never read) without a shared expert
+        s = w if shared is None else (shared.gate_up if w is w_gate_up else shared.down)
+        return s.qweight, s.scales, optional(s)[0]
+
+    if shared is not None:
+        assert shared_fits(w_gate_up, w_down, shared.gate_up, shared.down), "see shared_fits"
     zeros, perm, flags = optional(w_gate_up)
     _gate_up_kernel[(pairs, tiles_up, split_up)](
-        x, ids, w_gate_up.qweight, w_gate_up.scales, zeros, perm, h, part_up, counters,
-        hidden, inter, per_up, GROUP=w_gate_up.group_size, TOP_K=top_k, SPLIT=split_up,
+        x, ids, w_gate_up.qweight, w_gate_up.scales, zeros, perm, *shared_pointers(w_gate_up), h, part_up, counters,
+        hidden, inter, per_up, GROUP=w_gate_up.group_size, TOP_K=top_k, SLOTS=slots, SPLIT=split_up,
         SPLIT_P2=triton.next_power_of_2(split_up), BLOCK_N=cfg.block_n, BLOCK_K=bk_up, **flags, **launch)
     zeros, perm, flags = optional(w_down)
+    logit = shared.logit if shared is not None else topk_weights
     _down_kernel[(pairs, tiles_down, split_down)](
-        h, ids, topk_weights.reshape(-1).contiguous(), w_down.qweight, w_down.scales, zeros, perm, out, part_down,
-        counters, hidden, inter, per_down, GROUP=w_down.group_size, TOP_K=top_k, SPLIT=split_down,
+        h, ids, topk_weights.reshape(-1).contiguous(), w_down.qweight, w_down.scales, zeros, perm,
+        *shared_pointers(w_down), logit, logit.stride(0), out, part_down, counters, hidden, inter, per_down,
+        GROUP=w_down.group_size, TOP_K=top_k, SLOTS=slots, SPLIT=split_down,
         PARTS_P2=triton.next_power_of_2(parts_down), BLOCK_N=down_block_n, BLOCK_K=bk_down, **flags, **launch)
     return out
+

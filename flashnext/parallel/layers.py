@@ -63,5 +63,9 @@ class LocalExperts(nn.Module):
         dist.all_reduce(out, group=self.group)
         return out
 
+    def shared_int4(self, shared_expert):
+        """None: the shared expert is replicated, and run by this rank's kernels it would be summed once per rank."""
+        return None
+
     def extra_repr(self) -> str:
         return f"experts {self.first}..{self.first + self.count - 1}"

@@ -11,8 +11,10 @@ import math
 import torch
 from torch import nn
 
+from flashnext.models.layers.int4_linear import Int4Linear
 from flashnext.models.layers.moe import Experts
-from flashnext.ops.moe_int4 import moe_int4
+from flashnext.models.stacked import StackedProjection
+from flashnext.ops.moe_int4 import SharedExpert, moe_int4, shared_fits
 from flashnext.weights.int4_layout import Int4Weight, quantize_rtn
 
 MIN_GROUP_SIZE = 16  # the kernels' smallest K tile (a tile never straddles a group)
@@ -69,10 +71,25 @@ class Int4Experts(nn.Module):
             return self.expert_cache.forward(x, weights, ids)
         return moe_int4(x, ids, weights, self.weight_int4("gate_up"), self.weight_int4("down"))
 
-    def decode(self, x, weights, ids):
-        """The fused kernels need no host sync, so a captured decode step runs `forward` as it is. The expert
-        cache copies misses in from host memory: the engine runs it eagerly (no graph)."""
-        return self.forward(x, weights, ids)
+    def decode(self, x, weights, ids, shared: SharedExpert | None = None):
+        """The fused kernels need no host sync, so a captured decode step runs `forward` as it is (with `shared`,
+        from `shared_int4`, as one more expert per token). The expert cache copies misses in from host memory:
+        the engine runs it eagerly (no graph)."""
+        if shared is None:
+            return self.forward(x, weights, ids)
+        return moe_int4(x, ids, weights, self.weight_int4("gate_up"), self.weight_int4("down"), shared)
+
+    def shared_int4(self, shared_expert) -> tuple[Int4Weight, Int4Weight] | None:
+        """The shared expert's INT4 gate|up and down when the kernels can run it beside these experts
+        (ops.moe_int4.shared_fits; its gate and up stacked, models/stacked.py); None otherwise, or with an
+        expert cache (its slots are the routed experts' only)."""
+        gate_up, down = getattr(shared_expert, "gate_up", None), getattr(shared_expert, "down_proj", None)
+        if (self.expert_cache is not None or not isinstance(gate_up, StackedProjection) or gate_up.int4 is None
+                or not isinstance(down, Int4Linear)):
+            return None
+        routed = (self.weight_int4("gate_up"), self.weight_int4("down"))
+        shared = (gate_up.int4, down.weight_int4)
+        return shared if shared_fits(*routed, *shared) else None
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "

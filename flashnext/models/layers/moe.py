@@ -6,6 +6,7 @@ from torch import nn
 
 from flashnext.ops import branches
 from flashnext.ops.gated_elementwise import gated_add, silu_mul
+from flashnext.ops.moe_int4 import SharedExpert
 from flashnext.ops.router_topk import router_topk
 from flashnext.weights.config import ModelConfig
 
@@ -72,6 +73,10 @@ class Experts(nn.Module):
         y = torch.einsum("bki,bkhi->bkh", F.silu(gate) * up, self.down_proj[ids])
         return (y * weights[..., None]).sum(dim=1).to(x.dtype)
 
+    def shared_int4(self, shared_expert: DenseMLP):
+        """16-bit experts do not run the shared expert themselves (Int4Experts.shared_int4 can)."""
+        return None
+
 
 class SparseMoe(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -87,6 +92,10 @@ class SparseMoe(nn.Module):
         return gated_add(self.experts(x, weights, ids), self.shared_expert(x), shared_gate)
 
     def decode(self, x):
+        shared = self.experts.shared_int4(self.shared_expert)
+        if shared is not None:   # the INT4 kernels run the shared expert as one more expert: no launches of its own
+            weights, ids, shared_gate = self._route(x)
+            return self.experts.decode(x, weights, ids, SharedExpert(*shared, shared_gate))
         # the shared expert needs only x: a parallel branch of the decode graph (ops.branches)
         (routed, shared_gate), shared = branches.parallel(x, lambda: self._routed_decode(x),
                                                           lambda: self.shared_expert(x))
