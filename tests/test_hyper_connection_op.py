@@ -102,7 +102,7 @@ def test_triton_mix_matches_reference(kernels, n, hc, with_injection):
 @needs_triton
 @pytest.mark.parametrize("n,hc,with_injection", [(5, 4, True), (3, 3, False)])
 def test_triton_mix_ragged_tiles(kernels, n, hc, with_injection):
-    # hidden 60, lowrank 20: both are a power-of-two head and a ragged tail (32 + 28 of 32, 16 + 4 of 4), hc 3 pads
+    # hidden 60, lowrank 20: ragged tiles (60 of 64 lanes; 16 + 4 of 4 in the up kernel), hc 3 pads
     # the streams to 4, the third row tile of 8 straddles the down/inject boundary (rows 16–23); repeated launches
     # give the same values.
     layer = make_layer(hc, 60, 20, with_injection, seed=7).to(DEVICE)

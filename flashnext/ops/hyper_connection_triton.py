@@ -36,7 +36,7 @@ def _sigmoid(v):
 @triton.jit
 def _hc_down_kernel(x_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, sumsq_ptr, N, H, R, stride_x,
                     HC: tl.constexpr, HAS_INJECT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                    TAIL_H: tl.constexpr, PDL: tl.constexpr):
+                    PDL: tl.constexpr):
     pid_r = tl.program_id(0)
     stream = tl.program_id(1)
     K = HC * H
@@ -48,27 +48,16 @@ def _hc_down_kernel(x_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, sumsq_ptr, N, H, R,
         w_rows = tl.where(offs_r < R, wd_ptr + offs_r * K, wi_ptr + (offs_r - R) * K)
     else:
         w_rows = wd_ptr + offs_r * K
-    # H = BLOCK_H + at most TAIL_H columns, both powers of two: no lanes padded up to the next power of two
-    # (Flash-Next's 2560 = 2048 + 512 instead of 4096, 37% of them masked).
     offs_h = tl.arange(0, BLOCK_H)
-    w = tl.load(w_rows[:, None] + stream * H + offs_h[None, :], mask=r_ok[:, None], other=0.0)
-    scale = 1.0 + tl.load(nw_ptr + stream * H + offs_h).to(tl.float32)
-    if TAIL_H > 0:
-        offs_t = BLOCK_H + tl.arange(0, TAIL_H)
-        t_ok = offs_t < H
-        w_t = tl.load(w_rows[:, None] + stream * H + offs_t[None, :], mask=r_ok[:, None] & t_ok[None, :], other=0.0)
-        scale_t = 1.0 + tl.load(nw_ptr + stream * H + offs_t, mask=t_ok, other=0.0).to(tl.float32)
+    h_ok = offs_h < H
+    w = tl.load(w_rows[:, None] + stream * H + offs_h[None, :], mask=r_ok[:, None] & h_ok[None, :], other=0.0)
+    scale = 1.0 + tl.load(nw_ptr + stream * H + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     wait_for_inputs(PDL)
     for m in range(N):
-        xv = tl.load(x_ptr + m * stride_x + stream * H + offs_h).to(tl.float32)
-        sumsq = tl.sum(xv * xv)
-        part = tl.sum(w.to(tl.float32) * (xv * scale)[None, :], axis=1)
-        if TAIL_H > 0:
-            xt = tl.load(x_ptr + m * stride_x + stream * H + offs_t, mask=t_ok, other=0.0).to(tl.float32)
-            sumsq += tl.sum(xt * xt)
-            part += tl.sum(w_t.to(tl.float32) * (xt * scale_t)[None, :], axis=1)
+        xv = tl.load(x_ptr + m * stride_x + stream * H + offs_h, mask=h_ok, other=0.0).to(tl.float32)
         if pid_r == 0:
-            tl.store(sumsq_ptr + m * HC + stream, sumsq)
+            tl.store(sumsq_ptr + m * HC + stream, tl.sum(xv * xv))
+        part = tl.sum(w.to(tl.float32) * (xv * scale)[None, :], axis=1)
         tl.store(part_ptr + (stream * N + m) * rows + offs_r, part, mask=r_ok)
 
 
@@ -150,10 +139,11 @@ class MixConfig:
     warps_up: int = 4
 
 
-# Flash-Next decode (hidden 2560 = 2048 + 512 lanes, R 320 = 256 + 64): 41 × 4 down programs of 40 KB, 640 up
-# programs of 10 KB, their weights in registers. H200 sweep (scripts/gpu_hyper_connection.py --sweep, one row,
-# L2-warm, with 4096 and 512 lanes then): 6.6 µs per mix with 8 down rows, 6.9 with 2; 1–8 rows, 1–8 columns and
-# 2–8 warps all within 10% of it.
+# Flash-Next decode (hidden 2560 → 4096 lanes in the down kernel, R 320 = 256 + 64 in the up kernel): 41 × 4 down
+# programs of 40 KB, 640 up programs of 10 KB, their weights in registers. H200 sweep (scripts/gpu_hyper_connection.py
+# --sweep, one row, L2-warm, with 512 up lanes then): 6.6 µs per mix with 8 down rows, 6.9 with 2; 1–8 rows, 1–8
+# columns and 2–8 warps all within 10% of it. Splitting the down kernel's 2560 into 2048 + 512 as well made it
+# slower inside the step (4.9 against 4.6 µs a call, 140ed6f; the up kernel's split: 6.5 → 5.6 µs).
 DEFAULT_CONFIG = MixConfig()
 
 
@@ -184,11 +174,10 @@ def hc_mix_triton(h: torch.Tensor, norm_weight: torch.Tensor, w_down: torch.Tens
     work = torch.empty(hc * n * rows + n * hc, dtype=torch.float32, device=h.device)
     partials, sumsq = work[:hc * n * rows], work[hc * n * rows:]
     pdl = launch_options(h.device)
-    block_h, tail_h = power_of_two_parts(hidden)
     _hc_down_kernel[(triton.cdiv(rows, config.block_r), hc)](
         h, norm_weight, w_down, w_inject if w_inject is not None else w_down, partials, sumsq,
         n, hidden, lowrank, h.stride(0), HC=hc, HAS_INJECT=w_inject is not None, BLOCK_R=config.block_r,
-        BLOCK_H=block_h, TAIL_H=tail_h, num_warps=config.warps_down, **pdl)
+        BLOCK_H=triton.next_power_of_2(hidden), num_warps=config.warps_down, **pdl)
     block_kr, tail_kr = power_of_two_parts(lowrank)
     _hc_up_kernel[(triton.cdiv(hidden, config.block_h),)](
         h, norm_weight, partials, sumsq, w_up, block_input, inject if inject is not None else block_input,
