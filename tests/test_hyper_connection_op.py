@@ -102,9 +102,8 @@ def test_triton_mix_matches_reference(kernels, n, hc, with_injection):
 @needs_triton
 @pytest.mark.parametrize("n,hc,with_injection", [(5, 4, True), (3, 3, False)])
 def test_triton_mix_ragged_tiles(kernels, n, hc, with_injection):
-    # hidden 60, lowrank 20: ragged tiles (60 of 64 lanes; 16 + 4 of 4 in the up kernel), hc 3 pads
-    # the streams to 4, the third row tile of 8 straddles the down/inject boundary (rows 16–23); repeated launches
-    # give the same values.
+    # hidden 60, lowrank 20: every tile is ragged (60 of 64 lanes, 20 of 32), hc 3 pads the streams to 4, the
+    # third row tile of 8 straddles the down/inject boundary (rows 16–23); repeated launches give the same values.
     layer = make_layer(hc, 60, 20, with_injection, seed=7).to(DEVICE)
     h = torch.randn(n, 2 * hc * 60, device=DEVICE)[:, ::2]  # a strided h is accepted
     cfg = kernels.MixConfig(block_r=8, block_h=16)
@@ -116,15 +115,6 @@ def test_triton_mix_ragged_tiles(kernels, n, hc, with_injection):
         again_input, again_weights = kernels.hc_mix_triton(h, *mix_args(layer), config=cfg)
         assert torch.equal(again_input, got_input) and (again_weights is None or torch.equal(again_weights, got_weights))
     assert kernels.hc_mix_triton(h[:0], *mix_args(layer))[0].shape == (0, 60)
-
-
-@needs_triton
-def test_power_of_two_parts(kernels):
-    assert kernels.power_of_two_parts(2560) == (2048, 512)     # Flash-Next's hidden: no lane masked
-    assert kernels.power_of_two_parts(320) == (256, 64)        # and its low rank
-    assert kernels.power_of_two_parts(64) == (64, 0)
-    assert kernels.power_of_two_parts(60) == (32, 32)
-    assert all(sum(kernels.power_of_two_parts(n)) >= n for n in range(1, 3000))
 
 
 @needs_triton

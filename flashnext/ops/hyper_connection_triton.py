@@ -74,7 +74,7 @@ def _down_rows(part_ptr, rstd, offs_s, s_ok, N, m, rows, offs_k, k_ok, HC: tl.co
 @triton.jit
 def _hc_up_kernel(x_ptr, nw_ptr, part_ptr, sumsq_ptr, wu_ptr, out_ptr, inj_ptr, N, H, R, stride_x, stride_o, eps,
                   HC: tl.constexpr, HAS_INJECT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_KR: tl.constexpr, TAIL_KR: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_KR: tl.constexpr, PDL: tl.constexpr):
     pid_h = tl.program_id(0)
     dtype = x_ptr.dtype.element_ty
     rows = R + HC if HAS_INJECT else R
@@ -82,29 +82,20 @@ def _hc_up_kernel(x_ptr, nw_ptr, part_ptr, sumsq_ptr, wu_ptr, out_ptr, inj_ptr, 
     s_ok = offs_s < HC
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
-    # R = BLOCK_KR + at most TAIL_KR, both powers of two (Flash-Next's 320 = 256 + 64, not 512 with 37% masked)
     offs_k = tl.arange(0, BLOCK_KR)
+    k_ok = offs_k < R
     sh = offs_s[:, None] * H + offs_h[None, :]                                       # [S, BLOCK_H]
     sh_ok = s_ok[:, None] & h_ok[None, :]
-    w = tl.load(wu_ptr + sh[:, :, None] * R + offs_k[None, None, :], mask=sh_ok[:, :, None], other=0.0)
-    if TAIL_KR > 0:
-        offs_t = BLOCK_KR + tl.arange(0, TAIL_KR)
-        t_ok = offs_t < R
-        w_t = tl.load(wu_ptr + sh[:, :, None] * R + offs_t[None, None, :], mask=sh_ok[:, :, None] & t_ok[None, None, :],
-                      other=0.0)                                                     # [S, BLOCK_H, TAIL_KR]
+    w = tl.load(wu_ptr + sh[:, :, None] * R + offs_k[None, None, :], mask=sh_ok[:, :, None] & k_ok[None, None, :],
+                other=0.0)                                                           # [S, BLOCK_H, BLOCK_KR]
     scale = 1.0 + tl.load(nw_ptr + sh, mask=sh_ok, other=0.0).to(tl.float32)
     wait_for_inputs(PDL)
     for m in range(N):
         sumsq = tl.load(sumsq_ptr + m * HC + offs_s, mask=s_ok, other=0.0)
         rstd = tl.where(s_ok, tl.math.rsqrt(sumsq / H + eps), 0.0)
-        v = _down_rows(part_ptr, rstd, offs_s, s_ok, N, m, rows, offs_k, offs_k < R, HC, dtype)
+        v = _down_rows(part_ptr, rstd, offs_s, s_ok, N, m, rows, offs_k, k_ok, HC, dtype)
         mix = round_to_dtype(v * _sigmoid(v), dtype)
-        up = tl.sum(w.to(tl.float32) * mix[None, None, :], axis=2)
-        if TAIL_KR > 0:
-            v_t = _down_rows(part_ptr, rstd, offs_s, s_ok, N, m, rows, offs_t, t_ok, HC, dtype)
-            mix_t = round_to_dtype(v_t * _sigmoid(v_t), dtype)
-            up += tl.sum(w_t.to(tl.float32) * mix_t[None, None, :], axis=2)
-        up = round_to_dtype(up, dtype)
+        up = round_to_dtype(tl.sum(w.to(tl.float32) * mix[None, None, :], axis=2), dtype)
         gate = round_to_dtype(_sigmoid(up), dtype)
         xv = tl.load(x_ptr + m * stride_x + sh, mask=sh_ok, other=0.0).to(tl.float32)
         normed = round_to_dtype(xv * rstd[:, None] * scale, dtype)
@@ -139,19 +130,13 @@ class MixConfig:
     warps_up: int = 4
 
 
-# Flash-Next decode (hidden 2560 → 4096 lanes in the down kernel, R 320 = 256 + 64 in the up kernel): 41 × 4 down
-# programs of 40 KB, 640 up programs of 10 KB, their weights in registers. H200 sweep (scripts/gpu_hyper_connection.py
-# --sweep, one row, L2-warm, with 512 up lanes then): 6.6 µs per mix with 8 down rows, 6.9 with 2; 1–8 rows, 1–8
-# columns and 2–8 warps all within 10% of it. Splitting the down kernel's 2560 into 2048 + 512 as well made it
-# slower inside the step (4.9 against 4.6 µs a call, 140ed6f; the up kernel's split: 6.5 → 5.6 µs).
+# Flash-Next decode (hidden 2560 → 4096 lanes, R 320): 41 × 4 down programs of 40 KB, 640 up programs of 10 KB,
+# their weights in registers. H200 sweep (scripts/gpu_hyper_connection.py --sweep, one row, L2-warm): 6.6 µs per
+# mix with 8 down rows, 6.9 with 2; 1–8 rows, 1–8 columns and 2–8 warps all within 10% of it. Tiling the padded
+# widths as a power-of-two head and tail instead (2560 = 2048 + 512, 320 = 256 + 64; 140ed6f) made the eager up
+# kernel faster (6.5 → 5.6 µs) and the down kernel slower (4.6 → 4.9), and the captured step slower (4.75–4.79 ms
+# against 4.63): reverted.
 DEFAULT_CONFIG = MixConfig()
-
-
-def power_of_two_parts(n: int) -> tuple[int, int]:
-    """n = head + a tail of at most the returned power of two (0 when n is one): the largest power of two not
-    above n, and the next power of two of the rest — two tiles that cover n with fewer masked lanes than one."""
-    head = 1 << (n.bit_length() - 1)
-    return head, 0 if n == head else triton.next_power_of_2(n - head)
 
 
 def hc_mix_triton(h: torch.Tensor, norm_weight: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor,
@@ -178,11 +163,10 @@ def hc_mix_triton(h: torch.Tensor, norm_weight: torch.Tensor, w_down: torch.Tens
         h, norm_weight, w_down, w_inject if w_inject is not None else w_down, partials, sumsq,
         n, hidden, lowrank, h.stride(0), HC=hc, HAS_INJECT=w_inject is not None, BLOCK_R=config.block_r,
         BLOCK_H=triton.next_power_of_2(hidden), num_warps=config.warps_down, **pdl)
-    block_kr, tail_kr = power_of_two_parts(lowrank)
     _hc_up_kernel[(triton.cdiv(hidden, config.block_h),)](
         h, norm_weight, partials, sumsq, w_up, block_input, inject if inject is not None else block_input,
         n, hidden, lowrank, h.stride(0), block_input.stride(0), eps, HC=hc, HAS_INJECT=w_inject is not None,
-        BLOCK_S=triton.next_power_of_2(hc), BLOCK_H=config.block_h, BLOCK_KR=block_kr, TAIL_KR=tail_kr,
+        BLOCK_S=triton.next_power_of_2(hc), BLOCK_H=config.block_h, BLOCK_KR=triton.next_power_of_2(lowrank),
         num_warps=config.warps_up, **pdl)
     return block_input, inject
 
