@@ -182,6 +182,34 @@ def test_disk_restart_corrupt_and_foreign(flash, tmp_path, caplog):
     pools_idle(first)
 
 
+def test_shutdown_keeps_the_latest_conversation_when_the_disk_is_short(flash, tmp_path):
+    """A disk budget that holds one conversation but not two: at shutdown the one in use (in VRAM) must be what
+    survives, not an older one spilled to host RAM (persist writes least recently used first, so the disk's own
+    LRU eviction drops the stale one)."""
+    older, latest = tokens(30, 70), tokens(31, 70)
+    sizing = make(loaded=flash.loaded, kv_disk_dir=str(tmp_path / "sizing"))
+    run(sizing, older)
+    sizing.shutdown()
+    one_conversation = disk_tier(sizing).bytes
+    pools_idle(sizing)
+
+    first = make(loaded=flash.loaded, kv_disk_dir=str(tmp_path / "kv"), kv_host_gb=0.05,
+                 kv_disk_gb=1.5 * one_conversation / 2**30)
+    replies = {}
+    replies["older"], _ = run(first, older, rid="older")
+    first.prefix_cache.evict_all()        # the older conversation now sits in the host tier only
+    replies["latest"], _ = run(first, latest, rid="latest")
+    first.shutdown()
+    second = make(loaded=flash.loaded, kv_disk_dir=str(tmp_path / "kv"))
+    for name, prompt in (("latest", latest), ("older", older)):
+        turn2 = prompt + replies[name] + tokens(32, 4)
+        out, cached = run(second, turn2, rid=name)
+        assert out == cold(second, turn2, 6)
+        assert (cached >= 64) == (name == "latest"), (name, cached)   # the budget held only one of them
+    pools_idle(second)
+    pools_idle(first)
+
+
 @pytest.mark.parametrize("host_gb", [0.0, 0.0005])
 def test_tiny_budgets_stay_exact_and_leak_nothing(flash, host_gb):
     # 24 KV blocks and room for about three snapshots: constant eviction (and spills to a tiny host tier).

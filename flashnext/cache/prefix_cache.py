@@ -246,15 +246,15 @@ class PrefixCache:
 
     def persist(self) -> int:
         """Copy every device and host entry that the disk tier lacks down to it (at shutdown: conversations then
-        survive a restart even without --kv-host-write-through); returns how many were written."""
+        survive a restart even without --kv-host-write-through); returns how many were written.
+
+        Least recently used first — the host tier's entries (older than the device's), then the device's, each in
+        its own LRU order — so that when the disk's budget cannot hold them all, its own LRU eviction lets go of
+        the stalest conversations, not of the ones in use when the server stopped."""
         tiers = self.tiers()
         if not tiers or tiers[-1].name != "disk":
             return 0
         disk, written = tiers[-1], 0
-        for key, (node, tail) in list(self.lru.items()):
-            if key not in disk:
-                self._write_down(disk, node, key, node.snapshots[tail])
-                written += 1
         for tier in tiers[:-1]:
             for key in [k for k in tier.snaps if k not in disk]:
                 entry = tier.load(key)
@@ -262,6 +262,10 @@ class PrefixCache:
                     runs, snap = entry
                     disk.put(tier.snaps[key].blocks, lambda rows, runs=runs: batch_rows(runs, rows), key, snap)
                     written += 1
+        for key, (node, tail) in list(self.lru.items()):
+            if key not in disk:
+                self._write_down(disk, node, key, node.snapshots[tail])
+                written += 1
         disk.store.flush()   # the files are written in the background (cache/disk_tier.py): on disk before exit
         return written
 
