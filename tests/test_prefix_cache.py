@@ -184,13 +184,13 @@ def test_disk_restart_corrupt_and_foreign(flash, tmp_path, caplog):
 
 def test_shutdown_keeps_the_latest_conversation_when_the_disk_is_short(flash, tmp_path):
     """A disk budget that holds one conversation but not two: at shutdown the one in use (in VRAM) must be what
-    survives, not an older one spilled to host RAM (persist writes least recently used first, so the disk's own
-    LRU eviction drops the stale one)."""
+    survives, not an older one spilled to host RAM, and the older one is not written at all (persist writes only
+    the newest entries that fit)."""
     older, latest = tokens(30, 70), tokens(31, 70)
     sizing = make(loaded=flash.loaded, kv_disk_dir=str(tmp_path / "sizing"))
     run(sizing, older)
     sizing.shutdown()
-    one_conversation = disk_tier(sizing).bytes
+    one_conversation, entries = disk_tier(sizing).bytes, len(disk_tier(sizing).snaps)
     pools_idle(sizing)
 
     first = make(loaded=flash.loaded, kv_disk_dir=str(tmp_path / "kv"), kv_host_gb=0.05,
@@ -199,6 +199,7 @@ def test_shutdown_keeps_the_latest_conversation_when_the_disk_is_short(flash, tm
     replies["older"], _ = run(first, older, rid="older")
     first.prefix_cache.evict_all()        # the older conversation now sits in the host tier only
     replies["latest"], _ = run(first, latest, rid="latest")
+    assert first.prefix_cache.persist() == entries       # the latest conversation's entries, nothing of the older
     first.shutdown()
     second = make(loaded=flash.loaded, kv_disk_dir=str(tmp_path / "kv"))
     for name, prompt in (("latest", latest), ("older", older)):

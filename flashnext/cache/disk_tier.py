@@ -84,6 +84,9 @@ class DiskStore(TierStore):
         # threads reading a conversation's block files back (they start on first use)
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="flashnext-disk-reader") if READERS > 1 else None
 
+    def stored_bytes(self, payload_bytes: int) -> int:
+        return payload_bytes + HEADER_BYTES
+
     def _submit(self, fn, *args, **kwargs) -> None:
         self._last = self._writer.submit(fn, *args, **kwargs)
 
@@ -118,7 +121,7 @@ class DiskStore(TierStore):
         it drops an entry (cache/pinned_arena.py), while the writer may not have written them yet."""
         tensors = copy_tensors(tensors, "cpu")
         self._submit(self._write_file, path, tensors, extra)
-        return tensor_bytes(tensors) + HEADER_BYTES
+        return self.stored_bytes(tensor_bytes(tensors))
 
     def _write_file(self, path: Path, tensors: dict[str, torch.Tensor], extra: dict[str, str]) -> None:
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -165,7 +168,7 @@ class DiskStore(TierStore):
         writer splits it into files."""
         host = copy_tensors(batch, "cpu")
         self._submit(self._write_blocks, [self.block_path(h) for h in hashes], host)
-        return [tensor_bytes(host) // len(hashes) + HEADER_BYTES] * len(hashes)
+        return [self.stored_bytes(tensor_bytes(host) // len(hashes))] * len(hashes)
 
     def _write_blocks(self, paths: list[Path], batch: BlockData) -> None:
         for row, path in enumerate(paths):

@@ -42,6 +42,10 @@ class TierStore:
     """Payloads of one tier by name; returns the bytes each stored payload takes."""
     name = "tier"
 
+    def stored_bytes(self, payload_bytes: int) -> int:
+        """What a payload of this many tensor bytes takes here, as the store_* methods count it."""
+        return payload_bytes
+
     def store_block(self, h: bytes, data: BlockData) -> int:
         raise NotImplementedError
 
