@@ -85,16 +85,41 @@ def test_top_k_cuts_ties_by_rank():
 
 
 @pytest.mark.parametrize("vocab", [63, 100, 1001])
-def test_top_k_candidates_path_equals_full_sort(vocab):
+def test_candidate_path_picks_what_the_vocabulary_path_picks(vocab):
+    """Seeded rows draw the same noise on both paths (a vocabulary's worth from their generator), so the same
+    token comes out exactly when the truncations on the top_k_max candidates equal those on the vocabulary."""
+    from flashnext.engine.sampler import _sample_candidates, _sample_vocabulary
+
     torch.manual_seed(vocab)
-    logits = torch.randn(5, vocab) * 2
-    top_k = torch.tensor([1, 7, 13, 40, 3])
-    top_p = torch.tensor([0.5, float("inf"), 0.9, 0.3, 0.99])
-    full = apply_top_k_top_p(logits, top_k, top_p)
-    torch.testing.assert_close(apply_top_k_top_p(logits, top_k, top_p, top_k_max=40), full)
+    knobs = [(1, 0.5, 0.0), (7, 1.0, 0.0), (13, 0.9, 0.1), (40, 0.3, 0.0), (3, 0.99, 0.4)]
+    params = [SamplingParams(temperature=0.8, top_k=k, top_p=p, min_p=m, seed=i) for i, (k, p, m) in enumerate(knobs)]
+    by_candidates, by_vocabulary = build(params, vocab=vocab), build(params, vocab=vocab)
+    assert by_candidates.top_k_max == 40
+    for _ in range(30):
+        logits = torch.randn(len(params), vocab) * 2
+        assert torch.equal(_sample_candidates(logits.clone(), by_candidates, None),
+                           _sample_vocabulary(logits.clone(), by_vocabulary, None))
     assert build([SamplingParams(top_k=k) for k in (5, 9)], vocab=vocab).top_k_max == 9
     assert build([SamplingParams(top_k=5), SamplingParams(top_p=0.5)], vocab=vocab).top_k_max is None
     assert build([SamplingParams(top_k=5), SamplingParams(temperature=0.0)], vocab=vocab).top_k_max == 5
+
+
+def test_candidate_path_distributions_match_reference():
+    """Every random row with a top_k: `sample` takes the candidate path; each knob's draws follow the reference."""
+    draws = 3000
+    knobs = [k for k in KNOBS if k[1] > 0]
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m) for t, k, p, m in knobs for _ in range(draws)]
+    params.insert(3, SamplingParams(temperature=0.0))
+    batch = build(params)
+    assert batch.top_k_max == max(k for _, k, _, _ in knobs)
+    tokens = sample(BASE.repeat(len(params), 1), batch, generator=torch.Generator().manual_seed(1)).token_ids
+    assert tokens[3] == BASE.argmax()
+    tokens = torch.cat([tokens[:3], tokens[4:]]).view(len(knobs), draws)
+    for (t, k, p, m), row in zip(knobs, tokens):
+        expected = reference_probs(BASE, t, k, p, m)
+        counts = torch.bincount(row, minlength=V)
+        assert counts[expected == 0].sum() == 0, f"excluded token drawn for {(t, k, p, m)}"
+        assert chi_square_p_value(counts, expected) > 1e-4, (t, k, p, m, counts, expected * draws)
 
 
 def test_greedy_takes_exact_argmax_of_processed_logits():

@@ -17,6 +17,9 @@ min_p -> sample.
   with probability probs[i]. A row whose request has a seed draws its E from its own torch.Generator, so
   its tokens depend only on its seed and its own history, never on its neighbours in the batch.
   Rows without a seed share one batch generator.
+- When every random row has a top_k (agents' usual top_k 20), the truncations and the race run on each row's
+  top_k_max best logits after one topk, not on the vocabulary (`_sample_candidates`): the same distribution,
+  and for a seeded row the same token (it still draws a vocabulary's worth of noise and reads its candidates').
 
 CUDA graphs: everything in `sample` is capturable except the per-seeded-row generator draws, which need
 the generators registered with the graph (`torch.cuda.CUDAGraph.register_generator_state`); the engine
@@ -70,7 +73,7 @@ class SamplingBatch:
     temperature: torch.Tensor            # float32 [B], 1.0 on greedy rows
     greedy: torch.Tensor                 # bool [B]
     top_k: torch.Tensor | None           # long [B], vocab_size where disabled
-    top_k_max: int | None                # largest top_k when every random row has one: sort only that many
+    top_k_max: int | None                # largest top_k when every random row has one: sample among that many
     top_p: torch.Tensor | None           # float32 [B], inf where disabled (rounding in the cumsum never cuts)
     min_p: torch.Tensor | None           # float32 [B], 0 where disabled
     repetition_penalty: torch.Tensor     # float32 [B]
@@ -192,17 +195,12 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                      top_k_max: int | None = None) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Keep the top_k[i] best tokens of row i, then the smallest best-first set whose probability reaches
     top_p[i]; the rest become -inf. Ties are cut by rank, so exactly k tokens stay.
-    Works on a sorted copy (one sort serves both, no per-row shape leaves the device). When every row
-    has a top_k, top_k_max = max(top_k) and only that many candidates are sorted (topk), far cheaper
-    than sorting the vocabulary; top_p then renormalises over them, which is what top_k asks for."""
-    if top_k_max is not None:
-        sorted_logits, order = logits.topk(top_k_max, dim=-1)
-    else:
-        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    Works on a sorted copy (one sort serves both, no per-row shape leaves the device). When every random row
+    has a top_k, `sample` does not come here: it works on the top_k_max best logits only (_sample_candidates)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     if top_k is not None:
         ranks = torch.arange(sorted_logits.shape[-1], device=logits.device)
         sorted_logits.masked_fill_(ranks >= top_k[:, None], float("-inf"))
@@ -231,17 +229,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
     if batch.all_greedy:
         token_ids = logits.argmax(dim=-1)
     else:
-        scaled = logits / batch.temperature[:, None]
-        if batch.top_k is not None or batch.top_p is not None:
-            scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p, batch.top_k_max)
-        if batch.min_p is not None:
-            scaled = apply_min_p(scaled, batch.min_p)
-        probs = scaled.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_(generator=generator)
-        for row, gen in enumerate(batch.generators):
-            if gen is not None:
-                noise[row].exponential_(generator=gen)
-        token_ids = probs.div_(noise.clamp_min_(_MIN_EXPONENTIAL)).argmax(dim=-1)
+        token_ids = (_sample_candidates(logits, batch, generator) if batch.top_k_max is not None
+                     else _sample_vocabulary(logits, batch, generator))
         if batch.any_greedy:
             token_ids = torch.where(batch.greedy, logits.argmax(dim=-1), token_ids)
 
@@ -252,3 +241,51 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
             top = logprobs_all.topk(batch.max_logprobs, dim=-1)
             out.top_logprobs = (top.indices, top.values)
     return out
+
+
+def _vocabulary_noise(batch: SamplingBatch, row: int, like: torch.Tensor) -> torch.Tensor:
+    """A seeded row's exponential draws, one per vocabulary token, from its own generator: the same numbers
+    whichever path samples the row and whoever shares the batch."""
+    return torch.empty(batch.vocab_size, dtype=like.dtype, device=like.device).exponential_(
+        generator=batch.generators[row])
+
+
+def _sample_vocabulary(logits: torch.Tensor, batch: SamplingBatch, generator) -> torch.Tensor:
+    """The exponential race over the whole vocabulary (some random row has no top_k)."""
+    scaled = logits / batch.temperature[:, None]
+    if batch.top_k is not None or batch.top_p is not None:
+        scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
+    if batch.min_p is not None:
+        scaled = apply_min_p(scaled, batch.min_p)
+    probs = scaled.softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    for row, gen in enumerate(batch.generators):
+        if gen is not None:
+            noise[row] = _vocabulary_noise(batch, row, probs)
+    return probs.div_(noise.clamp_min_(_MIN_EXPONENTIAL)).argmax(dim=-1)
+
+
+def _sample_candidates(logits: torch.Tensor, batch: SamplingBatch, generator) -> torch.Tensor:
+    """The same distribution when every random row has a top_k: one topk over the vocabulary (top_k_max
+    candidates per row, best first), then the truncations, the softmax and the race over [B, top_k_max] only —
+    no kernel over the vocabulary after the topk (softmax, noise, division and argmax over 248K logits were each
+    a pass over the row). Temperature > 0 does not change which logits are the best. Unseeded rows draw
+    top_k_max numbers from the batch generator; a seeded row draws a whole vocabulary's from its own and reads
+    its candidates' (_vocabulary_noise), so it picks the token the full path would."""
+    values, order = logits.topk(batch.top_k_max, dim=-1)
+    scaled = values / batch.temperature[:, None]
+    ranks = torch.arange(scaled.shape[-1], device=logits.device)
+    scaled.masked_fill_(ranks >= batch.top_k[:, None], float("-inf"))
+    if batch.top_p is not None:
+        probs = scaled.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs   # as apply_top_k_top_p: the best candidate always stays
+        scaled.masked_fill_(mass_before >= batch.top_p[:, None], float("-inf"))
+    if batch.min_p is not None:
+        scaled = apply_min_p(scaled, batch.min_p)
+    probs = scaled.softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    for row, gen in enumerate(batch.generators):
+        if gen is not None:
+            noise[row] = _vocabulary_noise(batch, row, probs)[order[row]]
+    pick = probs.div_(noise.clamp_min_(_MIN_EXPONENTIAL)).argmax(dim=-1, keepdim=True)
+    return order.gather(1, pick).squeeze(1)
