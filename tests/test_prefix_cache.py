@@ -211,6 +211,67 @@ def test_shutdown_keeps_the_latest_conversation_when_the_disk_is_short(flash, tm
     pools_idle(first)
 
 
+def test_a_disk_read_does_not_hold_up_the_other_requests(flash, tmp_path, monkeypatch):
+    """A conversation coming back from disk is read in the background: while its files are read, another request
+    keeps decoding; then it resumes from the disk entry exactly. A read whose request went away is let go."""
+    import threading
+
+    from flashnext.cache import prefix_cache
+    from flashnext.cache.disk_tier import DiskTier
+
+    first = make(loaded=flash.loaded, kv_disk_dir=str(tmp_path), kv_host_gb=0.05, kv_host_write_through=True)
+    prompt = tokens(40, 70)
+    reply, _ = run(first, prompt)
+    turn2 = prompt + reply + tokens(41, 4)
+    expected = cold(first, turn2, 6)
+    restart_point(first)
+    pools_idle(first)
+
+    second = make(loaded=flash.loaded, kv_disk_dir=str(tmp_path))
+    disk = disk_tier(second)
+    gate, reading = threading.Event(), threading.Event()
+    real_read = DiskTier.read
+
+    def slow_read(self, key, meta):
+        reading.set()
+        assert gate.wait(30)
+        return real_read(self, key, meta)
+
+    monkeypatch.setattr(DiskTier, "read", slow_read)
+    other = tokens(42, 30)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    second.add_request("other", other, params)
+    second.add_request("back", turn2, params)
+    produced = {"other": [], "back": []}
+    while len(produced["other"]) < 6:
+        for out in second.step():
+            produced[out.request_id] += out.token_ids
+    assert reading.is_set() and produced["back"] == []          # the other request finished meanwhile
+    assert second.prefix_cache.reading and disk.installing
+    gate.set()
+    while second.has_work():
+        for out in second.step():
+            produced[out.request_id] += out.token_ids
+            if out.request_id == "back" and out.finished:
+                cached = out.cached_tokens
+    assert produced["back"] == expected and cached >= 64
+    assert produced["other"] == cold(second, other, 6)
+    assert not second.prefix_cache.reading and not disk.installing
+
+    # A read whose request is gone: released once unclaimed for UNCLAIMED_READ_SECONDS.
+    second.prefix_cache.clear()
+    monkeypatch.setattr(prefix_cache, "UNCLAIMED_READ_SECONDS", 0.0)
+    second.add_request("gone", turn2, params)
+    second.step()                                   # starts the read
+    assert second.prefix_cache.reading
+    second.abort("gone")
+    second.prefix_cache.wait_for_reads(timeout=30)
+    second.scheduler.schedule()                     # marks it finished-unclaimed
+    second.scheduler.schedule()                     # and lets it go
+    assert not second.prefix_cache.reading and not disk.installing
+    pools_idle(second)
+
+
 @pytest.mark.parametrize("host_gb", [0.0, 0.0005])
 def test_tiny_budgets_stay_exact_and_leak_nothing(flash, host_gb):
     # 24 KV blocks and room for about three snapshots: constant eviction (and spills to a tiny host tier).

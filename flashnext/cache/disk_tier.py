@@ -213,6 +213,7 @@ def disk_stores(directory, identity: str, tp: int = 1, ep: int = 1) -> list[Disk
 
 
 class DiskTier(TierIndex):
+    reads_in_background = True
     def __init__(self, store: DiskStore, capacity_bytes: int, block_size: int, peers: list[DiskStore] = ()):
         super().__init__(store, capacity_bytes, block_size, None)
         self.peers = list(peers)      # the other ranks' stores: an entry counts only when all of them hold it

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from flashnext.cache.cache_entry import (ROOT_HASH, Snapshot, batch_rows, block_hash, read_block, read_blocks,
@@ -52,6 +53,20 @@ class Node:
         return out[::-1]
 
 
+# lookup's answer while the entry it found is being read from a slow tier: ask again at a later step.
+LOADING = object()
+UNCLAIMED_READ_SECONDS = 5.0   # a finished background read nobody looked up again for this long is let go
+
+
+@dataclass(eq=False)
+class _BackgroundRead:
+    tier: TierIndex
+    meta: object                 # the entry's SnapshotMeta when the read started
+    future: Future
+    started: float               # perf_counter
+    finished: float | None = None
+
+
 @dataclass
 class PrefixHit:
     blocks: list[int]            # shared full blocks of the prefix
@@ -80,31 +95,44 @@ class PrefixCache:
         # Several ranks (flashnext/parallel/mirror.py): every snapshot taken, resumed or dropped here, and every
         # entry copied in from a lower tier, is also done by each rank on its own share; None on one device.
         self.mirror = None
+        # Entries of a slow tier being read on the reader thread, by snapshot key (lookup, _read_in_background)
+        self._reads: dict[bytes, _BackgroundRead] = {}
+        self._reader: ThreadPoolExecutor | None = None
 
     # ---- lookup and resume ----
-    def lookup(self, tokens: list[int], limit: int) -> PrefixHit | None:
-        """The deepest snapshot of a prefix of tokens[:limit], copied in from a lower tier if deeper there."""
+    def lookup(self, tokens: list[int], limit: int) -> PrefixHit | None | object:
+        """The deepest snapshot of a prefix of tokens[:limit], copied in from a lower tier if deeper there.
+
+        LOADING when that entry sits in a tier that reads in the background (the disk) and its read has not
+        finished: the scheduler admits other requests meanwhile and asks again at a later step (on one device;
+        with several ranks the read is done at once, as every rank reads its share)."""
         found = self._match(tokens, limit)
         depth = found[0].snapshots[found[1]].num_tokens if found else 0
         for tier in self.tiers():
             entry = tier.match(tokens, limit, deeper_than=depth)
             if entry is None:
                 continue
-            started = time.perf_counter()
-            tier.installing.add(entry[0])
-            try:
-                loaded = tier.load(entry[0])
+            key, meta = entry
+            if tier.reads_in_background and self.mirror is None:
+                read = self._read_in_background(tier, key, meta)
+                if read is LOADING:
+                    return LOADING
+                started, loaded = read
+            else:
+                started = time.perf_counter()
+                tier.installing.add(key)
+                loaded = tier.load(key)
                 if loaded is not None and self.mirror is not None and not self.mirror.fetch(tier, *entry):
-                    log.warning("%s cache: dropping entry %s: another rank cannot read its share", tier.name,
-                                entry[0].hex())
-                    tier.remove(entry[0])
+                    log.warning("%s cache: dropping entry %s: another rank cannot read its share", tier.name, key.hex())
+                    tier.remove(key)
                     loaded = None
+            try:
                 installed = loaded is not None and self._install(tokens, *loaded)
             finally:
-                tier.installing.discard(entry[0])
+                tier.installing.discard(key)
                 tier.fit()
             if installed:
-                self.restored_tokens[tier.name] += entry[1].num_tokens
+                self.restored_tokens[tier.name] += meta.num_tokens
                 self.restore_seconds[tier.name] += time.perf_counter() - started
                 found = self._match(tokens, limit)
                 break
@@ -114,6 +142,50 @@ class PrefixCache:
         snap = node.snapshots[tail]
         self.lru.move_to_end(snapshot_key(node.hash, tail))
         return PrefixHit([n.block for n in node.path()], snap)
+
+    def _read_in_background(self, tier: TierIndex, key: bytes, meta) -> object:
+        """LOADING while the entry is read on the reader thread (the read starts at the first ask, the entry kept
+        in its tier meanwhile: `installing`); then (when it started, what TierIndex.load would have returned)."""
+        read = self._reads.get(key)
+        if read is None:
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(1, thread_name_prefix="flashnext-tier-reader")
+            tier.installing.add(key)
+            self._reads[key] = _BackgroundRead(tier, meta, self._reader.submit(tier.read, key, meta),
+                                               time.perf_counter())
+            return LOADING
+        if not read.future.done():
+            return LOADING
+        del self._reads[key]
+        try:
+            payload = read.future.result()
+        except Exception as e:   # noqa: BLE001 - CorruptEntry, OSError, or whatever the reader met: not loadable
+            return read.started, tier.unreadable(key, e)
+        if key not in tier:      # dropped while it was read (clear, a failing rank's share): nothing to install
+            return read.started, None
+        return read.started, tier.loaded(key, read.meta, payload)
+
+    def release_unclaimed_reads(self) -> None:
+        """Let go of background reads that finished UNCLAIMED_READ_SECONDS ago and that no lookup took (the
+        request that started one was cancelled, or is still waiting for room): their payload is host memory,
+        and they keep the entry from being evicted. A later lookup reads it again."""
+        now = time.perf_counter()
+        for key, read in list(self._reads.items()):
+            if read.future.done():
+                read.finished = read.finished or now
+                if now - read.finished > UNCLAIMED_READ_SECONDS:
+                    del self._reads[key]
+                    read.tier.installing.discard(key)
+
+    def wait_for_reads(self, timeout: float) -> None:
+        """Block until a background read finishes or `timeout` passes (the engine when only those are left)."""
+        pending = [r.future for r in self._reads.values() if not r.future.done()]
+        if pending:
+            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    @property
+    def reading(self) -> bool:
+        return bool(self._reads)
 
     def _match(self, tokens: list[int], limit: int) -> tuple[Node, tuple[int, ...]] | None:
         bs, node, depth, best = self.block_size, self.root, 0, None
@@ -296,7 +368,11 @@ class PrefixCache:
         return entries[start:]
 
     def clear(self) -> None:
-        """Drop every device and host entry (the disk tier keeps its files)."""
+        """Drop every device and host entry (the disk tier keeps its files) and every background read."""
+        for key, read in list(self._reads.items()):
+            read.future.cancel() or read.future.exception()   # a running read is let finish, its result dropped
+            read.tier.installing.discard(key)
+        self._reads.clear()
         tiers, lower, self.lower = self.tiers(), self.lower, None
         self.evict_all()
         self.lower = lower

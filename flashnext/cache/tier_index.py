@@ -94,6 +94,10 @@ class TierIndex:
         self.installing: set[bytes] = set()
         self.mirror = None      # several ranks: parallel/mirror.SnapshotMirror; None on one device
 
+    # A tier whose entries take long to read (the disk: ~10 s for a 58K-token Flash-Next conversation on the H200
+    # machine) is read on a thread of its own while the scheduler runs the other requests (PrefixCache.lookup).
+    reads_in_background = False
+
     @property
     def name(self) -> str:
         return self.store.name
@@ -160,14 +164,28 @@ class TierIndex:
         cannot be read back."""
         meta = self.snaps[key]
         try:
-            blocks = self.store.load_blocks(meta.blocks)
-            state, tail_kv = self.store.load_snapshot(key)
+            payload = self.read(key, meta)
         except (CorruptEntry, OSError) as e:
-            log.warning("%s cache: ignoring entry %s: %s", self.name, key.hex(), e)
+            return self.unreadable(key, e)
+        return self.loaded(key, meta, payload)
+
+    def read(self, key: bytes, meta: SnapshotMeta) -> tuple[list[BlockData], SnapshotData]:
+        """An entry's payloads from the store, the index untouched: what a background read runs on its own thread
+        (PrefixCache.lookup, for a tier that `reads_in_background`). Raises CorruptEntry or OSError."""
+        return self.store.load_blocks(meta.blocks), self.store.load_snapshot(key)
+
+    def loaded(self, key: bytes, meta: SnapshotMeta, payload) -> tuple[list[BlockData], Snapshot]:
+        """A read entry as (runs, Snapshot); it becomes the most recently used."""
+        runs, (state, tail_kv) = payload
+        if key in self.snaps:
+            self.snaps.move_to_end(key)
+        return runs, Snapshot(meta.num_tokens, meta.tail, state, tail_kv)
+
+    def unreadable(self, key: bytes, error: Exception) -> None:
+        log.warning("%s cache: ignoring entry %s: %s", self.name, key.hex(), error)
+        if key in self.snaps:
             self.remove(key)
-            return None
-        self.snaps.move_to_end(key)
-        return blocks, Snapshot(meta.num_tokens, meta.tail, state, tail_kv)
+        return None
 
     def fit(self) -> None:
         """Evict least recently used entries (down a tier, when there is one) until the bytes fit."""

@@ -300,6 +300,8 @@ class LLMEngine:
         if not chunks:
             if launched is not None:
                 launched()
+            if self.prefix_cache is not None and self.prefix_cache.reading:
+                self.prefix_cache.wait_for_reads(timeout=0.005)   # only disk reads are left: do not spin on them
             return []
         now = time.time()
         for c in chunks:

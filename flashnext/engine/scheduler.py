@@ -13,7 +13,8 @@ with a long prefill chunk stalls every decoding stream for as long as the chunk 
 runs at the full budget (larger chunks keep the GEMMs busier).
 
 With a prefix cache, an admitted request first resumes from the deepest cached snapshot of its tokens
-(never all of them: the last token must run to give logits); a snapshot is taken at the end of the first
+(never all of them: the last token must run to give logits) — when that snapshot is on disk, its files are
+read in the background and the request waits, skipped, while the others run (PrefixCache.lookup → LOADING); a snapshot is taken at the end of the first
 prefill chunk that reaches or crosses each multiple of the snapshot interval inside the prompt, at the end
 of the prompt — or, for a chat request, where its conversation ends before the template's generation prompt
 (history_len: where the next turn diverges) — and at the end of every reply.
@@ -24,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from flashnext.cache.kv_pool import KVPool
-from flashnext.cache.prefix_cache import PrefixCache
+from flashnext.cache.prefix_cache import LOADING, PrefixCache
 from flashnext.cache.state_pool import StatePool
 from flashnext.engine.prefill_pacer import PrefillPacer
 from flashnext.engine.request import Request, Status
@@ -91,11 +92,16 @@ class Scheduler:
             if not decode:
                 prefill_budget -= n
         budget = min(budget, prefill_budget)     # what is left is for admitting waiting requests (prefill)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.states.num_free:
-            request = self.waiting[0]
+        if self.prefix_cache is not None:
+            self.prefix_cache.release_unclaimed_reads()
+        for request in list(self.waiting):
+            if not (budget > 0 and len(self.running) < self.max_num_seqs and self.states.num_free):
+                break
             hit = None
             if self.prefix_cache is not None:
                 hit = self.prefix_cache.lookup(request.all_ids, request.num_tokens - 1)
+                if hit is LOADING:   # its cached prefix is being read from disk: the requests behind it go first
+                    continue
             shared = hit.blocks if hit is not None else []
             start = hit.num_tokens if hit is not None else 0
             n = self._chunk_len(request, start, budget)
@@ -106,7 +112,7 @@ class Scheduler:
             if need > self.kv.num_free:
                 self.kv.release(shared)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.slot = self.states.allocate()
             request.status = Status.RUNNING
             request.blocks = shared + self.kv.allocate(need)
