@@ -60,7 +60,7 @@ def test_int4_decode_runs_the_shared_expert_in_the_expert_kernels(case):
         quantize_experts_int4(model)
         stack_projections(model)
         moes = [m for m in model.modules() if isinstance(m, SparseMoe)]
-        assert moes and all(m.experts.shared_int4(m.shared_expert) is not None for m in moes)
+        assert moes and all(m.experts.shared_int4(m.shared_expert, torch.zeros(1, 1)) is not None for m in moes)
         return model
 
     _check_decode(case, PROMPTS, 6, extra_width=1, transform=int4)

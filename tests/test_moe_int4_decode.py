@@ -107,8 +107,27 @@ def test_decode_runs_the_shared_expert_as_one_more_slot(m, k, asym, config):
     got = moe_int4_decode(x, ids, weights, w_gate_up, w_down, DecodeConfig(**config), shared=shared)
     want = moe_int4_reference(x, ids, weights, w_gate_up, w_down, shared)
     assert rel_err(got, want) < 1e-5
+    from flashnext.ops.arrival import buffers
+    assert not any(buf.any() for buf in buffers(x.device))   # the extra slot's arrivals leave the counters zeroed
     routed_only = moe_int4_reference(x, ids, weights, w_gate_up, w_down)
     assert rel_err(routed_only, want) > 1e-2   # the shared term is there to be missed
+
+
+def test_the_grouped_kernels_do_not_take_a_shared_expert(monkeypatch):
+    """Above DECODE_MAX_M rows (prefill, or a decode batch of more sequences) the model must run the shared expert
+    on its own: runs_shared_expert says so, and moe_int4 refuses one rather than run it some slow way."""
+    from types import SimpleNamespace
+
+    from flashnext.ops import moe_int4 as ops
+
+    cuda_rows = lambda m: SimpleNamespace(is_cuda=True, shape=(m, H))   # noqa: E731 - the decision reads only these
+    assert ops.runs_shared_expert(cuda_rows(ops.DECODE_MAX_M)) and not ops.runs_shared_expert(cuda_rows(9))
+    assert ops.runs_shared_expert(torch.zeros(300, H))                  # the CPU reference takes one at any M
+    monkeypatch.setattr(ops, "_BACKEND", "grouped")
+    assert not ops.runs_shared_expert(cuda_rows(1))
+    x, ids, weights, w_gate_up, w_down = case(1, 3, 32, 16)
+    with pytest.raises(ValueError, match="shared expert"):
+        ops.moe_int4(cuda_rows(9), ids, weights, w_gate_up, w_down, shared_expert(9, 32, 16, False))
 
 
 def test_shared_expert_must_match_the_routed_forms():

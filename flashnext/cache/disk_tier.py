@@ -195,11 +195,21 @@ class DiskStore(TierStore):
         os.utime(path)   # LRU order survives a restart
         return state, tail_kv
 
+    def touch(self, key: bytes) -> None:
+        self._submit(_touch_file, self.snapshot_path(key))   # after a pending write of it
+
     def drop_block(self, h: bytes) -> None:
         self._submit(self.block_path(h).unlink, missing_ok=True)   # after a pending write of it
 
     def drop_snapshot(self, key: bytes) -> None:
         self._submit(self.snapshot_path(key).unlink, missing_ok=True)
+
+
+def _touch_file(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError as e:   # gone (dropped meanwhile): nothing to order
+        log.debug("disk cache: could not touch %s: %s", path, e)
 
 
 def disk_stores(directory, identity: str, tp: int = 1, ep: int = 1) -> list[DiskStore]:

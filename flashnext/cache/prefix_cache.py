@@ -320,10 +320,11 @@ class PrefixCache:
         """Copy the device and host entries that the disk tier lacks down to it (at shutdown: conversations then
         survive a restart even without --kv-host-write-through); returns how many were written.
 
-        Only the most recently used entries that the disk's budget holds are written (`_newest_that_fit`), least
-        recently used of them first: the disk's own LRU eviction then lets go of its older files, never of the
-        conversations in use when the server stopped, and no file is written only to be deleted again (a 40 GB
-        host tier over a 16 GB disk budget wrote 136 entries at shutdown on the H200 to keep 57)."""
+        The most recently used entries that the disk's budget holds (`_newest_that_fit`) go down least recently
+        used first, those already on disk touched in their turn: the disk's own LRU eviction then lets go of its
+        older files, not of the conversations in use when the server stopped, and no file is written only to be
+        deleted again (a 40 GB host tier over a 16 GB disk budget wrote 136 entries at shutdown on the H200 to
+        keep 57)."""
         tiers = self.tiers()
         if not tiers or tiers[-1].name != "disk":
             return 0
@@ -332,27 +333,28 @@ class PrefixCache:
         entries = [(tier, key) for tier in tiers[:-1] for key in tier.snaps] + [(None, key) for key in self.lru]
         for tier, key in self._newest_that_fit(entries, disk):
             if key in disk:
-                continue
-            if tier is None:
+                disk.touch(key)
+            elif tier is None:
                 node, tail = self.lru[key]
                 self._write_down(disk, node, key, node.snapshots[tail])
-            else:
-                entry = tier.load(key)
-                if entry is None:
-                    continue
+                written += 1
+            elif (entry := tier.load(key)) is not None:
                 runs, snap = entry
                 disk.put(tier.snaps[key].blocks, lambda rows, runs=runs: batch_rows(runs, rows), key, snap)
-            written += 1
+                written += 1
         disk.store.flush()   # the files are written in the background (cache/disk_tier.py): on disk before exit
         return written
 
     def _newest_that_fit(self, entries: list[tuple[TierIndex | None, bytes]], disk: TierIndex) -> list:
-        """The newest of `entries` (a suffix of the list, least recently used first) whose files fit the disk's
-        budget, each KV block counted once however many entries share it."""
+        """Of `entries` (least recently used first; a key held by two tiers counts at its newest place), the newest
+        whose files the disk's budget holds, newest first and skipping any that would overflow it, each KV block
+        counted once however many entries share it; returned least recently used first."""
         block = disk.store.stored_bytes(tensor_bytes(read_block(self.kv, 0)))
-        counted, total, start = set(), 0, len(entries)
-        for i in range(len(entries) - 1, -1, -1):
-            tier, key = entries[i]
+        counted, keys, chosen, total = set(), set(), [], 0
+        for tier, key in reversed(entries):
+            if key in keys:
+                continue
+            keys.add(key)
             if tier is None:
                 node, tail = self.lru[key]
                 snap = node.snapshots[tail]
@@ -360,12 +362,13 @@ class PrefixCache:
             else:
                 hashes, snapshot = tier.snaps[key].blocks, tier.snaps[key].nbytes
             new = {h for h in hashes if h not in counted}
-            total += len(new) * block + disk.store.stored_bytes(snapshot)
-            if total > disk.capacity:
-                break
+            size = len(new) * block + disk.store.stored_bytes(snapshot)
+            if total + size > disk.capacity:
+                continue
+            total += size
             counted |= new
-            start = i
-        return entries[start:]
+            chosen.append((tier, key))
+        return chosen[::-1]
 
     def clear(self) -> None:
         """Drop every device and host entry (the disk tier keeps its files) and every background read."""

@@ -76,6 +76,9 @@ class TierStore:
     def flush(self) -> None:
         """Wait until every store and drop issued so far is done (for a store that writes in the background)."""
 
+    def touch(self, key: bytes) -> None:
+        """Mark a stored snapshot as just used, where the store keeps that order itself (the disk: file times)."""
+
 
 class TierIndex:
     def __init__(self, store: TierStore, capacity_bytes: int, block_size: int, lower: TierIndex | None = None):
@@ -180,6 +183,11 @@ class TierIndex:
         if key in self.snaps:
             self.snaps.move_to_end(key)
         return runs, Snapshot(meta.num_tokens, meta.tail, state, tail_kv)
+
+    def touch(self, key: bytes) -> None:
+        """The entry becomes the most recently used, here and in the store."""
+        self.snaps.move_to_end(key)
+        self.store.touch(key)
 
     def unreadable(self, key: bytes, error: Exception) -> None:
         log.warning("%s cache: ignoring entry %s: %s", self.name, key.hex(), error)

@@ -19,7 +19,8 @@ min_p -> sample.
   Rows without a seed share one batch generator.
 - When every random row has a top_k (agents' usual top_k 20), the truncations and the race run on each row's
   top_k_max best logits after one topk, not on the vocabulary (`_sample_candidates`): the same distribution,
-  and for a seeded row the same token (it still draws a vocabulary's worth of noise and reads its candidates').
+  and for a seeded row the same token (it still draws a vocabulary's worth of noise and reads its candidates';
+  ties at the top_k boundary aside, which topk and the stable sort may break differently).
 
 CUDA graphs: everything in `sample` is capturable except the per-seeded-row generator draws, which need
 the generators registered with the graph (`torch.cuda.CUDAGraph.register_generator_state`); the engine

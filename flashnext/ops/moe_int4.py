@@ -59,10 +59,6 @@ def _expert_fp32(xf, w_gate_up: Int4Weight, w_down: Int4Weight) -> torch.Tensor:
     return F.linear(F.silu(gate) * up, dequantize(w_down))
 
 
-def _shared_fp32(x, shared: SharedExpert) -> torch.Tensor:
-    return torch.sigmoid(shared.logit.float()) * _expert_fp32(x.float(), shared.gate_up, shared.down)
-
-
 def moe_int4_reference(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weight,
                        shared: SharedExpert | None = None) -> torch.Tensor:
     """Dequantise each chosen expert once, run its tokens through it in fp32, add them up in fp32."""
@@ -73,8 +69,17 @@ def moe_int4_reference(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down:
         y = _expert_fp32(xf[token], _expert(w_gate_up, e), _expert(w_down, e))
         out.index_add_(0, token, y * topk_weights[token, slot, None].float())
     if shared is not None:
-        out += _shared_fp32(x, shared)
+        out += torch.sigmoid(shared.logit.float()) * _expert_fp32(xf, shared.gate_up, shared.down)
     return out.to(x.dtype)
+
+
+def runs_shared_expert(x) -> bool:
+    """Whether `moe_int4` takes a SharedExpert for this input: the decode kernels run it as one more expert (CUDA,
+    M <= DECODE_MAX_M, FLASHNEXT_MOE_INT4=auto), the reference adds it; the grouped kernels do not (the model then
+    runs the shared expert on its own)."""
+    if not x.is_cuda or _BACKEND == "reference":
+        return True
+    return x.shape[0] <= DECODE_MAX_M and _BACKEND != "grouped"
 
 
 def moe_int4(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weight,
@@ -82,15 +87,15 @@ def moe_int4(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weigh
     """CUDA: M <= DECODE_MAX_M -> the decode GEMV kernels (moe_int4_decode_triton; they run `shared` as one more
     expert), larger M -> the grouped kernels (moe_int4_triton), or with FLASHNEXT_MOE_PREFILL=dequant from
     DEQUANT_MIN_M on the grouped GEMM over dequantised experts (moe_int4_dequant); elsewhere the reference.
-    A shared expert on the grouped paths (FLASHNEXT_MOE_INT4=grouped only: the models pass one at decode) is
-    added in fp32 from its dequantised weights."""
+    `shared` only where runs_shared_expert(x)."""
+    if shared is not None and not runs_shared_expert(x):
+        raise ValueError(f"the grouped INT4 MoE kernels do not run a shared expert ({x.shape[0]} rows)")
     if x.is_cuda and _BACKEND != "reference":
         if x.shape[0] <= DECODE_MAX_M and _BACKEND != "grouped":
             from flashnext.ops.moe_int4_decode_triton import moe_int4_decode
 
             return moe_int4_decode(x, topk_ids, topk_weights, w_gate_up, w_down, shared=shared)
-        out = _routed_grouped(x, topk_ids, topk_weights, w_gate_up, w_down)
-        return out if shared is None else (out.float() + _shared_fp32(x, shared)).to(x.dtype)
+        return _routed_grouped(x, topk_ids, topk_weights, w_gate_up, w_down)
     return moe_int4_reference(x, topk_ids, topk_weights, w_gate_up, w_down, shared)
 
 

@@ -5,9 +5,11 @@ At decode the expert weights are the whole cost (Flash-Next: ~25 MB of INT4 per 
 4.27 TB/s), so the kernels are shaped for bytes in flight, not for tensor cores:
   1. gate_up: a program per (token·slot pair, BLOCK_N columns of I, K split). It reads its expert's gate
      and up tiles of the same columns, unpacks the nibbles in registers and multiplies them with the
-     token's activation in fp32 on CUDA cores; h = silu(gate) * up, fp32, [M*k, I].
-  2. down: a program per (pair, BLOCK_N columns of H, K split), the routing weight folded in; the k*splits
+     token's activation in fp32 on CUDA cores; h = silu(gate) * up, fp32, [M*slots, I].
+  2. down: a program per (pair, BLOCK_N columns of H, K split), the routing weight folded in; the slots*splits
      partials of a token are added into out [M, H] (x's dtype) by the kernel itself.
+A token has k slots, or k + 1 with a shared expert (ops.moe_int4.SharedExpert): slot k reads the shared
+expert's words instead of a routed one's and weighs it by sigmoid of its gate logit.
 No padding of M, no sort, no block table; an expert chosen by several tokens is read once per token
 (up to 8 times at M = 8: accepted, the grouped kernels of moe_int4_triton take over above that).
 

@@ -63,7 +63,7 @@ class LocalExperts(nn.Module):
         dist.all_reduce(out, group=self.group)
         return out
 
-    def shared_int4(self, shared_expert):
+    def shared_int4(self, shared_expert, x):
         """None: the shared expert is replicated, and run by this rank's kernels it would be summed once per rank."""
         return None
 

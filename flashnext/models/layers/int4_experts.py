@@ -14,7 +14,7 @@ from torch import nn
 from flashnext.models.layers.int4_linear import Int4Linear
 from flashnext.models.layers.moe import Experts
 from flashnext.models.stacked import StackedProjection
-from flashnext.ops.moe_int4 import SharedExpert, moe_int4, shared_fits
+from flashnext.ops.moe_int4 import SharedExpert, moe_int4, runs_shared_expert, shared_fits
 from flashnext.weights.int4_layout import Int4Weight, quantize_rtn
 
 MIN_GROUP_SIZE = 16  # the kernels' smallest K tile (a tile never straddles a group)
@@ -77,15 +77,16 @@ class Int4Experts(nn.Module):
         the engine runs it eagerly (no graph)."""
         if shared is None:
             return self.forward(x, weights, ids)
+        assert self.expert_cache is None, "the expert cache's slots hold routed experts only"
         return moe_int4(x, ids, weights, self.weight_int4("gate_up"), self.weight_int4("down"), shared)
 
-    def shared_int4(self, shared_expert) -> tuple[Int4Weight, Int4Weight] | None:
-        """The shared expert's INT4 gate|up and down when the kernels can run it beside these experts
-        (ops.moe_int4.shared_fits; its gate and up stacked, models/stacked.py); None otherwise, or with an
-        expert cache (its slots are the routed experts' only)."""
+    def shared_int4(self, shared_expert, x: torch.Tensor) -> tuple[Int4Weight, Int4Weight] | None:
+        """The shared expert's INT4 gate|up and down when the kernels can run it beside these experts for x
+        (ops.moe_int4: runs_shared_expert, shared_fits; its gate and up stacked, models/stacked.py); None
+        otherwise, or with an expert cache (its slots are the routed experts' only)."""
         gate_up, down = getattr(shared_expert, "gate_up", None), getattr(shared_expert, "down_proj", None)
-        if (self.expert_cache is not None or not isinstance(gate_up, StackedProjection) or gate_up.int4 is None
-                or not isinstance(down, Int4Linear)):
+        if (self.expert_cache is not None or not runs_shared_expert(x) or not isinstance(gate_up, StackedProjection)
+                or gate_up.int4 is None or not isinstance(down, Int4Linear) or down.bias is not None):
             return None
         routed = (self.weight_int4("gate_up"), self.weight_int4("down"))
         shared = (gate_up.int4, down.weight_int4)

@@ -73,7 +73,7 @@ class Experts(nn.Module):
         y = torch.einsum("bki,bkhi->bkh", F.silu(gate) * up, self.down_proj[ids])
         return (y * weights[..., None]).sum(dim=1).to(x.dtype)
 
-    def shared_int4(self, shared_expert: DenseMLP):
+    def shared_int4(self, shared_expert: DenseMLP, x):
         """16-bit experts do not run the shared expert themselves (Int4Experts.shared_int4 can)."""
         return None
 
@@ -92,7 +92,7 @@ class SparseMoe(nn.Module):
         return gated_add(self.experts(x, weights, ids), self.shared_expert(x), shared_gate)
 
     def decode(self, x):
-        shared = self.experts.shared_int4(self.shared_expert)
+        shared = self.experts.shared_int4(self.shared_expert, x)
         if shared is not None:   # the INT4 kernels run the shared expert as one more expert: no launches of its own
             weights, ids, shared_gate = self._route(x)
             return self.experts.decode(x, weights, ids, SharedExpert(*shared, shared_gate))
