@@ -49,15 +49,23 @@ def hang_watchdog(seconds: float) -> None:
 
 
 @contextlib.contextmanager
-def pdl_off():
-    """Programmatic dependent launch off inside (ops/pdl.py reads FLASHNEXT_PDL at each launch: capture or time
-    inside); the caller's setting comes back after."""
-    before = os.environ.get("FLASHNEXT_PDL")
-    os.environ["FLASHNEXT_PDL"] = "0"
+def environment(values: dict[str, str]):
+    """These environment variables set inside, the caller's values back after. Only switches read when a kernel is
+    launched or a graph captured take effect this way (ops/pdl.py's FLASHNEXT_PDL, ops/branches.py's
+    FLASHNEXT_DECODE_BRANCHES), not those read once at import."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("FLASHNEXT_PDL")
-        else:
-            os.environ["FLASHNEXT_PDL"] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+
+
+def pdl_off():
+    """Programmatic dependent launch off inside (ops/pdl.py reads FLASHNEXT_PDL at each launch: capture or time
+    inside)."""
+    return environment({"FLASHNEXT_PDL": "0"})

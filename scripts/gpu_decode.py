@@ -8,6 +8,7 @@
    loop's tokens/s (sampling, scheduling, detokenising included), at short context; GPU time per kernel, and the
    kernels of two layers in order.
 Exits non-zero on a mismatch. Run: python3 scripts/gpu_decode.py [--model NAME ...] [--quantize int4]
+[--variant FLASHNEXT_DECODE_BRANCHES=1 ...] (A/B of switches read at capture, without rebuilding the model)
 """
 import argparse
 import sys
@@ -17,7 +18,7 @@ import torch
 
 from flashnext.engine.llm import LLM
 from flashnext.engine.sampling_params import SamplingParams
-from gpu_common import agreeing_tokens, pdl_off
+from gpu_common import agreeing_tokens, environment, pdl_off
 
 PRESETS = ["tiny-flash-next", "tiny-qwen3-next", "tiny-qwen3.5-moe"]
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 60)), list(range(100, 111))]
@@ -80,7 +81,7 @@ def staggered(model: str, eager: bool) -> dict:
     return out
 
 
-def timing(model_name: str, quantize: str | None, steps: int = 200):
+def timing(model_name: str, quantize: str | None, variants: list[dict[str, str]] = (), steps: int = 200):
     llm = LLM(model_name, quantize=quantize, max_num_seqs=4, enable_prefix_caching=False, kv_cache_gb=8.0)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
@@ -103,6 +104,11 @@ def timing(model_name: str, quantize: str | None, steps: int = 200):
     print(f"  graph replay with a sync after each: {(time.perf_counter() - t0) / 50 * 1e3:.3f} ms "
           f"(back to back: {replay_ms:.3f} ms)")
     replay_ms_without_pdl = replay_without_pdl(graphs)
+    for variant in variants:   # the same step captured again under other switches (one model build for all)
+        with environment(variant):
+            print(f"  variant {' '.join(f'{k}={v}' for k, v in variant.items())}: "
+                  f"{recaptured_ms(graphs):.3f} ms per replay back to back")
+    recaptured_ms(graphs)      # the default step again, for the eager timing below
     batch = graphs.batch(1, 16)
     with torch.inference_mode():
         for _ in range(2):
@@ -129,14 +135,18 @@ def replayed_ms(graph, steps: int = 50) -> float:
     return (time.perf_counter() - t0) / steps * 1e3
 
 
+def recaptured_ms(graphs) -> float:
+    """ms per replay of the batch-1 step captured again (under whatever switches are set now). The capture points
+    the static inputs at the scratch slot, as every capture does; the eager timing after reads those."""
+    del graphs.graphs[(1, 16)]
+    graphs._capture(1, 16)
+    return replayed_ms(graphs.graphs[(1, 16)][0])
+
+
 def replay_without_pdl(graphs) -> float:
-    """ms per replay of the batch-1 step captured again with programmatic dependent launch off (ops/pdl.py). The
-    capture points the static inputs at the scratch slot, as every capture does; the eager timing after reads
-    those."""
+    """ms per replay of the batch-1 step captured again with programmatic dependent launch off (ops/pdl.py)."""
     with pdl_off():
-        del graphs.graphs[(1, 16)]
-        graphs._capture(1, 16)
-        return replayed_ms(graphs.graphs[(1, 16)][0])
+        return recaptured_ms(graphs)
 
 
 def profile_kernels(step, runs: int = 3, top: int = 30):
@@ -172,14 +182,18 @@ def main() -> int:
     ap.add_argument("--skip-exactness", action="store_true")
     ap.add_argument("--fp32-only", action="store_true", help="exactness in float32 only (the bf16 rows are informational)")
     ap.add_argument("--preset", action="append", choices=PRESETS, help="exactness for these tiny presets only")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
+                    help="also time the step captured again with these environment switches (those read at launch "
+                         "or capture, e.g. FLASHNEXT_DECODE_BRANCHES=1); repeatable, one model build for all")
     args = ap.parse_args()
+    variants = [dict(pair.split("=", 1) for pair in v.split(",")) for v in args.variant]
     ok = True if args.skip_exactness else exactness(("float32",) if args.fp32_only else ("float32", "bfloat16"),
                                                     args.preset or PRESETS)
     if args.model:
         print(f"\n{'model':40} {'graph ms/step':>13} {'without PDL':>11} {'eager ms/step':>13} {'graph tok/s':>11} "
               f"{'engine tok/s':>12} {'weights GB':>10}")
     for name in args.model:
-        replay_ms, without_pdl, eager_ms, loop_tps, nbytes = timing(name, args.quantize)
+        replay_ms, without_pdl, eager_ms, loop_tps, nbytes = timing(name, args.quantize, variants)
         print(f"{name:40} {replay_ms:13.3f} {without_pdl:11.3f} {eager_ms:13.3f} {1e3 / replay_ms:11.1f} "
               f"{loop_tps:12.1f} {nbytes / 1e9:10.2f}")
     print("OK" if ok else "MISMATCH")
