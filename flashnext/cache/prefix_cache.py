@@ -29,7 +29,7 @@ from flashnext.cache.cache_entry import (ROOT_HASH, Snapshot, batch_rows, block_
                                          run_rows, snapshot_key, tensor_bytes, write_block, write_blocks)
 from flashnext.cache.kv_pool import KVPool
 from flashnext.cache.state_pool import StatePool
-from flashnext.cache.tier_index import TierIndex
+from flashnext.cache.tier_index import CorruptEntry, TierIndex
 
 log = logging.getLogger("flashnext.cache")
 
@@ -55,7 +55,6 @@ class Node:
 
 # lookup's answer while the entry it found is being read from a slow tier: ask again at a later step.
 LOADING = object()
-UNCLAIMED_READ_SECONDS = 5.0   # a finished background read nobody looked up again for this long is let go
 
 
 @dataclass(eq=False)
@@ -64,7 +63,7 @@ class _BackgroundRead:
     meta: object                 # the entry's SnapshotMeta when the read started
     future: Future
     started: float               # perf_counter
-    finished: float | None = None
+    owners: set = field(default_factory=set)   # the requests waiting for it (PrefixCache.lookup's `owner`)
 
 
 @dataclass
@@ -95,17 +94,20 @@ class PrefixCache:
         # Several ranks (flashnext/parallel/mirror.py): every snapshot taken, resumed or dropped here, and every
         # entry copied in from a lower tier, is also done by each rank on its own share; None on one device.
         self.mirror = None
-        # Entries of a slow tier being read on the reader thread, by snapshot key (lookup, _read_in_background)
+        # Entries of a slow tier read on the reader thread, by snapshot key, and the key each waiting request
+        # waits for (lookup, _read_in_background, forget_read)
         self._reads: dict[bytes, _BackgroundRead] = {}
+        self._read_of: dict[object, bytes] = {}
         self._reader: ThreadPoolExecutor | None = None
 
     # ---- lookup and resume ----
-    def lookup(self, tokens: list[int], limit: int) -> PrefixHit | None | object:
+    def lookup(self, tokens: list[int], limit: int, owner: str | None = None) -> PrefixHit | None | object:
         """The deepest snapshot of a prefix of tokens[:limit], copied in from a lower tier if deeper there.
 
-        LOADING when that entry sits in a tier that reads in the background (the disk) and its read has not
-        finished: the scheduler admits other requests meanwhile and asks again at a later step (on one device;
-        with several ranks the read is done at once, as every rank reads its share)."""
+        LOADING when that entry sits in a tier that reads in the background (the disk) and its read (started
+        for `owner`, the id of the request asking; on one device — with several ranks every rank reads its share at once)
+        has not finished: the scheduler admits other requests meanwhile and asks again once `waiting_for_read`
+        says it is done. The read is kept until it is installed or every owner is forgotten (`forget_read`)."""
         found = self._match(tokens, limit)
         depth = found[0].snapshots[found[1]].num_tokens if found else 0
         for tier in self.tiers():
@@ -113,24 +115,31 @@ class PrefixCache:
             if entry is None:
                 continue
             key, meta = entry
-            if tier.reads_in_background and self.mirror is None:
-                read = self._read_in_background(tier, key, meta)
+            background = tier.reads_in_background and self.mirror is None
+            if background:
+                read = self._read_in_background(tier, key, meta, owner)
                 if read is LOADING:
                     return LOADING
+            if background:
                 started, loaded = read
             else:
                 started = time.perf_counter()
                 tier.installing.add(key)
-                loaded = tier.load(key)
-                if loaded is not None and self.mirror is not None and not self.mirror.fetch(tier, *entry):
-                    log.warning("%s cache: dropping entry %s: another rank cannot read its share", tier.name, key.hex())
-                    tier.remove(key)
-                    loaded = None
             try:
+                if not background:
+                    loaded = tier.load(key)
+                    if loaded is not None and self.mirror is not None and not self.mirror.fetch(tier, *entry):
+                        log.warning("%s cache: dropping entry %s: another rank cannot read its share", tier.name,
+                                    key.hex())
+                        tier.remove(key)
+                        loaded = None
                 installed = loaded is not None and self._install(tokens, *loaded)
             finally:
-                tier.installing.discard(key)
-                tier.fit()
+                if not background:
+                    tier.installing.discard(key)
+                    tier.fit()
+            if background and (installed or loaded is None):   # done with the read (a failed install keeps it)
+                self._drop_read(key)
             if installed:
                 self.restored_tokens[tier.name] += meta.num_tokens
                 self.restore_seconds[tier.name] += time.perf_counter() - started
@@ -143,39 +152,53 @@ class PrefixCache:
         self.lru.move_to_end(snapshot_key(node.hash, tail))
         return PrefixHit([n.block for n in node.path()], snap)
 
-    def _read_in_background(self, tier: TierIndex, key: bytes, meta) -> object:
-        """LOADING while the entry is read on the reader thread (the read starts at the first ask, the entry kept
-        in its tier meanwhile: `installing`); then (when it started, what TierIndex.load would have returned)."""
+    def _read_in_background(self, tier: TierIndex, key: bytes, meta, owner) -> object:
+        """LOADING while the entry is read on the reader thread (started at the first ask; the entry stays in its
+        tier meanwhile, `installing`, until the read is dropped); then (when it started, what TierIndex.load would
+        have returned)."""
         read = self._reads.get(key)
         if read is None:
             if self._reader is None:
                 self._reader = ThreadPoolExecutor(1, thread_name_prefix="flashnext-tier-reader")
             tier.installing.add(key)
-            self._reads[key] = _BackgroundRead(tier, meta, self._reader.submit(tier.read, key, meta),
-                                               time.perf_counter())
-            return LOADING
+            read = self._reads[key] = _BackgroundRead(tier, meta, self._reader.submit(tier.read, key, meta),
+                                                      time.perf_counter())
+        if owner is not None:
+            read.owners.add(owner)
+            self._read_of[owner] = key
         if not read.future.done():
             return LOADING
-        del self._reads[key]
         try:
             payload = read.future.result()
-        except Exception as e:   # noqa: BLE001 - CorruptEntry, OSError, or whatever the reader met: not loadable
+        except (CorruptEntry, OSError) as e:
             return read.started, tier.unreadable(key, e)
-        if key not in tier:      # dropped while it was read (clear, a failing rank's share): nothing to install
+        if key not in tier:      # dropped while it was read: nothing to install
             return read.started, None
         return read.started, tier.loaded(key, read.meta, payload)
 
-    def release_unclaimed_reads(self) -> None:
-        """Let go of background reads that finished UNCLAIMED_READ_SECONDS ago and that no lookup took (the
-        request that started one was cancelled, or is still waiting for room): their payload is host memory,
-        and they keep the entry from being evicted. A later lookup reads it again."""
-        now = time.perf_counter()
-        for key, read in list(self._reads.items()):
-            if read.future.done():
-                read.finished = read.finished or now
-                if now - read.finished > UNCLAIMED_READ_SECONDS:
-                    del self._reads[key]
-                    read.tier.installing.discard(key)
+    def waiting_for_read(self, owner: object) -> bool:
+        """Whether `owner`'s lookup is waiting for a background read that has not finished (no need to ask)."""
+        key = self._read_of.get(owner)
+        return key is not None and key in self._reads and not self._reads[key].future.done()
+
+    def forget_read(self, owner: object) -> None:
+        """`owner` no longer waits (admitted, cancelled, finished): a read nobody waits for any more is let go."""
+        key = self._read_of.pop(owner, None)
+        read = self._reads.get(key) if key is not None else None
+        if read is not None:
+            read.owners.discard(owner)
+            if not read.owners:
+                self._drop_read(key)
+
+    def _drop_read(self, key: bytes) -> None:
+        """Forget a read (a running one finishes on the reader thread and its result is dropped) and let its entry
+        be evicted again."""
+        read = self._reads.pop(key)
+        read.future.cancel()
+        for owner in read.owners:
+            self._read_of.pop(owner, None)
+        read.tier.installing.discard(key)
+        read.tier.fit()
 
     def wait_for_reads(self, timeout: float) -> None:
         """Block until a background read finishes or `timeout` passes (the engine when only those are left)."""
@@ -321,9 +344,9 @@ class PrefixCache:
         survive a restart even without --kv-host-write-through); returns how many were written.
 
         The most recently used entries that the disk's budget holds (`_newest_that_fit`) go down least recently
-        used first, those already on disk touched in their turn: the disk's own LRU eviction then lets go of its
-        older files, not of the conversations in use when the server stopped, and no file is written only to be
-        deleted again (a 40 GB host tier over a 16 GB disk budget wrote 136 entries at shutdown on the H200 to
+        used first, those already on disk touched before: the disk's own LRU eviction then lets go of its older
+        files, not of the conversations in use when the server stopped, and no file is written only to be deleted
+        again (a 40 GB host tier over a 16 GB disk budget wrote 136 entries at shutdown on the H200 to
         keep 57)."""
         tiers = self.tiers()
         if not tiers or tiers[-1].name != "disk":
@@ -331,10 +354,14 @@ class PrefixCache:
         disk, written = tiers[-1], 0
         # every entry held in memory, least recently used first: the host tier's are older than the device's
         entries = [(tier, key) for tier in tiers[:-1] for key in tier.snaps] + [(None, key) for key in self.lru]
-        for tier, key in self._newest_that_fit(entries, disk):
+        chosen = self._newest_that_fit(entries, disk)
+        for _, key in chosen:      # first, so that writing the others cannot evict them
             if key in disk:
                 disk.touch(key)
-            elif tier is None:
+        for tier, key in chosen:
+            if key in disk:
+                continue
+            if tier is None:
                 node, tail = self.lru[key]
                 self._write_down(disk, node, key, node.snapshots[tail])
                 written += 1
@@ -372,10 +399,8 @@ class PrefixCache:
 
     def clear(self) -> None:
         """Drop every device and host entry (the disk tier keeps its files) and every background read."""
-        for key, read in list(self._reads.items()):
-            read.future.cancel() or read.future.exception()   # a running read is let finish, its result dropped
-            read.tier.installing.discard(key)
-        self._reads.clear()
+        for key in list(self._reads):
+            self._drop_read(key)
         tiers, lower, self.lower = self.tiers(), self.lower, None
         self.evict_all()
         self.lower = lower

@@ -92,15 +92,16 @@ class Scheduler:
             if not decode:
                 prefill_budget -= n
         budget = min(budget, prefill_budget)     # what is left is for admitting waiting requests (prefill)
-        if self.prefix_cache is not None:
-            self.prefix_cache.release_unclaimed_reads()
         for request in list(self.waiting):
             if not (budget > 0 and len(self.running) < self.max_num_seqs and self.states.num_free):
                 break
             hit = None
             if self.prefix_cache is not None:
-                hit = self.prefix_cache.lookup(request.all_ids, request.num_tokens - 1)
-                if hit is LOADING:   # its cached prefix is being read from disk: the requests behind it go first
+                # its cached prefix being read from disk: the requests behind it go first (no lookup until done)
+                if self.prefix_cache.waiting_for_read(request.request_id):
+                    continue
+                hit = self.prefix_cache.lookup(request.all_ids, request.num_tokens - 1, owner=request.request_id)
+                if hit is LOADING:
                     continue
             shared = hit.blocks if hit is not None else []
             start = hit.num_tokens if hit is not None else 0
@@ -113,6 +114,8 @@ class Scheduler:
                 self.kv.release(shared)
                 break
             self.waiting.remove(request)
+            if self.prefix_cache is not None:
+                self.prefix_cache.forget_read(request.request_id)
             request.slot = self.states.allocate()
             request.status = Status.RUNNING
             request.blocks = shared + self.kv.allocate(need)
@@ -199,6 +202,8 @@ class Scheduler:
             self._release(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+            if self.prefix_cache is not None:
+                self.prefix_cache.forget_read(request.request_id)    # a disk read started for it is let go
         request.status = Status.FINISHED
 
     def _release(self, request: Request) -> None:

@@ -81,7 +81,8 @@ def _prefix_cache_metrics(cache, labels: list[str]):
         yield g
     for name, doc, counts in (
             ("restored_tokens", "Prompt tokens of prefix hits copied in from a lower tier.", cache.restored_tokens),
-            ("restore_seconds", "Host time spent copying prefix hits in from a lower tier.", cache.restore_seconds)):
+            ("restore_seconds", "Host time spent copying prefix hits in from a lower tier (disk hits read in the "
+                                "background: from the read's start to the install).", cache.restore_seconds)):
         c = CounterMetricFamily(f"flashnext_prefix_cache_{name}", doc, labels=["model_name", "tier"])
         for tier in tiers[1:]:
             c.add_metric(labels + [tier[0]], counts[tier[0]])
