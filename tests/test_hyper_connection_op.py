@@ -118,6 +118,42 @@ def test_triton_mix_ragged_tiles(kernels, n, hc, with_injection):
 
 
 @needs_triton
+@pytest.mark.parametrize("n,hc,with_injection", [(1, 4, True), (3, 3, True), (2, 4, False)])
+def test_triton_mix_after_a_pending_injection(kernels, n, hc, with_injection):
+    """The mix's down kernel does the previous block's injection on its way in: the block input and weights equal
+    the reference's mix of the injected streams, and the injected streams it writes equal hc_inject's, bit for bit
+    (the same rounding), at ragged sizes (hidden 60, lowrank 20) and with strided inputs."""
+    layer = make_layer(hc, 60, 20, with_injection, seed=11).to(DEVICE)
+    h = torch.randn(n, 2 * hc * 60, device=DEVICE)[:, ::2]
+    block_output = torch.randn(n, 2 * 60, device=DEVICE)[:, ::2]
+    weights = torch.rand(n, hc, device=DEVICE) * 2
+    with torch.no_grad():
+        want_h = hc_inject_reference(h, block_output, weights)
+        want_input, want_weights = hc_mix_reference(want_h, *mix_args(layer))
+        cfg = kernels.MixConfig(block_r=8, block_h=16)
+        got_input, got_weights, got_h = kernels.hc_mix_injected_triton(h, block_output, weights, *mix_args(layer),
+                                                                       config=cfg)
+    assert torch.equal(got_h, kernels.hc_inject_triton(h.contiguous(), block_output.contiguous(), weights))
+    assert rel_err(got_h, want_h) < 1e-6
+    assert rel_err(got_input, want_input) < 1e-5
+    assert (got_weights is None) if not with_injection else rel_err(got_weights, want_weights) < 1e-5
+    assert torch.equal(h, h.clone())   # the input streams are left as they were (a new h comes out)
+
+
+def test_pending_injection_falls_back_to_inject_then_mix():
+    """Off the Triton path (CPU, FLASHNEXT_HC=reference, or without FLASHNEXT_HC_FUSED_INJECT=1) hc_mix_injected is
+    hc_inject then hc_mix."""
+    from flashnext.ops.hyper_connection import PendingInjection, hc_mix_injected
+
+    layer = make_layer(4, 64, 16, True, seed=3)
+    h, block_output, weights = torch.randn(2, 256), torch.randn(2, 64), torch.rand(2, 4) * 2
+    got = hc_mix_injected(PendingInjection(h, block_output, weights), *mix_args(layer))
+    injected = hc_inject_reference(h, block_output, weights)
+    want = hc_mix_reference(injected, *mix_args(layer))
+    assert torch.equal(got[2], injected) and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@needs_triton
 @pytest.mark.parametrize("n,hc", [(1, 4), (3, 2), (5, 4)])
 def test_triton_inject_matches_reference(kernels, n, hc):
     h = torch.randn(n, hc * 600, device=DEVICE)

@@ -15,6 +15,7 @@ from flashnext.models.layers.indexed_attention import IndexedAttention
 from flashnext.models.layers.moe import SparseMoe
 from flashnext.models.layers.ple import PLELayer
 from flashnext.models.layers.rope import RotaryEmbedding
+from flashnext.ops.hyper_connection import PendingInjection
 from flashnext.weights.config import ModelConfig
 
 
@@ -41,13 +42,15 @@ class Qwen4ExpDecoderLayer(nn.Module):
         return HyperConnection.inject(h, self.mlp(x), inject)
 
     def decode(self, h, cos, sin, batch: DecodeBatch):
+        """h: the streams, or the previous layer's streams with its last injection pending; returns this layer's
+        with its own pending (each injection is done by the next mix's first kernel)."""
         if self.ple is not None:
+            h = h.materialize() if isinstance(h, PendingInjection) else h
             h = h + self.ple.decode(h, batch)
-        x, inject = self.attn_hyper_connection.mix(h)
+        x, inject, h = self.attn_hyper_connection.decode_mix(h)
         x = self.linear_attn.decode(x, batch) if self.is_linear else self.self_attn.decode(x, cos, sin, batch)
-        h = HyperConnection.inject(h, x, inject)
-        x, inject = self.mlp_hyper_connection.mix(h)
-        return HyperConnection.inject(h, self.mlp.decode(x), inject)
+        x, inject, h = self.mlp_hyper_connection.decode_mix(PendingInjection(h, x, inject))
+        return PendingInjection(h, self.mlp.decode(x), inject)
 
 
 class Qwen4ExpModel(nn.Module):
@@ -73,7 +76,7 @@ class Qwen4ExpModel(nn.Module):
         h = e.repeat(1, self.cfg.hc_count)
         for layer in self.layers:
             h = layer.decode(h, cos, sin, batch)
-        return self.hyper_connection_mixer.mix(h)[0]
+        return self.hyper_connection_mixer.decode_mix(h)[0]
 
 
 class Qwen4ExpForCausalLM(nn.Module):

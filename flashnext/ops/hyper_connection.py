@@ -20,6 +20,7 @@ FLASHNEXT_HC=reference forces the reference (to bisect a wrong answer on the GPU
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -97,3 +98,33 @@ def hc_inject(h: torch.Tensor, block_output: torch.Tensor, weights: torch.Tensor
     from flashnext.ops.hyper_connection_triton import hc_inject_triton
 
     return hc_inject_triton(h, block_output, weights, out)
+
+
+@dataclass(frozen=True)
+class PendingInjection:
+    """The streams h + weights ⊗ block_output, not computed yet: in a decode step the next mix computes them on its
+    way in (`hc_mix_injected`), which saves the inject launch."""
+    h: torch.Tensor
+    block_output: torch.Tensor
+    weights: torch.Tensor
+
+    def materialize(self) -> torch.Tensor:
+        return hc_inject(self.h, self.block_output, self.weights)
+
+
+def hc_mix_injected(pending: PendingInjection, norm_weight: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor,
+                    w_inject: torch.Tensor | None, hc: int, hidden: int,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """hc_mix of the injected streams → (block input, injection weights or None, the injected streams): with
+    FLASHNEXT_HC_FUSED_INJECT=1 on the Triton path in the mix's two launches (the down kernel injects; one launch
+    fewer a block, 96 a Flash-Next step — off until measured on the H200: `scripts/gpu_decode.py --variant
+    FLASHNEXT_HC_FUSED_INJECT=1`), elsewhere hc_inject then hc_mix."""
+    weights = [w for w in (w_down, w_up, w_inject) if w is not None]
+    if (os.environ.get("FLASHNEXT_HC_FUSED_INJECT", "0") == "1"
+            and _use_triton(pending.h, pending.block_output, pending.weights, *weights)):
+        from flashnext.ops.hyper_connection_triton import hc_mix_injected_triton
+
+        return hc_mix_injected_triton(pending.h, pending.block_output, pending.weights, norm_weight, w_down, w_up,
+                                      w_inject, hc, hidden, eps)
+    h = pending.materialize()
+    return (*hc_mix(h, norm_weight, w_down, w_up, w_inject, hc, hidden, eps), h)

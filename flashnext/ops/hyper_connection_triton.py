@@ -15,6 +15,10 @@ before it waits for its input (ops/pdl.py). So neither kernel has a loop over K 
   and for each stream the up GEMV, sigmoid, times the normed stream, summed over the streams.
 Both GEMVs are fp32 multiply-and-sum in registers (no tensor cores at N ≤ 16). Elsewhere values are rounded to
 h's dtype wherever the reference rounds.
+`hc_mix_injected_triton`: the mix of the streams after the previous block's injection, without the inject launch
+(decode: every mix but the first follows an injection): the down kernel adds weight × block output to the stream it
+reads, as `_hc_inject_kernel` rounds it, and its first row tile writes the new h for the up kernel and the next
+injection.
 """
 from __future__ import annotations
 
@@ -34,11 +38,12 @@ def _sigmoid(v):
 
 
 @triton.jit
-def _hc_down_kernel(x_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, sumsq_ptr, N, H, R, stride_x,
-                    HC: tl.constexpr, HAS_INJECT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                    PDL: tl.constexpr):
+def _hc_down_kernel(x_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, sumsq_ptr, bo_ptr, pw_ptr, hout_ptr, N, H, R, stride_x,
+                    stride_bo, stride_pw, stride_hout, HC: tl.constexpr, HAS_INJECT: tl.constexpr,
+                    HAS_PENDING: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     pid_r = tl.program_id(0)
     stream = tl.program_id(1)
+    dtype = x_ptr.dtype.element_ty
     K = HC * H
     rows = R + HC if HAS_INJECT else R
     # Rows [0, R) are w_down's, rows [R, R + hc) w_inject's: one virtual [rows, K] weight.
@@ -55,6 +60,13 @@ def _hc_down_kernel(x_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, sumsq_ptr, N, H, R,
     wait_for_inputs(PDL)
     for m in range(N):
         xv = tl.load(x_ptr + m * stride_x + stream * H + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+        if HAS_PENDING:   # the previous block's injection first: h + weight × block output, as hc_inject rounds it
+            bo = tl.load(bo_ptr + m * stride_bo + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+            weight = tl.load(pw_ptr + m * stride_pw + stream).to(tl.float32)
+            injected = (xv + round_to_dtype(bo * weight, dtype)).to(dtype)
+            if pid_r == 0:
+                tl.store(hout_ptr + m * stride_hout + stream * H + offs_h, injected, mask=h_ok)
+            xv = injected.to(tl.float32)
         if pid_r == 0:
             tl.store(sumsq_ptr + m * HC + stream, tl.sum(xv * xv))
         part = tl.sum(w.to(tl.float32) * (xv * scale)[None, :], axis=1)
@@ -143,6 +155,23 @@ def hc_mix_triton(h: torch.Tensor, norm_weight: torch.Tensor, w_down: torch.Tens
                   w_inject: torch.Tensor | None, hc: int, hidden: int, eps: float,
                   config: MixConfig = DEFAULT_CONFIG) -> tuple[torch.Tensor, torch.Tensor | None]:
     """h [N, hc·H] → (block input [N, H], injection weights [N, hc] or None); see ops/hyper_connection.py."""
+    block_input, inject, _ = _mix(h, None, norm_weight, w_down, w_up, w_inject, hc, hidden, eps, config)
+    return block_input, inject
+
+
+def hc_mix_injected_triton(h: torch.Tensor, block_output: torch.Tensor, weights: torch.Tensor,
+                           norm_weight: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor,
+                           w_inject: torch.Tensor | None, hc: int, hidden: int, eps: float,
+                           config: MixConfig = DEFAULT_CONFIG) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The mix of h + weights ⊗ block_output (the previous block's injection), which the down kernel computes on
+    its way in — no inject launch — and writes out: → (block input, injection weights or None, the new h)."""
+    n = h.shape[0]
+    assert block_output.shape == (n, hidden) and weights.shape == (n, hc)
+    pending = tuple(t if t.stride(-1) == 1 else t.contiguous() for t in (block_output, weights))
+    return _mix(h, pending, norm_weight, w_down, w_up, w_inject, hc, hidden, eps, config)
+
+
+def _mix(h, pending, norm_weight, w_down, w_up, w_inject, hc, hidden, eps, config):
     n, width = h.shape
     lowrank = w_down.shape[0]
     assert width == hc * hidden and w_down.shape == (lowrank, width) and w_up.shape == (width, lowrank)
@@ -153,22 +182,25 @@ def hc_mix_triton(h: torch.Tensor, norm_weight: torch.Tensor, w_down: torch.Tens
         h = h.contiguous()
     block_input = h.new_empty(n, hidden)
     inject = h.new_empty(n, hc) if w_inject is not None else None
+    injected = torch.empty_like(h) if pending is not None else h    # what the up kernel reads as h
     if n == 0:
-        return block_input, inject
+        return block_input, inject, injected
     rows = lowrank + (hc if w_inject is not None else 0)
     work = torch.empty(hc * n * rows + n * hc, dtype=torch.float32, device=h.device)
     partials, sumsq = work[:hc * n * rows], work[hc * n * rows:]
+    block_output, weights = pending if pending is not None else (h, h)   # never read without a pending injection
     pdl = launch_options(h.device)
     _hc_down_kernel[(triton.cdiv(rows, config.block_r), hc)](
         h, norm_weight, w_down, w_inject if w_inject is not None else w_down, partials, sumsq,
-        n, hidden, lowrank, h.stride(0), HC=hc, HAS_INJECT=w_inject is not None, BLOCK_R=config.block_r,
-        BLOCK_H=triton.next_power_of_2(hidden), num_warps=config.warps_down, **pdl)
+        block_output, weights, injected, n, hidden, lowrank, h.stride(0), block_output.stride(0), weights.stride(0),
+        injected.stride(0), HC=hc, HAS_INJECT=w_inject is not None, HAS_PENDING=pending is not None,
+        BLOCK_R=config.block_r, BLOCK_H=triton.next_power_of_2(hidden), num_warps=config.warps_down, **pdl)
     _hc_up_kernel[(triton.cdiv(hidden, config.block_h),)](
-        h, norm_weight, partials, sumsq, w_up, block_input, inject if inject is not None else block_input,
-        n, hidden, lowrank, h.stride(0), block_input.stride(0), eps, HC=hc, HAS_INJECT=w_inject is not None,
+        injected, norm_weight, partials, sumsq, w_up, block_input, inject if inject is not None else block_input,
+        n, hidden, lowrank, injected.stride(0), block_input.stride(0), eps, HC=hc, HAS_INJECT=w_inject is not None,
         BLOCK_S=triton.next_power_of_2(hc), BLOCK_H=config.block_h, BLOCK_KR=triton.next_power_of_2(lowrank),
         num_warps=config.warps_up, **pdl)
-    return block_input, inject
+    return block_input, inject, injected
 
 
 def hc_inject_triton(h: torch.Tensor, block_output: torch.Tensor, weights: torch.Tensor,

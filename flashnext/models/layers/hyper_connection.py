@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from flashnext.models.layers.norms import ZeroCenteredRMSNorm
-from flashnext.ops.hyper_connection import hc_inject, hc_mix
+from flashnext.ops.hyper_connection import PendingInjection, hc_inject, hc_mix, hc_mix_injected
 from flashnext.weights.config import ModelConfig
 
 
@@ -30,6 +30,16 @@ class HyperConnection(nn.Module):
         inject = None if self.block_inject_weight is None else self.block_inject_weight.weight
         return hc_mix(h, self.hc_norm.weight, self.input_mix_weight_down.weight, self.input_mix_weight_up.weight,
                       inject, self.hc, self.hidden, self.hc_norm.eps)
+
+    def decode_mix(self, h: torch.Tensor | PendingInjection) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """mix for the decode step, whose streams usually come with the previous block's injection still pending
+        (its output and weights): → (block input, injection weights or None, the streams after the injection).
+        The mix's first kernel does the injection: one launch fewer per block."""
+        if not isinstance(h, PendingInjection):
+            return (*self.mix(h), h)
+        inject = None if self.block_inject_weight is None else self.block_inject_weight.weight
+        return hc_mix_injected(h, self.hc_norm.weight, self.input_mix_weight_down.weight,
+                               self.input_mix_weight_up.weight, inject, self.hc, self.hidden, self.hc_norm.eps)
 
     @staticmethod
     def inject(h: torch.Tensor, block_output: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
