@@ -64,6 +64,7 @@ class _BackgroundRead:
     future: Future
     started: float               # perf_counter
     owners: set = field(default_factory=set)   # the requests waiting for it (PrefixCache.lookup's `owner`)
+    full_at: int | None = None   # free KV blocks when its install last failed: retried once more are free
 
 
 @dataclass
@@ -134,12 +135,19 @@ class PrefixCache:
                         tier.remove(key)
                         loaded = None
                 installed = loaded is not None and self._install(tokens, *loaded)
+            except BaseException:
+                if background:
+                    self._drop_read(key)
+                raise
             finally:
                 if not background:
                     tier.installing.discard(key)
                     tier.fit()
-            if background and (installed or loaded is None):   # done with the read (a failed install keeps it)
-                self._drop_read(key)
+            if background:
+                if installed or loaded is None:   # done with the read
+                    self._drop_read(key)
+                else:                             # the KV pool is full: kept, retried once blocks are freed
+                    self._reads[key].full_at = self.kv.num_free
             if installed:
                 self.restored_tokens[tier.name] += meta.num_tokens
                 self.restore_seconds[tier.name] += time.perf_counter() - started
@@ -156,6 +164,8 @@ class PrefixCache:
         """LOADING while the entry is read on the reader thread (started at the first ask; the entry stays in its
         tier meanwhile, `installing`, until the read is dropped); then (when it started, what TierIndex.load would
         have returned)."""
+        if self._read_of.get(owner, key) != key:   # its deepest entry is another one now
+            self.forget_read(owner)
         read = self._reads.get(key)
         if read is None:
             if self._reader is None:
@@ -177,9 +187,11 @@ class PrefixCache:
         return read.started, tier.loaded(key, read.meta, payload)
 
     def waiting_for_read(self, owner: object) -> bool:
-        """Whether `owner`'s lookup is waiting for a background read that has not finished (no need to ask)."""
-        key = self._read_of.get(owner)
-        return key is not None and key in self._reads and not self._reads[key].future.done()
+        """Whether `owner`'s lookup would only find its background read not finished, or its install still without
+        room (no KV block freed since it failed): no need to ask (a lookup hashes the whole prompt)."""
+        read = self._reads.get(self._read_of.get(owner))
+        return read is not None and (not read.future.done()
+                                     or (read.full_at is not None and self.kv.num_free <= read.full_at))
 
     def forget_read(self, owner: object) -> None:
         """`owner` no longer waits (admitted, cancelled, finished): a read nobody waits for any more is let go."""
@@ -196,7 +208,8 @@ class PrefixCache:
         read = self._reads.pop(key)
         read.future.cancel()
         for owner in read.owners:
-            self._read_of.pop(owner, None)
+            if self._read_of.get(owner) == key:
+                del self._read_of[owner]
         read.tier.installing.discard(key)
         read.tier.fit()
 

@@ -168,6 +168,10 @@ def _run_rank(rank: int, world: int, port: int, device: str, fn, fn_args) -> Non
     init_process(rank, world, port, rank_device(device, rank))
     try:
         fn(rank, world, *fn_args)
+        # every rank done with its collectives before any tears the group down (a fresh-clone CI run once saw rank 0
+        # abort in the teardown, "terminate called without an active exception", after rank 1 had left); a rank
+        # that failed skips it, and spawn then terminates the others
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
