@@ -11,7 +11,8 @@ programs), launched back to back in one CUDA graph over a rotation of buffers la
 launch reads from HBM), at the sizes the decode step reads per kernel. It is what any kernel of that size can
 hope for on this GPU with Triton: if it is near 4.27 TB/s, the GEMVs lose their time in their own instructions;
 if it is far, in launch, ramp and tail.
---kernels: each heavy decode kernel at Flash-Next's shapes (M = 1), twice, for a profiler to read.
+--kernels: each heavy decode kernel at Flash-Next's shapes (M = 1; the MoE kernels with the shared expert as their
+eleventh slot, as the decode step runs them since 8beacfa), twice, for a profiler to read.
 """
 from __future__ import annotations
 
@@ -92,6 +93,7 @@ def ceiling_table() -> None:
 def run_kernels() -> None:
     """Each heavy decode kernel twice at Flash-Next's M = 1 shapes (the profiler reads the second)."""
     from flashnext.ops.hyper_connection_triton import hc_mix_triton
+    from flashnext.ops.moe_int4 import SharedExpert
     from flashnext.ops.moe_int4_decode_triton import moe_int4_decode
     from flashnext.ops.w4a16_tinygemm import tinygemm_matmul, to_tinygemm
     from flashnext.weights.int4_layout import Int4Weight, quantize_rtn
@@ -116,8 +118,11 @@ def run_kernels() -> None:
     w_down_hc = (torch.randn(lowrank, width, generator=gen, device=dev) / width ** 0.5).bfloat16()
     w_up_hc = (torch.randn(width, lowrank, generator=gen, device=dev) / lowrank ** 0.5).bfloat16()
     w_inj = (torch.randn(hc, width, generator=gen, device=dev) / width ** 0.5).bfloat16()
+    # the shared expert rides along as slot k, as SparseMoe.decode runs it (ops.moe_int4.SharedExpert)
+    one = lambda w: Int4Weight(w.qweight[0], w.scales[0], None, None, 128)   # noqa: E731
+    shared = SharedExpert(one(w_gate_up), one(w_down), torch.zeros(1, 1, device=dev, dtype=torch.bfloat16))
     for _ in range(2):
-        moe_int4_decode(x, ids, weights, w_gate_up, w_down)
+        moe_int4_decode(x, ids, weights, w_gate_up, w_down, shared=shared)
         tinygemm_matmul(x, qkvz)
         hc_mix_triton(h, norm_w, w_down_hc, w_up_hc, w_inj, hc, hidden, 1e-6)
     torch.cuda.synchronize()
