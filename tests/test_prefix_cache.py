@@ -267,6 +267,27 @@ def test_a_disk_read_does_not_hold_up_the_other_requests(flash, tmp_path, monkey
     pools_idle(second)
 
 
+def test_a_request_whose_disk_entry_changes_lets_go_of_its_first_read(flash, tmp_path):
+    """While a request waits, a deeper entry of its prompt may reach the disk: its next lookup reads that one, and
+    the first read (its host payload, the entry's guard against eviction) is let go, not kept for nobody."""
+    first = make(loaded=flash.loaded, kv_disk_dir=str(tmp_path), kv_host_gb=0.05, kv_host_write_through=True)
+    prompt = tokens(50, 40)
+    reply, _ = run(first, prompt)
+    run(first, prompt + reply + tokens(51, 30))   # each turn's end written through: two entries on disk
+    restart_point(first)
+    pools_idle(first)
+    second = make(loaded=flash.loaded, kv_disk_dir=str(tmp_path))
+    cache, disk = second.prefix_cache, disk_tier(second)
+    shallow, deep = list(disk.snaps)[:2]
+    assert cache._read_in_background(disk, shallow, disk.snaps[shallow], "r") is not None
+    cache._read_in_background(disk, deep, disk.snaps[deep], "r")
+    assert shallow not in cache._reads and shallow not in disk.installing
+    assert deep in cache._reads and deep in disk.installing
+    cache.forget_read("r")
+    assert not cache.reading and not disk.installing
+    pools_idle(second)
+
+
 @pytest.mark.parametrize("host_gb", [0.0, 0.0005])
 def test_tiny_budgets_stay_exact_and_leak_nothing(flash, host_gb):
     # 24 KV blocks and room for about three snapshots: constant eviction (and spills to a tiny host tier).
