@@ -247,6 +247,11 @@ def test_a_disk_read_does_not_hold_up_the_other_requests(flash, tmp_path, monkey
             produced[out.request_id] += out.token_ids
     assert reading.wait(30) and produced["back"] == []          # the other request finished meanwhile
     assert second.prefix_cache.reading and disk.installing
+    from types import SimpleNamespace
+
+    from flashnext.server.metrics import _EngineCollector
+    families = {f.name: f for f in _EngineCollector(SimpleNamespace(served_model_name="m"), lambda: second).collect()}
+    assert [s.value for s in families["flashnext_prefix_cache_background_reads"].samples] == [1]
     gate.set()
     while second.has_work():
         for out in second.step():

@@ -223,6 +223,10 @@ class PrefixCache:
     def reading(self) -> bool:
         return bool(self._reads)
 
+    @property
+    def num_background_reads(self) -> int:
+        return len(self._reads)
+
     def _match(self, tokens: list[int], limit: int) -> tuple[Node, tuple[int, ...]] | None:
         bs, node, depth, best = self.block_size, self.root, 0, None
         while True:

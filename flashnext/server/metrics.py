@@ -87,6 +87,11 @@ def _prefix_cache_metrics(cache, labels: list[str]):
         for tier in tiers[1:]:
             c.add_metric(labels + [tier[0]], counts[tier[0]])
         yield c
+    g = GaugeMetricFamily("flashnext_prefix_cache_background_reads",
+                          "Disk-tier hits being read in the background, or read and waiting for KV room to install.",
+                          labels=["model_name"])
+    g.add_metric(labels, cache.num_background_reads)
+    yield g
 
 
 def prefix_cache_of(engine):
