@@ -61,6 +61,19 @@ def restart_point(engine):
     disk_tier(engine).store.flush()
 
 
+def turn_two_on_disk(flash, directory, seed):
+    """A conversation's first turn written through to a disk tier under `directory` by an engine that then
+    stops: → (its second turn's prompt, the cold output of that prompt)."""
+    first = make(loaded=flash.loaded, kv_disk_dir=str(directory), kv_host_gb=0.05, kv_host_write_through=True)
+    prompt = tokens(seed, 70)
+    reply, _ = run(first, prompt)
+    turn2 = prompt + reply + tokens(seed + 1, 4)
+    expected = cold(first, turn2, 6)
+    restart_point(first)
+    pools_idle(first)
+    return turn2, expected
+
+
 def pools_idle(engine):
     engine.prefix_cache.clear()
     assert engine.kv.num_free == engine.kv.num_blocks and all(c == 0 for c in engine.kv.refcount)
@@ -218,14 +231,7 @@ def test_a_disk_read_does_not_hold_up_the_other_requests(flash, tmp_path, monkey
 
     from flashnext.cache.disk_tier import DiskTier
 
-    first = make(loaded=flash.loaded, kv_disk_dir=str(tmp_path), kv_host_gb=0.05, kv_host_write_through=True)
-    prompt = tokens(40, 70)
-    reply, _ = run(first, prompt)
-    turn2 = prompt + reply + tokens(41, 4)
-    expected = cold(first, turn2, 6)
-    restart_point(first)
-    pools_idle(first)
-
+    turn2, expected = turn_two_on_disk(flash, tmp_path, 40)
     second = make(loaded=flash.loaded, kv_disk_dir=str(tmp_path))
     disk = disk_tier(second)
     gate, reading = threading.Event(), threading.Event()

@@ -69,12 +69,16 @@ def test_distributions_match_reference_in_one_mixed_batch():
     logits = BASE.repeat(len(params), 1)
     tokens = sample(logits, batch, generator=torch.Generator().manual_seed(0)).token_ids
     assert tokens[5] == BASE.argmax()
-    tokens = torch.cat([tokens[:5], tokens[6:]]).view(len(KNOBS), draws)
-    for (t, k, p, m), row in zip(KNOBS, tokens):
+    assert_draws_follow_reference(torch.cat([tokens[:5], tokens[6:]]).view(len(KNOBS), draws), KNOBS)
+
+
+def assert_draws_follow_reference(tokens: torch.Tensor, knobs) -> None:
+    """tokens [len(knobs), draws]: each knob's row draws only allowed tokens, at the reference's frequencies."""
+    for (t, k, p, m), row in zip(knobs, tokens):
         expected = reference_probs(BASE, t, k, p, m)
         counts = torch.bincount(row, minlength=V)
         assert counts[expected == 0].sum() == 0, f"excluded token drawn for {(t, k, p, m)}"
-        assert chi_square_p_value(counts, expected) > 1e-4, (t, k, p, m, counts, expected * draws)
+        assert chi_square_p_value(counts, expected) > 1e-4, (t, k, p, m, counts, expected * len(row))
 
 
 def test_top_k_cuts_ties_by_rank():
@@ -114,12 +118,7 @@ def test_candidate_path_distributions_match_reference():
     assert batch.top_k_max == max(k for _, k, _, _ in knobs)
     tokens = sample(BASE.repeat(len(params), 1), batch, generator=torch.Generator().manual_seed(1)).token_ids
     assert tokens[3] == BASE.argmax()
-    tokens = torch.cat([tokens[:3], tokens[4:]]).view(len(knobs), draws)
-    for (t, k, p, m), row in zip(knobs, tokens):
-        expected = reference_probs(BASE, t, k, p, m)
-        counts = torch.bincount(row, minlength=V)
-        assert counts[expected == 0].sum() == 0, f"excluded token drawn for {(t, k, p, m)}"
-        assert chi_square_p_value(counts, expected) > 1e-4, (t, k, p, m, counts, expected * draws)
+    assert_draws_follow_reference(torch.cat([tokens[:3], tokens[4:]]).view(len(knobs), draws), knobs)
 
 
 def test_greedy_takes_exact_argmax_of_processed_logits():

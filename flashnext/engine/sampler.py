@@ -202,14 +202,19 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     Works on a sorted copy (one sort serves both, no per-row shape leaves the device). When every random row
     has a top_k, `sample` does not come here: it works on the top_k_max best logits only (_sample_candidates)."""
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    _truncate_sorted(sorted_logits, top_k, top_p)
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
+
+
+def _truncate_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> None:
+    """top_k, then top_p, in place on logits sorted best first."""
     if top_k is not None:
-        ranks = torch.arange(sorted_logits.shape[-1], device=logits.device)
+        ranks = torch.arange(sorted_logits.shape[-1], device=sorted_logits.device)
         sorted_logits.masked_fill_(ranks >= top_k[:, None], float("-inf"))
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # the best token has 0 before it, so it always stays
         sorted_logits.masked_fill_(mass_before >= top_p[:, None], float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -244,26 +249,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
     return out
 
 
-def _vocabulary_noise(batch: SamplingBatch, row: int, like: torch.Tensor) -> torch.Tensor:
-    """A seeded row's exponential draws, one per vocabulary token, from its own generator: the same numbers
-    whichever path samples the row and whoever shares the batch."""
-    return torch.empty(batch.vocab_size, dtype=like.dtype, device=like.device).exponential_(
-        generator=batch.generators[row])
-
-
 def _sample_vocabulary(logits: torch.Tensor, batch: SamplingBatch, generator) -> torch.Tensor:
     """The exponential race over the whole vocabulary (some random row has no top_k)."""
     scaled = logits / batch.temperature[:, None]
     if batch.top_k is not None or batch.top_p is not None:
         scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
-    if batch.min_p is not None:
-        scaled = apply_min_p(scaled, batch.min_p)
-    probs = scaled.softmax(dim=-1)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    for row, gen in enumerate(batch.generators):
-        if gen is not None:
-            noise[row] = _vocabulary_noise(batch, row, probs)
-    return probs.div_(noise.clamp_min_(_MIN_EXPONENTIAL)).argmax(dim=-1)
+    return _race(scaled, batch, generator)
 
 
 def _sample_candidates(logits: torch.Tensor, batch: SamplingBatch, generator) -> torch.Tensor:
@@ -272,21 +263,23 @@ def _sample_candidates(logits: torch.Tensor, batch: SamplingBatch, generator) ->
     no kernel over the vocabulary after the topk (softmax, noise, division and argmax over 248K logits were each
     a pass over the row). Temperature > 0 does not change which logits are the best. Unseeded rows draw
     top_k_max numbers from the batch generator; a seeded row draws a whole vocabulary's from its own and reads
-    its candidates' (_vocabulary_noise), so it picks the token the full path would."""
+    its candidates' (_race), so it picks the token the full path would."""
     values, order = logits.topk(batch.top_k_max, dim=-1)
     scaled = values / batch.temperature[:, None]
-    ranks = torch.arange(scaled.shape[-1], device=logits.device)
-    scaled.masked_fill_(ranks >= batch.top_k[:, None], float("-inf"))
-    if batch.top_p is not None:
-        probs = scaled.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs   # as apply_top_k_top_p: the best candidate always stays
-        scaled.masked_fill_(mass_before >= batch.top_p[:, None], float("-inf"))
+    _truncate_sorted(scaled, batch.top_k, batch.top_p)
+    return order.gather(1, _race(scaled, batch, generator, order)[:, None]).squeeze(1)
+
+
+def _race(scaled: torch.Tensor, batch: SamplingBatch, generator, order: torch.Tensor | None = None) -> torch.Tensor:
+    """min_p, then argmax(probs / E) over the columns of `scaled` (the vocabulary, or the candidates `order` names):
+    E ~ Exponential(1) from the batch generator, or for a seeded row from its own."""
     if batch.min_p is not None:
         scaled = apply_min_p(scaled, batch.min_p)
     probs = scaled.softmax(dim=-1)
     noise = torch.empty_like(probs).exponential_(generator=generator)
     for row, gen in enumerate(batch.generators):
         if gen is not None:
-            noise[row] = _vocabulary_noise(batch, row, probs)[order[row]]
-    pick = probs.div_(noise.clamp_min_(_MIN_EXPONENTIAL)).argmax(dim=-1, keepdim=True)
-    return order.gather(1, pick).squeeze(1)
+            # a vocabulary's worth whichever path samples the row: the same numbers for its seed and history
+            row_noise = torch.empty(batch.vocab_size, dtype=probs.dtype, device=probs.device).exponential_(generator=gen)
+            noise[row] = row_noise if order is None else row_noise[order[row]]
+    return probs.div_(noise.clamp_min_(_MIN_EXPONENTIAL)).argmax(dim=-1)
