@@ -6,6 +6,12 @@ import os
 import torch
 
 
+def sync() -> None:
+    """Wait for the GPU's queued work (nothing to wait for on a CPU run)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """‖a − b‖ / ‖b‖ in fp64."""
     return ((a.double() - b.double()).norm() / b.double().norm()).item()

@@ -21,11 +21,7 @@ import torch
 
 from flashnext.engine.llm import LLM
 from flashnext.engine.sampling_params import SamplingParams
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+from gpu_common import sync
 
 
 def timed_parts(engine, tokens: int) -> dict[str, float]:

@@ -48,29 +48,14 @@ def buffers(n_bytes: float) -> list[torch.Tensor]:
     return [torch.ones(int(n_bytes) // 4, dtype=torch.int32, device="cuda") for _ in range(copies)]
 
 
-def read_us(bufs: list[torch.Tensor], programs: int, block: int, warps: int, replays: int = 5) -> float:
-    """µs per launch of a read of one buffer, in one CUDA graph over the rotation `bufs`."""
+def read_us(bufs: list[torch.Tensor], programs: int, block: int, warps: int) -> float:
+    """µs per launch of a read of one buffer, in one CUDA graph over the rotation `bufs` (gpu_w4a16.cold_us)."""
+    from gpu_w4a16 import cold_us
+
     n_words = bufs[0].numel()
     out = torch.empty(programs * block, dtype=torch.int32, device="cuda")
     per = triton.cdiv(triton.cdiv(n_words, programs), block) * block
-
-    def launch(b):
-        _read_kernel[(programs,)](b, out, n_words, per, BLOCK=block, num_warps=warps)
-
-    launch(bufs[0])
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for b in bufs:
-            launch(b)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * len(bufs))
+    return cold_us(lambda b: _read_kernel[(programs,)](b, out, n_words, per, BLOCK=block, num_warps=warps), bufs)[0]
 
 
 def ceiling_table() -> None:

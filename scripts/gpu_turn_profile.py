@@ -22,11 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from flashnext.engine.llm import LLM
 from flashnext.engine.sampling_params import SamplingParams
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+from gpu_common import sync
 
 
 def first_token_steps(engine, request_id, prompt, params, history_len):

@@ -123,6 +123,22 @@ def _sum_rows(ptr, first_row, n_rows, row_stride, offs, ok, ROWS: tl.constexpr):
 
 
 @triton.jit
+def _slot_weights(ids_ptr, token, slot, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, shared_q_ptr, shared_s_ptr,
+                  shared_z_ptr, K, N, GROUP: tl.constexpr, TOP_K: tl.constexpr):
+    """The [K, N] weight a (token, slot) pair reads: its routed expert's in the stacks, or at slot TOP_K the shared
+    expert's (SLOTS = TOP_K + 1) → (qweight, scales, zeros, perm) pointers."""
+    if slot == TOP_K:
+        qweight, scales, zeros = shared_q_ptr, shared_s_ptr, shared_z_ptr
+    else:
+        expert = tl.load(ids_ptr + token * TOP_K + slot).to(tl.int64)
+        qweight = qweight_ptr + expert * (K // 8) * N
+        scales = scales_ptr + expert * (K // GROUP) * N
+        zeros = zeros_ptr + expert * (K // GROUP) * N
+        perm_ptr += expert * K
+    return qweight, scales, zeros, perm_ptr
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, ids_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, shared_q_ptr, shared_s_ptr,
                     shared_z_ptr, h_ptr, part_ptr, counter_ptr, H, I, k_per_split, GROUP: tl.constexpr,
                     TOP_K: tl.constexpr, SLOTS: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
@@ -132,14 +148,9 @@ def _gate_up_kernel(x_ptr, ids_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr
     pair, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     token, slot = pair // SLOTS, pair % SLOTS
     N = 2 * I
-    if slot == TOP_K:   # the shared expert (SLOTS = TOP_K + 1)
-        qweight, scales, zeros = shared_q_ptr, shared_s_ptr, shared_z_ptr
-    else:
-        expert = tl.load(ids_ptr + token * TOP_K + slot).to(tl.int64)
-        qweight = qweight_ptr + expert * (H // 8) * N
-        scales = scales_ptr + expert * (H // GROUP) * N
-        zeros = zeros_ptr + expert * (H // GROUP) * N
-        perm_ptr += expert * H
+    qweight, scales, zeros, perm_ptr = _slot_weights(
+        ids_ptr, token, slot, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, shared_q_ptr, shared_s_ptr, shared_z_ptr,
+        H, N, GROUP, TOP_K)
     x_ptr += token * H
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
@@ -175,15 +186,12 @@ def _down_kernel(h_ptr, ids_ptr, topk_weights_ptr, qweight_ptr, scales_ptr, zero
     wait_for_inputs(PDL)
     pair, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     token, slot = pair // SLOTS, pair % SLOTS
+    qweight, scales, zeros, perm_ptr = _slot_weights(
+        ids_ptr, token, slot, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, shared_q_ptr, shared_s_ptr, shared_z_ptr,
+        I, H, GROUP, TOP_K)
     if slot == TOP_K:   # the shared expert, gated by sigmoid of its logit
-        qweight, scales, zeros = shared_q_ptr, shared_s_ptr, shared_z_ptr
         weight = tl.sigmoid(tl.load(shared_logit_ptr + token * stride_logit).to(tl.float32))
     else:
-        expert = tl.load(ids_ptr + token * TOP_K + slot).to(tl.int64)
-        qweight = qweight_ptr + expert * (I // 8) * H
-        scales = scales_ptr + expert * (I // GROUP) * H
-        zeros = zeros_ptr + expert * (I // GROUP) * H
-        perm_ptr += expert * I
         weight = tl.load(topk_weights_ptr + token * TOP_K + slot).to(tl.float32)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
