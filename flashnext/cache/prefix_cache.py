@@ -116,38 +116,25 @@ class PrefixCache:
             if entry is None:
                 continue
             key, meta = entry
-            background = tier.reads_in_background and self.mirror is None
-            if background:
+            if tier.reads_in_background and self.mirror is None:
                 read = self._read_in_background(tier, key, meta, owner)
                 if read is LOADING:
                     return LOADING
-            if background:
                 started, loaded = read
-            else:
-                started = time.perf_counter()
-                tier.installing.add(key)
-            try:
-                if not background:
-                    loaded = tier.load(key)
-                    if loaded is not None and self.mirror is not None and not self.mirror.fetch(tier, *entry):
-                        log.warning("%s cache: dropping entry %s: another rank cannot read its share", tier.name,
-                                    key.hex())
-                        tier.remove(key)
-                        loaded = None
-                installed = loaded is not None and self._install(tokens, *loaded)
-            except BaseException:
-                if background:
+                try:
+                    installed = loaded is not None and self._install(tokens, *loaded)
+                except BaseException:
                     self._drop_read(key)
-                raise
-            finally:
-                if not background:
-                    tier.installing.discard(key)
-                    tier.fit()
-            if background:
+                    raise
                 if installed or loaded is None:   # done with the read
                     self._drop_read(key)
                 else:                             # the KV pool is full: kept, retried once blocks are freed
                     self._reads[key].full_at = self.kv.num_free
+            else:
+                started = time.perf_counter()
+                with tier.protected(key):
+                    loaded = self._load_now(tier, key, entry)
+                    installed = loaded is not None and self._install(tokens, *loaded)
             if installed:
                 self.restored_tokens[tier.name] += meta.num_tokens
                 self.restore_seconds[tier.name] += time.perf_counter() - started
@@ -159,6 +146,15 @@ class PrefixCache:
         snap = node.snapshots[tail]
         self.lru.move_to_end(snapshot_key(node.hash, tail))
         return PrefixHit([n.block for n in node.path()], snap)
+
+    def _load_now(self, tier: TierIndex, key: bytes, entry) -> tuple | None:
+        """TierIndex.load, and with several ranks every rank's share fetched (else the entry is dropped)."""
+        loaded = tier.load(key)
+        if loaded is not None and self.mirror is not None and not self.mirror.fetch(tier, *entry):
+            log.warning("%s cache: dropping entry %s: another rank cannot read its share", tier.name, key.hex())
+            tier.remove(key)
+            return None
+        return loaded
 
     def _read_in_background(self, tier: TierIndex, key: bytes, meta, owner) -> object:
         """LOADING while the entry is read on the reader thread (started at the first ask; the entry stays in its

@@ -11,6 +11,7 @@ each payload this index stores or drops is then logged to the mirror, for the ot
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -183,6 +184,16 @@ class TierIndex:
         if key in self.snaps:
             self.snaps.move_to_end(key)
         return runs, Snapshot(meta.num_tokens, meta.tail, state, tail_kv)
+
+    @contextlib.contextmanager
+    def protected(self, key: bytes):
+        """The entry stays while inside (`installing`), however its copy up evicts; then the tier fits again."""
+        self.installing.add(key)
+        try:
+            yield
+        finally:
+            self.installing.discard(key)
+            self.fit()
 
     def touch(self, key: bytes) -> None:
         """The entry becomes the most recently used, here and in the store."""
