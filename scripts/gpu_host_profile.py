@@ -4,7 +4,8 @@ The captured decode step of full-size Flash-Next INT4 replays in ~5.3 ms, but th
 decodes at ~6.3 ms per token: ~1 ms of host work per token during which the GPU waits. This script decodes one
 sequence (sampling temperature 0.6, top-p 0.95, top-k 20, as the benchmark does) and prints
 - the loop's ms per token, and the time of each part of LLMEngine.step measured around it (schedule, the
-  runner's graph replay + sampling launch, the wait for the sampled tokens, appending tokens and outputs);
+  runner's graph replay + sampling launch, the wait for the sampled tokens, appending tokens and outputs), with
+  decode ahead off; then the loop's ms per token with it on (LLMEngine.step);
 - cProfile's top functions by own time over the same loop (cProfile slows Python down: shares, not times).
 
     python3 scripts/gpu_host_profile.py [--model mem:flash-next] [--quantize int4] [--tokens 256]
@@ -81,20 +82,33 @@ def main() -> int:
     params = SamplingParams(temperature=0.6, top_p=0.95, top_k=20, max_tokens=args.tokens + 8, ignore_eos=True)
     llm.generate([list(range(20, 60))], SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True))  # graphs
 
-    def start(request_id):   # a fresh request for each measurement: both stay inside the first width bucket
+    def start(request_id):   # a fresh request for each measurement: all stay inside the first width bucket
+        while engine.has_work():   # the step a decode ahead left in flight for an aborted request
+            engine.step()
         engine.add_request(request_id, list(range(20, 60)), params)
         engine.step()   # the prefill
         sync()
 
+    # The parts are timed one step at a time (decode ahead off: their wait for the tokens would drain the queue).
+    engine.args.decode_ahead = False
     start("timed")
     parts = timed_parts(engine, args.tokens)
     n = args.tokens
-    print(f"engine loop: {1e3 * parts['total'] / n:.3f} ms per token ({n / parts['total']:.1f} tok/s); "
-          "wall time per token of each part (nested parts are inside runner.run):")
+    print(f"engine loop, decode ahead off: {1e3 * parts['total'] / n:.3f} ms per token ({n / parts['total']:.1f} "
+          "tok/s); wall time per token of each part (nested parts are inside runner.run):")
     for name, t in parts.items():
         if name != "total":
             print(f"  {name:30} {1e3 * t / n:7.3f} ms")
     engine.abort("timed")
+    engine.args.decode_ahead = True
+    start("ahead")
+    t0 = time.perf_counter()
+    for _ in range(n):
+        engine.step()
+    sync()
+    total = time.perf_counter() - t0
+    print(f"engine loop, decode ahead on: {1e3 * total / n:.3f} ms per token ({n / total:.1f} tok/s)")
+    engine.abort("ahead")
     start("profiled")
     profiler = cProfile.Profile()
     profiler.enable()

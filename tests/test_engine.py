@@ -220,7 +220,7 @@ def test_launched_hook_runs_after_the_decode_graph_and_before_an_eager_forward()
     from flashnext.engine.cuda_graph import DecodeGraphs
 
     engine = LLMEngine(EngineArgs(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=2,
-                                  enable_prefix_caching=False))
+                                  enable_prefix_caching=False, decode_ahead=False))   # with it: test_decode_ahead
     runner = engine.runner
     runner.graphs = DecodeGraphs(runner.model, engine.kv, engine.states, max_batch=2,
                                  max_blocks_per_seq=engine.kv.blocks_for(engine.max_model_len))

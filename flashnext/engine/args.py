@@ -17,6 +17,7 @@ class EngineArgs:
     prefill_budget_while_decoding: int = 2048  # prefill tokens per step while any sequence decodes
     decode_step_budget_ms: float = 0.0    # > 0: size those prefill chunks so a mixed step takes about this long
     graph_prefill_tail: int = 16          # with decode graphs: prompt chunks of at most this many tokens go one a step
+    decode_ahead: bool = True             # with decode graphs: queue the next decode step before reading the tokens
     max_queued_requests: int = 256
     gpu_memory_fraction: float = 0.9
     kv_cache_gb: float | None = None      # explicit KV pool size; default: from free memory

@@ -84,8 +84,11 @@ class DecodeGraphs:
         """Whether the step for this batch and block-table width exists (`run` would otherwise capture it first)."""
         return (bucket(batch_size), bucket(max_blocks, MIN_WIDTH)) in self.graphs
 
-    def run(self, input_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]]) -> torch.Tensor:
-        """Logits [n, vocab] of one new token per sequence (the rows' states and KV pages advance)."""
+    def run(self, input_ids: list[int] | torch.Tensor, positions: list[int], slots: list[int],
+            block_tables: list[list[int]]) -> torch.Tensor:
+        """Logits [n, vocab] of one new token per sequence (the rows' states and KV pages advance). `input_ids` may
+        be a LongTensor on the device: the tokens the step before sampled, not yet read by the host (decode ahead,
+        LLMEngine.step); one GPU only (workers are told their inputs from the host)."""
         width = bucket(max(len(t) for t in block_tables), MIN_WIDTH)
         deltas = [self._table_delta(slot, blocks) for slot, blocks in zip(slots, block_tables)]
         if self.announce is not None:
@@ -104,7 +107,7 @@ class DecodeGraphs:
             width *= 2
         return count
 
-    def step(self, input_ids: list[int], positions: list[int], slots: list[int], width: int,
+    def step(self, input_ids: list[int] | torch.Tensor, positions: list[int], slots: list[int], width: int,
              deltas: list[TableDelta]) -> torch.Tensor:
         """`run` once the table changes are known: what a worker rank runs for rank 0's announcement."""
         n = len(input_ids)
@@ -114,8 +117,9 @@ class DecodeGraphs:
             self._capture(size, width)
         graph, logits = self.graphs[key]
         pad = size - n
-        host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad],
-                            dtype=torch.long)
+        on_device = isinstance(input_ids, torch.Tensor)
+        host = torch.tensor([([0] * n if on_device else input_ids) + [0] * pad, positions + [0] * pad,
+                             slots + [self.scratch_slot] * pad], dtype=torch.long)
         for slot, reset, first, blocks in deltas:
             if reset:
                 self.slot_tables[slot].fill_(self.scratch_block)
@@ -123,6 +127,8 @@ class DecodeGraphs:
                 self.slot_tables[slot, first: first + len(blocks)].copy_(torch.tensor(blocks, dtype=torch.long),
                                                                         non_blocking=True)
         self.inputs[:, :size].copy_(host, non_blocking=True)
+        if on_device:
+            self.input_ids[:n].copy_(input_ids)
         if graph is None:
             return self._step(size, width)[:n]
         graph.replay()

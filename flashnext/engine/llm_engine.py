@@ -24,9 +24,10 @@ from flashnext.engine.model_runner import ModelRunner
 from flashnext.engine.outputs import RequestOutput, TokenLogprob
 from flashnext.engine.prefill_pacer import PrefillPacer
 from flashnext.engine.request import Request
-from flashnext.engine.sampler import validate_token_ids
+from flashnext.engine.sampled_on_host import SampledOnHost
+from flashnext.engine.sampler import SamplerOutput, validate_token_ids
 from flashnext.engine.sampling_params import InvalidParams, SamplingParams
-from flashnext.engine.scheduler import Scheduler
+from flashnext.engine.scheduler import ScheduledChunk, Scheduler
 from flashnext.engine.structured.backend import InvalidConstraint, shared_backend
 from flashnext.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -128,6 +129,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded.model, self.kv, self.states, self.eos_token_ids, self.device, args.seed,
                                   graphs)
         self.requests: dict[str, Request] = {}
+        self._in_flight: tuple[list[Request], SamplerOutput] | None = None   # a decode step launched ahead (step)
+        self._tokens_read_at = 0.0   # when the last sampled tokens reached the host (the pacer's decode step time)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         log.info("memory plan: %s", self.memory_plan)
@@ -256,7 +259,7 @@ class LLMEngine:
                 log.info("wrote %d cached conversation states to the disk tier", written)
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting)
+        return bool(self.scheduler.running or self.scheduler.waiting or self._in_flight)
 
     def warm_up(self) -> float:
         """Run throwaway requests before serving, so the first user's request does not pay for compiling the
@@ -289,50 +292,94 @@ class LLMEngine:
 
     # ---- one step ----
     def step(self, launched: Callable[[], None] | None = None) -> list[RequestOutput]:
-        """Run one scheduled step; returns the requests' new output increments.
+        """Run one step; returns the requests' new output increments.
 
         `launched` (the server's delivery of the previous step's outputs) is called once the device has work: by the
         runner right after it replays a decode graph that runs the whole step (milliseconds of GPU work while the
         host would otherwise wait), before any eager forward (a prefill chunk may wait on the device), and at once
-        when there is nothing to run."""
+        when there is nothing to run.
+
+        Decode ahead (--decode-ahead; one GPU with decode graphs): when every running request decodes in this step
+        and nothing waits, their next step is queued on the device before the host reads this one's tokens, fed
+        those tokens there (_launch_ahead). The next call starts from that step in flight instead of scheduling one,
+        so the host's work between steps (reading tokens, detokenising, stop checks, the server's delivery)
+        overlaps the GPU's instead of leaving it idle."""
         started = time.perf_counter()
-        chunks = self.scheduler.schedule()
-        if not chunks:
+        if self._in_flight is not None:
+            sampling, sampled = self._in_flight
+            self._in_flight = None
+            chunks = None
+            live = [r for r in sampling if not r.finished]
+        else:
+            chunks = self.scheduler.schedule()
+            if not chunks:
+                if launched is not None:
+                    launched()
+                if self.prefix_cache is not None and self.prefix_cache.reading:
+                    self.prefix_cache.wait_for_reads(timeout=0.005)   # only disk reads are left: do not spin on them
+                return []
+            now = time.time()
+            for c in chunks:
+                if c.request.metrics.first_scheduled_time is None:
+                    c.request.metrics.first_scheduled_time = now
+            sampling = [c.request for c in chunks if c.samples]
+            sampled = self.runner.run(chunks, launched)
+            launched = None   # the runner called it
+            self.scheduler.computed(chunks)
+        if sampled is not None:
+            on_host = SampledOnHost(sampled)   # queued before any step ahead: reading it waits for this step only
+            if chunks is None or len(sampling) == len(chunks):
+                self._in_flight = self._launch_ahead(sampling, sampled)
             if launched is not None:
                 launched()
-            if self.prefix_cache is not None and self.prefix_cache.reading:
-                self.prefix_cache.wait_for_reads(timeout=0.005)   # only disk reads are left: do not spin on them
-            return []
-        now = time.time()
-        for c in chunks:
-            if c.request.metrics.first_scheduled_time is None:
-                c.request.metrics.first_scheduled_time = now
-        sampling = [c.request for c in chunks if c.samples]
-        sampled = self.runner.run(chunks, launched)
-        self.scheduler.computed(chunks)
-        outputs = []
-        if sampled is not None:
-            tokens = sampled.token_ids.tolist()
-            logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
-            top = None
-            if sampled.top_logprobs is not None:
-                top = (sampled.top_logprobs[0].tolist(), sampled.top_logprobs[1].tolist())
+            tokens, logprobs, top = on_host.lists()
             for i, request in enumerate(sampling):
+                if request.finished:   # ended (or aborted) while this step, launched ahead, ran: its row is dropped
+                    continue
                 lp = None
                 if logprobs is not None and request.params.logprobs is not None:
                     k = request.params.logprobs
                     pairs = list(zip(top[0][i][:k], top[1][i][:k])) if top is not None else []
                     lp = TokenLogprob(tokens[i], logprobs[i], pairs)
                 self._append_token(request, tokens[i], lp)
+            read = time.perf_counter()
             if self.scheduler.pacer is not None:   # the sampled tokens are on the host: the GPU is done
-                decodes = sum(c.num_tokens == 1 for c in chunks)   # decodes and prompt tails: graph rows
-                self.scheduler.pacer.record(sum(c.num_tokens for c in chunks) - decodes, decodes,
-                                            time.perf_counter() - started)
-        for c in chunks:
-            r = c.request
-            if r.pending_ids or r.finished:
-                outputs.append(self._output(r))
-        return outputs
+                if chunks is None:   # a decode step launched ahead ran from the last step's tokens to these
+                    self.scheduler.pacer.record(0, len(sampling), read - self._tokens_read_at)
+                else:
+                    decodes = sum(c.num_tokens == 1 for c in chunks)   # decodes and prompt tails: graph rows
+                    self.scheduler.pacer.record(sum(c.num_tokens for c in chunks) - decodes, decodes, read - started)
+            self._tokens_read_at = read
+        elif launched is not None:
+            launched()
+        if chunks is None:   # a request that ended before this step ran has had its output
+            return [self._output(r) for r in live if r.pending_ids or r.finished]
+        return [self._output(c.request) for c in chunks if c.request.pending_ids or c.request.finished]
+
+    def _launch_ahead(self, requests: list[Request], sampled) -> tuple[list[Request], SamplerOutput] | None:
+        """Queue the decode step of `requests` that follows the one which sampled `sampled`, its input tokens taken
+        from `sampled` on the device → (requests, its sampled tokens), or None where it would not be the step the
+        scheduler picks next: a request waits for admission or was left out of this step, a request may reach its
+        length limit with this step's token, a KV block is missing and none is free (no eviction here), or the
+        runner cannot (ModelRunner.can_run_ahead). A request that then finishes with this step's token had its
+        last token computed by the step ahead: num_computed counts it, so the prefix cache's snapshot at its end
+        covers the whole reply; the step's sample for it is dropped."""
+        if not (self.args.decode_ahead and requests) or self.scheduler.waiting:
+            return None
+        if len(requests) != len(self.scheduler.running) or any(
+                r.finished or r.num_computed != r.num_tokens or len(r.output_ids) + 2 > r.max_output
+                or r.num_tokens + 2 > self.max_model_len for r in requests):
+            return None
+        needs = [self.kv.blocks_for(r.num_computed + 1) - len(r.blocks) for r in requests]
+        widest = max(len(r.blocks) + need for r, need in zip(requests, needs))
+        if sum(needs) > self.kv.num_free or not self.runner.can_run_ahead(requests, sampled, widest):
+            return None
+        for r, need in zip(requests, needs):
+            if need > 0:
+                r.blocks.extend(self.kv.allocate(need))
+        ahead = self.runner.run_ahead(requests, sampled)
+        self.scheduler.computed([ScheduledChunk(r, 1) for r in requests])
+        return requests, ahead
 
     def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
         now = time.time()

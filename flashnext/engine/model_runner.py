@@ -87,6 +87,29 @@ class ModelRunner:
                     logits[torch.tensor([row[id(r)] for r in rs], device=self.device)] = part.float()
         return self._sample(logits, requests, batch)
 
+    def can_run_ahead(self, requests, sampled: SamplerOutput, max_blocks: int) -> bool:
+        """Whether the decode step of `requests` one token further can be queued before the host reads `sampled`
+        (their tokens of the step just run, in this order), their block tables then `max_blocks` wide at most:
+        one GPU's graph for that batch and width already captured, the sampling batch that produced `sampled` to
+        advance on the device, no grammar to consult."""
+        last, graphs = self._last_batch, self.graphs
+        return (graphs is not None and graphs.announce is None
+                and last is not None and last[3] is sampled.token_ids and last[0] == [id(r) for r in requests]
+                and all(r.constraint is None for r in requests)
+                and graphs.captured(len(requests), max_blocks))
+
+    @torch.inference_mode()
+    def run_ahead(self, requests, sampled: SamplerOutput) -> SamplerOutput:
+        """The decode step of `requests` fed the tokens in `sampled` straight from the device (can_run_ahead
+        said yes; each request's num_computed is the position of its token in `sampled`, its blocks hold it)."""
+        ids, lengths, batch, tokens = self._last_batch
+        batch.append(tokens)
+        # the batch samples once the tokens in `sampled` are the requests' outputs: one longer than recorded
+        self._last_batch = (ids, [m + 1 for m in lengths], batch, None)
+        logits = self.graphs.run(tokens, [r.num_computed for r in requests], [r.slot for r in requests],
+                                 [r.blocks for r in requests])
+        return self._sample(logits.float(), requests, batch)
+
     def _replay(self, decoding: list[ScheduledChunk]) -> torch.Tensor:
         """One token per request through the decode graph → logits [len(decoding), V]."""
         rs = [c.request for c in decoding]

@@ -75,6 +75,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
               "short tool result after a prefix hit) is fed one token a step through the captured decode graph "
               "instead of one eager step (6-8 ms a token against 120-150 ms a step for full-size Flash-Next on an "
               "H200); 0: off (default 16)")
+    _add(parser, "--decode-ahead", type=_bool,
+         help="with CUDA graphs on one GPU, queue each decode step on the device, fed the tokens the step before "
+              "sampled there, before the host reads those tokens, so the host's work between steps (detokenising, "
+              "stop checks, streaming) overlaps the GPU's; false: every step waits for the host (default true)")
     _add(parser, "--kv-cache-gb", type=float, help="KV cache size in GiB (default: from free memory)")
     _add(parser, "--block-size", type=int, help="tokens per KV block (default 16)")
     _add(parser, "--seed", type=int, help="seed of the engine's shared sampling generator (default 0)")
@@ -134,7 +138,7 @@ _ENGINE_FLAGS = {"model": "model", "device": "device", "max_num_batched_tokens":
                  "prefill_budget_while_decoding": "prefill_budget_while_decoding",
                  "decode_step_budget_ms": "decode_step_budget_ms",
                  "kv_cache_gb": "kv_cache_gb", "block_size": "block_size", "seed": "seed", "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
-                 "max_queued_requests": "max_queued_requests", "graph_prefill_tail": "graph_prefill_tail", "gpu_memory_fraction": "gpu_memory_fraction",
+                 "max_queued_requests": "max_queued_requests", "graph_prefill_tail": "graph_prefill_tail", "decode_ahead": "decode_ahead", "gpu_memory_fraction": "gpu_memory_fraction",
                  "dtype": "dtype", "quantize": "quantize", "enforce_eager": "enforce_eager", "warmup": "warmup", "ple_placement": "ple_placement", "enable_prefix_caching": "enable_prefix_caching",
                  "prefix_snapshot_interval": "prefix_snapshot_interval", "prefix_cache_gb": "prefix_cache_gb",
                  "kv_host_gb": "kv_host_gb", "kv_host_write_through": "kv_host_write_through",

@@ -1,0 +1,155 @@
+"""Decode ahead (LLMEngine.step, --decode-ahead): the next decode step is queued on the device, fed the tokens the
+step before sampled there, before the host reads them. Everything a request gets must equal stepping one step at
+a time: tokens (greedy, seeded with penalties, log-probabilities), requests that end while a step ahead runs
+(stop token, stop string, abort), a follow-up turn resumed from the snapshot taken at such an end, and the pools
+afterwards. On a CPU the fixed-shape decode runner runs uncaptured (engine/cuda_graph.py), so the same code path
+runs here as on a GPU, without the overlap."""
+import pytest
+import torch
+
+from flashnext.engine.args import EngineArgs
+from flashnext.engine.cuda_graph import DecodeGraphs
+from flashnext.engine.llm_engine import LLMEngine
+from flashnext.engine.sampling_params import SamplingParams
+
+
+def engine_with_graphs(model="tiny-flash-next", decode_ahead=True, **args):
+    engine = LLMEngine(EngineArgs(model=model, device="cpu", dtype="float32", max_num_seqs=5,
+                                  max_num_batched_tokens=16, max_model_len=256, decode_ahead=decode_ahead,
+                                  **{"enable_prefix_caching": False, **args}))
+    runner = engine.runner
+    runner.graphs = DecodeGraphs(runner.model, engine.kv, engine.states, max_batch=4,
+                                 max_blocks_per_seq=engine.kv.blocks_for(engine.max_model_len))
+    launches = []
+    run_ahead = runner.run_ahead
+    runner.run_ahead = lambda requests, sampled: (launches.append([r.request_id for r in requests]),
+                                                  run_ahead(requests, sampled))[1]
+    return engine, launches
+
+
+def run(engine, requests, arrivals=None, abort_at=None):
+    """Add requests[i] = (id, prompt, params) before step arrivals[i]; abort abort_at[1] before step abort_at[0];
+    → {id: (token ids, text, finish reason, logprobs)}."""
+    arrivals = arrivals or [0] * len(requests)
+    out = {rid: ([], "", None, []) for rid, _, _ in requests}
+    engine.ended_ahead = set()   # requests that ended while a step ahead held them
+    step = 0
+    while step <= max(arrivals) or engine.has_work():
+        for (rid, prompt, params), at in zip(requests, arrivals):
+            if at == step:
+                engine.add_request(rid, prompt, params)
+        ahead = in_flight(engine)
+        outputs = [engine.abort(abort_at[1])] if abort_at is not None and abort_at[0] == step else []
+        outputs += engine.step()
+        ahead |= in_flight(engine)
+        engine.ended_ahead |= {o.request_id for o in outputs if o.finished and o.request_id in ahead}
+        for o in outputs:
+            ids, text, _, logprobs = out[o.request_id]
+            assert out[o.request_id][2] is None, f"{o.request_id}: an output after its last"
+            out[o.request_id] = (ids + o.token_ids, text + o.text, o.finish_reason,
+                                 logprobs + [(lp.token_id, round(lp.logprob, 4)) for lp in o.logprobs or []])
+        step += 1
+    return out
+
+
+def in_flight(engine) -> set[str]:
+    return {r.request_id for r in engine._in_flight[0]} if engine._in_flight else set()
+
+
+def prompts(n, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 400, (k,), generator=g).tolist() for k in (9, 30, 5, 17)[:n]]
+
+
+@pytest.mark.parametrize("model", ["tiny-flash-next", "tiny-qwen3-next"])
+def test_greedy_with_ends_while_a_step_ahead_runs(model):
+    """Staggered arrivals, ends by length, by a stop token and by a stop string while the others decode ahead."""
+    ps = prompts(4)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain, _ = engine_with_graphs(model, decode_ahead=False)
+    first = run(plain, [(str(i), p, greedy) for i, p in enumerate(ps)])
+    stop_token = first["0"][0][6]          # request 0 ends at its 7th token (or sooner, where it comes earlier)
+    stop_text = first["2"][1][-8:-4]       # request 2 ends at a string across its last tokens
+    requests = [("0", ps[0], SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_token])),
+                ("1", ps[1], SamplingParams(temperature=0.0, max_tokens=19, ignore_eos=True, logprobs=2)),
+                ("2", ps[2], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop_text])),
+                ("3", ps[3], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))]
+    arrivals = [0, 0, 3, 9]
+    plain, none = engine_with_graphs(model, decode_ahead=False)
+    want = run(plain, requests, arrivals)
+    engine, launches = engine_with_graphs(model)
+    free = (engine.kv.num_free, engine.states.num_free)
+    got = run(engine, requests, arrivals)
+    assert got == want
+    assert not none and len(launches) > 10
+    assert want["0"][2] == "stop" and want["2"][2] == "stop" and want["1"][3]
+    assert {"0", "2"} <= engine.ended_ahead     # the stops came while a step ahead held them: its rows dropped
+    assert (engine.kv.num_free, engine.states.num_free) == free and not engine.requests
+
+
+def test_seeded_sampling_with_penalties_equals_stepping_one_at_a_time():
+    ps = prompts(3)
+    params = [SamplingParams(temperature=0.9, top_k=40, seed=5, repetition_penalty=1.3, presence_penalty=0.4,
+                             frequency_penalty=0.2, min_tokens=12, max_tokens=20, logit_bias={7: 3.0}),
+              SamplingParams(temperature=0.7, top_p=0.9, seed=9, frequency_penalty=0.5, max_tokens=16),
+              SamplingParams(temperature=1.1, min_p=0.05, seed=1, max_tokens=22, logprobs=3)]
+    requests = [(str(i), p, sp) for i, (p, sp) in enumerate(zip(ps, params))]
+    want = run(engine_with_graphs(decode_ahead=False)[0], requests, [0, 2, 2])
+    engine, launches = engine_with_graphs()
+    assert run(engine, requests, [0, 2, 2]) == want and launches
+
+
+def test_abort_while_a_step_ahead_runs():
+    ps = prompts(3)
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    requests = [(str(i), p, greedy) for i, p in enumerate(ps)]
+    want = run(engine_with_graphs(decode_ahead=False)[0], requests, abort_at=(8, "1"))
+    engine, launches = engine_with_graphs()
+    free = (engine.kv.num_free, engine.states.num_free)
+    got = run(engine, requests, abort_at=(8, "1"))
+    assert got["0"] == want["0"] and got["2"] == want["2"] and "1" in engine.ended_ahead
+    assert got["1"][2] == "abort" and got["1"][0] == want["1"][0][:len(got["1"][0])]
+    assert (engine.kv.num_free, engine.states.num_free) == free and launches
+
+
+@pytest.mark.parametrize("model", ["tiny-flash-next", "tiny-qwen3-next"])
+def test_next_turn_resumes_exactly_from_a_reply_that_ended_ahead(model):
+    """A reply that ends by a stop token while its next step runs ahead: that step computed the reply's last token,
+    so the prefix cache's snapshot at the end covers the whole reply, and the next turn resumes from it exactly."""
+    prompt = prompts(2)[1]
+    probe = run(engine_with_graphs(model, decode_ahead=False)[0],
+                [("t", prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))])
+    stop = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[probe["t"][0][9]])
+    engine, launches = engine_with_graphs(model, enable_prefix_caching=True, prefix_snapshot_interval=0)
+    reply = run(engine, [("turn1", prompt, stop)])["turn1"][0]
+    assert reply[-1] == probe["t"][0][9] and engine.ended_ahead == {"turn1"}
+    follow = prompt + reply + [11, 12, 13, 14, 15]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine.add_request("turn2", follow, greedy)
+    got, cached = [], None
+    while engine.has_work():
+        for o in engine.step():
+            got += o.token_ids
+            cached = o.cached_tokens
+    assert cached == len(prompt) + len(reply)       # the whole reply, its last token included
+    cold = run(engine_with_graphs(model, decode_ahead=False)[0], [("cold", follow, greedy)])["cold"][0]
+    assert got == cold
+
+
+def test_launched_hook_comes_after_the_step_ahead_is_queued():
+    """With a step in flight the server's delivery runs once the next step ahead is queued (the GPU has two)."""
+    engine, _ = engine_with_graphs()
+    events = []
+    runner = engine.runner
+    run_ahead = runner.run_ahead
+    runner.run_ahead = lambda *a: (events.append("ahead"), run_ahead(*a))[1]
+    engine.add_request("hook", [3, 4, 5, 6, 7], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    steps = []
+    while engine.has_work():
+        events.clear()
+        engine.step(launched=lambda: events.append("launched"))
+        steps.append(list(events))
+    assert steps[0] == ["launched"]              # the prompt: eager (no decode step of its width exists yet)
+    assert steps[1] == ["launched", "ahead"]     # the first decode: the hook after the graph, then the step ahead
+    assert steps[2] == ["ahead", "launched"]     # from the step in flight: the next one ahead first, then the hook
+    assert steps[-1] == ["launched"] and len(steps) == 6
