@@ -142,7 +142,7 @@ def test_triton_mix_after_a_pending_injection(kernels, n, hc, with_injection):
 
 
 def test_pending_injection_falls_back_to_inject_then_mix():
-    """Off the Triton path (CPU, FLASHNEXT_HC=reference, or without FLASHNEXT_HC_FUSED_INJECT=1) hc_mix_injected is
+    """Off the Triton path (CPU, FLASHNEXT_HC=reference, or FLASHNEXT_HC_FUSED_INJECT=0) hc_mix_injected is
     hc_inject then hc_mix."""
     from flashnext.ops.hyper_connection import PendingInjection, hc_mix_injected
 

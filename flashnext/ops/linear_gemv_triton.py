@@ -23,9 +23,8 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def gemv_rows(x_ptr, w_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """This program's BLOCK_N rows of out [M, N] = x @ W.T: its rows of W loaded whole, then the wait for x."""
+def _linear_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
@@ -36,12 +35,6 @@ def gemv_rows(x_ptr, w_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o, BLOC
         xv = tl.load(x_ptr + m * stride_x + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         y = tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
         tl.store(out_ptr + m * stride_o + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
-def _linear_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    gemv_rows(x_ptr, w_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o, BLOCK_N, BLOCK_K, PDL)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -59,14 +52,9 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_n, block_k = tiles(n, k)
+    block_k = triton.next_power_of_2(k)
+    block_n = max(1, min(triton.next_power_of_2(n), ELEMENTS_PER_THREAD * 32 * NUM_WARPS // block_k))
     _linear_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, **launch_options(x.device))
     return out
-
-
-def tiles(n: int, k: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): K whole, as many rows as ELEMENTS_PER_THREAD allows."""
-    block_k = triton.next_power_of_2(k)
-    return max(1, min(triton.next_power_of_2(n), ELEMENTS_PER_THREAD * 32 * NUM_WARPS // block_k)), block_k

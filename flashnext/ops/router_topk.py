@@ -27,21 +27,3 @@ def router_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torc
 
         return router_topk_triton(logits, top_k, normalize)
     return router_topk_reference(logits, top_k, normalize)
-
-
-def route(x: torch.Tensor, weight: torch.Tensor, num_experts: int, top_k: int,
-          normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The router's GEMV and its routing: x [M, K] @ weight [N, K].T, the experts' E rows first (then e.g. the
-    shared-expert gate, padding) → (all N logits, weights [M, k], ids [M, k]). With FLASHNEXT_ROUTER_FUSED_TOPK=1, in
-    one launch on CUDA for decode-sized inputs (router_gemv_topk_triton; off until measured on the H200:
-    `scripts/gpu_decode.py --variant FLASHNEXT_ROUTER_FUSED_TOPK=1`); otherwise decode_linear, then router_topk."""
-    from flashnext.ops import linear_gemv_triton
-    from flashnext.ops.decode_linear import decode_linear
-
-    if (x.is_cuda and os.environ.get("FLASHNEXT_ROUTER_FUSED_TOPK", "0") == "1"
-            and os.environ.get("FLASHNEXT_ROUTER", "triton") != "reference" and linear_gemv_triton.supports(x, weight)):
-        from flashnext.ops.router_topk_triton import router_gemv_topk_triton
-
-        return router_gemv_topk_triton(x, weight, num_experts, top_k, normalize)
-    logits = decode_linear(x, weight)
-    return (logits, *router_topk(logits[..., :num_experts], top_k, normalize))

@@ -7,7 +7,7 @@ from torch import nn
 from flashnext.ops import branches
 from flashnext.ops.gated_elementwise import gated_add, silu_mul
 from flashnext.ops.moe_int4 import SharedExpert
-from flashnext.ops.router_topk import route, router_topk
+from flashnext.ops.router_topk import router_topk
 from flashnext.weights.config import ModelConfig
 
 
@@ -109,9 +109,5 @@ class SparseMoe(nn.Module):
         """→ routing weights [N, k], expert ids [N, k], shared-expert gate logit [N, 1]."""
         if self.route_and_gate is None:
             return *self.gate(x), self.shared_expert_gate(x)
-        stack, experts = self.route_and_gate, self.gate.weight.shape[0]
-        if stack.weight is not None and self.gate.trace is None:   # 16-bit: GEMV and top-k as one op
-            logits, weights, ids = route(x, stack.weight, experts, self.gate.top_k, self.gate.normalize)
-            return weights, ids, logits[..., experts:experts + 1]
-        logits, shared_gate = stack(x)
+        logits, shared_gate = self.route_and_gate(x)
         return *self.gate.select(logits), shared_gate
