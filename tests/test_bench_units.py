@@ -11,7 +11,7 @@ import pytest
 from flashnext.bench import agentic_session as session
 from flashnext.bench import cli, floors, report, results
 from flashnext.bench.client import BenchError, OpenAIClient, api_root
-from flashnext.bench.concurrency import aggregate_rate
+from flashnext.bench.concurrency import aggregate_rate, all_decoding_rates
 from flashnext.bench.experts import hit_rate, parse_metrics
 from flashnext.bench.stats import decode_rate, median, percentile, prefill_rate, summarize
 from flashnext.bench.target import load_seconds, model_bytes
@@ -57,6 +57,16 @@ def test_aggregate_rate_spans_first_token_to_last_end():
              {"t_start": 100.5, "ttft_s": 1.0, "wall_s": 4.5, "completion_tokens": 100}]
     assert aggregate_rate(batch) == pytest.approx(200 / (105.0 - 101.0))
     assert aggregate_rate([{"t_start": 0.0, "ttft_s": None, "wall_s": 1.0, "completion_tokens": 0}]) is None
+
+
+def test_all_decoding_rates_count_only_the_span_every_stream_decodes():
+    # stream 0 decodes from t=1 (10/s), stream 1 from t=3 (5/s) after its prefill; both until t=5
+    first = [1 + i / 10 for i in range(41)]
+    second = [3 + i / 5 for i in range(11)]
+    rates = all_decoding_rates([first, second])
+    assert rates[0] == pytest.approx(20 / 2.0) and rates[1] == pytest.approx(10 / 2.0)
+    assert all_decoding_rates([[1.0, 1.1], [2.0, 2.1]]) == [None, None]     # one ended before the other began
+    assert all_decoding_rates([[1.0], [1.0, 2.0]]) == [None, None]
 
 
 def test_expert_metrics_parse_and_hit_rate():

@@ -1,7 +1,14 @@
-"""concurrency: N parallel streams of distinct long prompts; per-stream (median) and aggregate tok/s."""
+"""concurrency: N parallel streams of distinct long prompts; per-stream (median) and aggregate tok/s.
+
+Streams arrive together, so their prompts are prefilled one after another while the earlier ones decode: a stream's
+own rate (first token to last) mixes decode steps with the prefill chunks of the others. Each stream's rate over
+the span in which all N decode (from the last stream's first token to the first stream's end: `all_decoding_tok_s`)
+is the batched decode rate alone.
+"""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from flashnext.bench import markdown as md
 from flashnext.bench.decode import parse_ints
@@ -39,16 +46,33 @@ async def _batch(ctx, prompts: list[str]) -> list[dict]:
     """All prompts at once; the progress line counts the deltas of all streams together."""
     n, gen = len(prompts), ctx.args.gen_tokens
     deltas = [0] * n
+    arrivals: list[list[float]] = [[] for _ in range(n)]   # each stream's delta times
 
     def counter(i):
         def update(count):
             deltas[i] = count
+            arrivals[i].append(time.perf_counter())
             ctx.progress.update(f"{sum(deltas)}/{n * gen} deltas")
         return update
 
     rs = await asyncio.gather(*(ctx.target.client.chat([{"role": "user", "content": p}], gen, ignore_eos=True,
                                                        on_delta=counter(i)) for i, p in enumerate(prompts)))
-    return [r.sample(phase="run", streams=n, stream=i) for i, r in enumerate(rs)]
+    rates = all_decoding_rates(arrivals)
+    return [r.sample(phase="run", streams=n, stream=i, all_decoding_tok_s=rate)
+            for i, (r, rate) in enumerate(zip(rs, rates))]
+
+
+def all_decoding_rates(arrivals: list[list[float]]) -> list[float | None]:
+    """Each stream's deltas per second inside the span in which every stream decodes (from the latest first delta
+    to the earliest last one), counting the deltas after the span's start; None for all when the spans do not
+    overlap by at least two deltas of each stream (a stream finished before another's first token)."""
+    if not arrivals or any(len(a) < 2 for a in arrivals):
+        return [None] * len(arrivals)
+    start, end = max(a[0] for a in arrivals), min(a[-1] for a in arrivals)
+    counts = [sum(start < t <= end for t in a) for a in arrivals]
+    if end <= start or min(counts) < 2:
+        return [None] * len(arrivals)
+    return [c / (end - start) for c in counts]
 
 
 def aggregate_rate(batch: list[dict]) -> float | None:
@@ -73,11 +97,14 @@ def table(result: dict) -> str:
     rows = []
     for n, batch in _groups(result):
         rate = summarize(s["decode_tok_s"] for s in batch)
+        steady = summarize(s.get("all_decoding_tok_s") for s in batch)
         rows.append([n, md.num(summarize(s["prompt_tokens"] for s in batch)["mean"], 0),
                      md.num(rate["median"]), md.num(rate["min"]), md.num(rate["max"]),
-                     md.num(aggregate_rate(batch)), md.num(summarize(s["ttft_s"] for s in batch)["median"], 3)])
+                     md.num(aggregate_rate(batch)), md.num(steady["median"]),
+                     md.num(steady["median"] * n if steady["n"] else None),
+                     md.num(summarize(s["ttft_s"] for s in batch)["median"], 3)])
     return md.table(["streams", "prompt tokens", "per-stream tok/s median", "min", "max", "aggregate tok/s",
-                     "TTFT s median"], rows)
+                     "per-stream tok/s while all decode", "aggregate then", "TTFT s median"], rows)
 
 
 def plot(result: dict, stem) -> list:
