@@ -139,12 +139,6 @@ def main() -> int:
               f"{our_t[1]:10.1f} {gbs:6.0f} {100 * gbs * 1e9 / COPY_CEILING:5.1f}% {ref_t[1] / our_t[1]:6.2f}x"
               f"{'' if stable else '  NOT BIT-STABLE'}  (graph without PDL: "
               f"{without_pdl(lambda h=h: kernels.hc_mix_triton(h, *weights, HC, HIDDEN, EPS)):.1f} us)")
-        if n > 1:   # rows split across programs (MixConfig.rows_per_program) against all rows in each program
-            graph_us = {rpp: bench(lambda h=h, rpp=rpp: kernels.hc_mix_triton(
-                h, *weights, HC, HIDDEN, EPS, config=dataclasses.replace(kernels.DEFAULT_CONFIG, rows_per_program=rpp)))[1]
-                for rpp in sorted({1, 2, n})}
-            print(f"{'':7} {n:2d} rows per program → graph us: "
-                  + ", ".join(f"{rpp}: {t:.1f}" for rpp, t in graph_us.items()))
         if args.sweep:
             sweeps.append((n, our_t[1], sweep(h, weights, kernels)))
 

@@ -141,31 +141,6 @@ def test_triton_mix_after_a_pending_injection(kernels, n, hc, with_injection):
     assert torch.equal(h, before)   # the input streams are left as they were (a new h comes out)
 
 
-@needs_triton
-@pytest.mark.parametrize("n", [1, 3, 8])
-@pytest.mark.parametrize("pending", [False, True])
-@pytest.mark.parametrize("with_injection", [True, False])
-def test_triton_mix_row_groups_change_nothing(kernels, n, pending, with_injection):
-    """Rows of h split across programs (groups of 1, 2 and the default, the last group short at n 3) give the same
-    bits as all n rows in one program: a row's arithmetic does not depend on which program does it, and the
-    single writers of a row (sums of squares, injected h, injection weights) are in every row group."""
-    layer = make_layer(3, 60, 20, with_injection, seed=13 + n).to(DEVICE)
-    h = torch.randn(n, 3 * 60, device=DEVICE)
-    block_output, weights = torch.randn(n, 60, device=DEVICE), torch.rand(n, 3, device=DEVICE) * 2
-
-    def mix(rows_per_program):
-        cfg = kernels.MixConfig(block_r=16, block_h=32, rows_per_program=rows_per_program)
-        if pending:
-            return kernels.hc_mix_injected_triton(h, block_output, weights, *mix_args(layer), config=cfg)
-        return kernels.hc_mix_triton(h, *mix_args(layer), config=cfg)
-
-    with torch.no_grad():
-        want = mix(n)
-        for rows_per_program in sorted({1, 2, kernels.DEFAULT_CONFIG.rows_per_program} - {n}):
-            got = mix(rows_per_program)
-            assert all((g is None and w is None) or torch.equal(g, w) for g, w in zip(got, want, strict=True))
-
-
 def test_pending_injection_falls_back_to_inject_then_mix():
     """Off the Triton path (CPU, FLASHNEXT_HC=reference, or FLASHNEXT_HC_FUSED_INJECT=0) hc_mix_injected is
     hc_inject then hc_mix."""

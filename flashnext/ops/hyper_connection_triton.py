@@ -2,20 +2,17 @@
 
 The mix reads two [R, hc·H] weights (2 × 6.5 MB at Flash-Next's shapes) and little else: it is a chain of
 latency (launch, first DRAM loads, a reduction) unless every launch loads its whole share of a weight at once,
-before it waits for its input (ops/pdl.py). So neither kernel has a loop over K or a dependent load chain, and
-the rows of h are split across programs in groups (the grids' last axis, MixConfig.rows_per_program rows each):
-each row is a dependent chain of loads, a reduction and stores, which a program looping over all N rows serialises;
-a program of a later group reads its weight slice again, from L2.
-- `_hc_down_kernel`, grid (tiles of BLOCK_R rows of w_down then w_inject, hc streams, row groups): a program loads
-  its rows' [BLOCK_R, H] slice of one stream (and that slice of the norm weight) — everything it will read from
-  DRAM —, waits for h, then for each row of h in its group stores the partial dot of its rows with the stream
-  scaled by (1 + norm weight), and the stream's sum of squares. The stream's rstd is a scalar of the dot, so it is
-  applied later: no second pass over h and no reduction across programs inside the launch. The one departure from
-  the reference: the normed stream is not rounded to h's dtype before the down GEMV (it is in fp32 math).
-- `_hc_up_kernel`, grid (column tiles of H, row groups): a program loads its columns' up-weight rows of every stream
+before it waits for its input (ops/pdl.py). So neither kernel has a loop over K or a dependent load chain:
+- `_hc_down_kernel`, grid (tiles of BLOCK_R rows of w_down then w_inject, hc streams): a program loads its rows'
+  [BLOCK_R, H] slice of one stream (and that slice of the norm weight) — everything it will read from DRAM —,
+  waits for h, then for each row of h stores the partial dot of its rows with the stream scaled by (1 + norm
+  weight), and the stream's sum of squares. The stream's rstd is a scalar of the dot, so it is applied later:
+  no second pass over h and no reduction across programs inside the launch. The one departure from the
+  reference: the normed stream is not rounded to h's dtype before the down GEMV (it is in fp32 math).
+- `_hc_up_kernel`, grid (column tiles of H): a program loads its columns' up-weight rows of every stream
   ([hc, BLOCK_H, R]), waits, then adds the hc stream partials of the down rows (times each stream's rstd, one
-  fixed reduction: deterministic), applies /hc and silu (and 2·sigmoid for the injection rows, stored by column
-  tile 0), and for each stream the up GEMV, sigmoid, times the normed stream, summed over the streams.
+  fixed reduction: deterministic), applies /hc and silu (and 2·sigmoid for the injection rows, stored by program 0),
+  and for each stream the up GEMV, sigmoid, times the normed stream, summed over the streams.
 Both GEMVs are fp32 multiply-and-sum in registers (no tensor cores at N ≤ 16). Elsewhere values are rounded to
 h's dtype wherever the reference rounds.
 `hc_mix_injected_triton`: the mix of the streams after the previous block's injection, without the inject launch
@@ -42,11 +39,10 @@ def _sigmoid(v):
 
 @triton.jit
 def _hc_down_kernel(x_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, sumsq_ptr, bo_ptr, pw_ptr, hout_ptr, N, H, R, stride_x,
-                    stride_bo, stride_pw, stride_hout, rows_per_program, HC: tl.constexpr, HAS_INJECT: tl.constexpr,
+                    stride_bo, stride_pw, stride_hout, HC: tl.constexpr, HAS_INJECT: tl.constexpr,
                     HAS_PENDING: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     pid_r = tl.program_id(0)
     stream = tl.program_id(1)
-    first_m = tl.program_id(2) * rows_per_program
     dtype = x_ptr.dtype.element_ty
     K = HC * H
     rows = R + HC if HAS_INJECT else R
@@ -62,7 +58,7 @@ def _hc_down_kernel(x_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, sumsq_ptr, bo_ptr, 
     w = tl.load(w_rows[:, None] + stream * H + offs_h[None, :], mask=r_ok[:, None] & h_ok[None, :], other=0.0)
     scale = 1.0 + tl.load(nw_ptr + stream * H + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     wait_for_inputs(PDL)
-    for m in range(first_m, tl.minimum(first_m + rows_per_program, N)):
+    for m in range(N):
         xv = tl.load(x_ptr + m * stride_x + stream * H + offs_h, mask=h_ok, other=0.0).to(tl.float32)
         if HAS_PENDING:   # the previous block's injection first: h + weight × block output, as hc_inject rounds it
             bo = tl.load(bo_ptr + m * stride_bo + offs_h, mask=h_ok, other=0.0).to(tl.float32)
@@ -89,10 +85,9 @@ def _down_rows(part_ptr, rstd, offs_s, s_ok, N, m, rows, offs_k, k_ok, HC: tl.co
 
 @triton.jit
 def _hc_up_kernel(x_ptr, nw_ptr, part_ptr, sumsq_ptr, wu_ptr, out_ptr, inj_ptr, N, H, R, stride_x, stride_o, eps,
-                  rows_per_program, HC: tl.constexpr, HAS_INJECT: tl.constexpr, BLOCK_S: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_KR: tl.constexpr, PDL: tl.constexpr):
+                  HC: tl.constexpr, HAS_INJECT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_KR: tl.constexpr, PDL: tl.constexpr):
     pid_h = tl.program_id(0)
-    first_m = tl.program_id(1) * rows_per_program
     dtype = x_ptr.dtype.element_ty
     rows = R + HC if HAS_INJECT else R
     offs_s = tl.arange(0, BLOCK_S)
@@ -107,7 +102,7 @@ def _hc_up_kernel(x_ptr, nw_ptr, part_ptr, sumsq_ptr, wu_ptr, out_ptr, inj_ptr, 
                 other=0.0)                                                           # [S, BLOCK_H, BLOCK_KR]
     scale = 1.0 + tl.load(nw_ptr + sh, mask=sh_ok, other=0.0).to(tl.float32)
     wait_for_inputs(PDL)
-    for m in range(first_m, tl.minimum(first_m + rows_per_program, N)):
+    for m in range(N):
         sumsq = tl.load(sumsq_ptr + m * HC + offs_s, mask=s_ok, other=0.0)
         rstd = tl.where(s_ok, tl.math.rsqrt(sumsq / H + eps), 0.0)
         v = _down_rows(part_ptr, rstd, offs_s, s_ok, N, m, rows, offs_k, k_ok, HC, dtype)
@@ -141,21 +136,18 @@ def _hc_inject_kernel(h_ptr, bo_ptr, w_ptr, out_ptr, H, stride_h, stride_b, stri
 
 @dataclass(frozen=True)
 class MixConfig:
-    block_r: int = 8      # down/inject rows per program (the down grid is row tiles × hc streams × row groups)
+    block_r: int = 8      # down/inject rows per program (the down grid is row tiles × hc streams)
     block_h: int = 4      # block-input columns per up program
-    rows_per_program: int = 1   # rows of h per program: both grids have cdiv(N, rows_per_program) row groups
     warps_down: int = 4
     warps_up: int = 4
 
 
-# Flash-Next decode (hidden 2560 → 4096 lanes, R 320): per row group 41 × 4 down programs of 40 KB, 640 up programs
-# of 10 KB, their weights in registers. One row of h per program, so that decode rows (N ≤ 16) run side by side
-# instead of one after another in each program, and N = 1 launches as before; what this gains at N = 2..16 (L2
-# re-reads of the weights against the serial chain) is to be measured on the H200. H200 sweep
-# (scripts/gpu_hyper_connection.py --sweep, one row, L2-warm): 6.6 µs per mix with 8 down rows, 6.9 with 2; 1–8
-# rows, 1–8 columns and 2–8 warps all within 10% of it. Tiling the padded widths as a power-of-two head and tail
-# instead (2560 = 2048 + 512, 320 = 256 + 64; 140ed6f) made the eager up kernel faster (6.5 → 5.6 µs) and the down
-# kernel slower (4.6 → 4.9), and the captured step slower (4.75–4.79 ms against 4.63): reverted.
+# Flash-Next decode (hidden 2560 → 4096 lanes, R 320): 41 × 4 down programs of 40 KB, 640 up programs of 10 KB,
+# their weights in registers. H200 sweep (scripts/gpu_hyper_connection.py --sweep, one row, L2-warm): 6.6 µs per
+# mix with 8 down rows, 6.9 with 2; 1–8 rows, 1–8 columns and 2–8 warps all within 10% of it. Tiling the padded
+# widths as a power-of-two head and tail instead (2560 = 2048 + 512, 320 = 256 + 64; 140ed6f) made the eager up
+# kernel faster (6.5 → 5.6 µs) and the down kernel slower (4.6 → 4.9), and the captured step slower (4.75–4.79 ms
+# against 4.63): reverted.
 DEFAULT_CONFIG = MixConfig()
 
 
@@ -194,22 +186,20 @@ def _mix(h, pending, norm_weight, w_down, w_up, w_inject, hc, hidden, eps, confi
     if n == 0:
         return block_input, inject, injected
     rows = lowrank + (hc if w_inject is not None else 0)
-    per_program = max(config.rows_per_program, triton.cdiv(n, 65535))   # a grid's 2nd and 3rd axes hold ≤ 65535
-    groups = triton.cdiv(n, per_program)
     work = torch.empty(hc * n * rows + n * hc, dtype=torch.float32, device=h.device)
     partials, sumsq = work[:hc * n * rows], work[hc * n * rows:]
     block_output, weights = pending if pending is not None else (h, h)   # never read without a pending injection
     pdl = launch_options(h.device)
-    _hc_down_kernel[(triton.cdiv(rows, config.block_r), hc, groups)](
+    _hc_down_kernel[(triton.cdiv(rows, config.block_r), hc)](
         h, norm_weight, w_down, w_inject if w_inject is not None else w_down, partials, sumsq,
         block_output, weights, injected, n, hidden, lowrank, h.stride(0), block_output.stride(0), weights.stride(0),
-        injected.stride(0), per_program, HC=hc, HAS_INJECT=w_inject is not None, HAS_PENDING=pending is not None,
+        injected.stride(0), HC=hc, HAS_INJECT=w_inject is not None, HAS_PENDING=pending is not None,
         BLOCK_R=config.block_r, BLOCK_H=triton.next_power_of_2(hidden), num_warps=config.warps_down, **pdl)
-    _hc_up_kernel[(triton.cdiv(hidden, config.block_h), groups)](
+    _hc_up_kernel[(triton.cdiv(hidden, config.block_h),)](
         injected, norm_weight, partials, sumsq, w_up, block_input, inject if inject is not None else block_input,
-        n, hidden, lowrank, injected.stride(0), block_input.stride(0), eps, per_program, HC=hc,
-        HAS_INJECT=w_inject is not None, BLOCK_S=triton.next_power_of_2(hc), BLOCK_H=config.block_h,
-        BLOCK_KR=triton.next_power_of_2(lowrank), num_warps=config.warps_up, **pdl)
+        n, hidden, lowrank, injected.stride(0), block_input.stride(0), eps, HC=hc, HAS_INJECT=w_inject is not None,
+        BLOCK_S=triton.next_power_of_2(hc), BLOCK_H=config.block_h, BLOCK_KR=triton.next_power_of_2(lowrank),
+        num_warps=config.warps_up, **pdl)
     return block_input, inject, injected
 
 
