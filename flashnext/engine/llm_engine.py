@@ -359,16 +359,16 @@ class LLMEngine:
     def _launch_ahead(self, requests: list[Request], sampled) -> tuple[list[Request], SamplerOutput] | None:
         """Queue the decode step of `requests` that follows the one which sampled `sampled`, its input tokens taken
         from `sampled` on the device → (requests, its sampled tokens), or None where it would not be the step the
-        scheduler picks next: a request waits for admission or was left out of this step, a request may reach its
-        length limit with this step's token, a KV block is missing and none is free (no eviction here), or the
-        runner cannot (ModelRunner.can_run_ahead). A request that then finishes with this step's token had its
-        last token computed by the step ahead: num_computed counts it, so the prefix cache's snapshot at its end
-        covers the whole reply; the step's sample for it is dropped."""
+        scheduler picks next: a request waits for admission or was left out of this step, a KV block is missing and
+        none is free (no eviction here), or the runner cannot (ModelRunner.can_run_ahead). A request that then
+        finishes with this step's token (a stop, or its length limit) had its last token computed by the step ahead:
+        num_computed counts it, so the prefix cache's snapshot at its end covers the whole reply; the step's sample
+        for it is dropped. Greedy and seeded requests get the tokens they get one step at a time; unseeded ones draw
+        from the engine's shared generator, whose draws shift when a dropped row took some."""
         if not (self.args.decode_ahead and requests) or self.scheduler.waiting:
             return None
         if len(requests) != len(self.scheduler.running) or any(
-                r.finished or r.num_computed != r.num_tokens or len(r.output_ids) + 2 > r.max_output
-                or r.num_tokens + 2 > self.max_model_len for r in requests):
+                r.finished or r.num_computed != r.num_tokens or r.num_tokens >= self.max_model_len for r in requests):
             return None
         needs = [self.kv.blocks_for(r.num_computed + 1) - len(r.blocks) for r in requests]
         widest = max(len(r.blocks) + need for r, need in zip(requests, needs))

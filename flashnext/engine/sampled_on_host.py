@@ -19,9 +19,9 @@ class SampledOnHost:
         self._copies = [None if t is None else t.to("cpu", non_blocking=True)
                         for t in (sampled.token_ids, sampled.logprobs, *top)]
         self._done = None
-        if sampled.token_ids.is_cuda:
+        if sampled.token_ids.is_cuda:   # on the copies' stream: the current device may be another GPU
             self._done = torch.cuda.Event()
-            self._done.record()
+            self._done.record(torch.cuda.current_stream(sampled.token_ids.device))
 
     def lists(self) -> tuple[list[int], list[float] | None, tuple[list[list[int]], list[list[float]]] | None]:
         """(token ids, their log-probabilities or None, (top ids, top log-probabilities) or None), per row."""
