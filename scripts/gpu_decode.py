@@ -7,8 +7,12 @@
    captured with programmatic dependent launch off, ops/pdl.py) vs the eager torch path, and the whole engine
    loop's tokens/s (sampling, scheduling, detokenising included), at short context; GPU time per kernel, and the
    kernels of two layers in order.
+3. Batches (--batch N ..., with --context T): the captured step of N sequences each T tokens deep, on slots and
+   KV blocks of their own (zero states, unwritten KV: the bytes a step reads, not its values), its ms and the GPU
+   time per kernel — what a step of concurrent long streams spends (issue #11).
 Exits non-zero on a mismatch. Run: python3 scripts/gpu_decode.py [--model NAME ...] [--quantize int4]
 [--variant FLASHNEXT_DECODE_BRANCHES=1 ...] (A/B of switches read at capture, without rebuilding the model)
+[--batch 1 --batch 8 --context 65536]
 """
 import argparse
 import sys
@@ -16,6 +20,7 @@ import time
 
 import torch
 
+from flashnext.engine.cuda_graph import MIN_WIDTH, bucket
 from flashnext.engine.llm import LLM
 from flashnext.engine.sampling_params import SamplingParams
 from gpu_common import agreeing_tokens, environment, pdl_off
@@ -123,6 +128,32 @@ def timing(model_name: str, quantize: str | None, variants: list[dict[str, str]]
     return replay_ms, replay_ms_without_pdl, eager_ms, loop_tps, engine.loaded.weight_bytes
 
 
+def batch_timing(model_name: str, quantize: str | None, sizes: list[int], context: int) -> None:
+    """The captured step of n sequences `context` tokens deep, for each n in sizes (see the module's 3.)."""
+    largest = max(sizes)
+    llm = LLM(model_name, quantize=quantize, max_num_seqs=largest, enable_prefix_caching=False, warmup=False,
+              kv_cache_gb=None)
+    engine = llm.engine
+    graphs, kv, states = engine.runner.graphs, engine.kv, engine.states
+    blocks_each = kv.blocks_for(context)
+    print(f"\n{model_name}: {largest} x {context} tokens need {largest * blocks_each} KV blocks of {kv.num_blocks}")
+    print(f"{'batch':>5} {'graph ms/step':>13} {'per-stream tok/s':>16} {'aggregate tok/s':>15}")
+    for n in sizes:
+        slots = [states.allocate() for _ in range(n)]
+        tables = [kv.allocate(blocks_each) for _ in range(n)]
+        with torch.inference_mode():
+            graphs.run([1] * n, [context - 1] * n, slots, tables)   # captures (batch, width) and fills the inputs
+        torch.cuda.synchronize()
+        size, width = bucket(n), bucket(blocks_each, MIN_WIDTH)
+        ms = replayed_ms(graphs.graphs[(size, width)][0])
+        print(f"{n:5} {ms:13.3f} {1e3 / ms:16.1f} {n * 1e3 / ms:15.1f}")
+        with torch.inference_mode():
+            profile_kernels(lambda: graphs._step(size, width), top=15)
+        for slot, table in zip(slots, tables):
+            states.release(slot)
+            kv.release(table)
+
+
 def replayed_ms(graph, steps: int = 50) -> float:
     """ms per replay of `graph`, back to back, after 5 warm-up replays."""
     for _ in range(5):
@@ -185,6 +216,9 @@ def main() -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
                     help="also time the step captured again with these environment switches (those read at launch "
                          "or capture, e.g. FLASHNEXT_DECODE_BRANCHES=1); repeatable, one model build for all")
+    ap.add_argument("--batch", type=int, action="append", default=[],
+                    help="also time the captured step of this many sequences --context tokens deep (repeatable)")
+    ap.add_argument("--context", type=int, default=65536, help="context depth of the --batch sequences")
     args = ap.parse_args()
     variants = [dict(pair.split("=", 1) for pair in v.split(",")) for v in args.variant]
     ok = True if args.skip_exactness else exactness(("float32",) if args.fp32_only else ("float32", "bfloat16"),
@@ -193,6 +227,9 @@ def main() -> int:
         print(f"\n{'model':40} {'graph ms/step':>13} {'without PDL':>11} {'eager ms/step':>13} {'graph tok/s':>11} "
               f"{'engine tok/s':>12} {'weights GB':>10}")
     for name in args.model:
+        if args.batch:
+            batch_timing(name, args.quantize, args.batch, args.context)
+            continue
         replay_ms, without_pdl, eager_ms, loop_tps, nbytes = timing(name, args.quantize, variants)
         print(f"{name:40} {replay_ms:13.3f} {without_pdl:11.3f} {eager_ms:13.3f} {1e3 / replay_ms:11.1f} "
               f"{loop_tps:12.1f} {nbytes / 1e9:10.2f}")

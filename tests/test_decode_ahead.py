@@ -87,6 +87,21 @@ def test_greedy_with_ends_while_a_step_ahead_runs(model):
     assert (engine.kv.num_free, engine.states.num_free) == free and not engine.requests
 
 
+def test_steps_ahead_while_a_request_waits_for_a_free_slot():
+    """A request that cannot be admitted (every sequence slot taken) does not hold the running ones back; once a slot
+    frees it is admitted as stepping one at a time admits it."""
+    ps = prompts(4) + [[7, 8, 9, 10, 11, 12]]
+    requests = [(str(i), p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+                for i, (p, n) in enumerate(zip(ps, (6, 20, 20, 20, 12)))]
+    want = run(engine_with_graphs(decode_ahead=False)[0], requests)
+    engine, launches = engine_with_graphs()
+    assert engine.states.num_free == 4     # one of the five slots is the decode graphs' scratch row
+    got = run(engine, requests)
+    assert got == want
+    waited = [ids for ids in launches if "4" not in ids and len(ids) == 4]   # ahead of the four, "4" waiting
+    assert waited and any("4" in ids for ids in launches)
+
+
 def test_seeded_sampling_with_penalties_equals_stepping_one_at_a_time():
     ps = prompts(3)
     params = [SamplingParams(temperature=0.9, top_k=40, seed=5, repetition_penalty=1.3, presence_penalty=0.4,

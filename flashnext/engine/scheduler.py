@@ -93,12 +93,11 @@ class Scheduler:
                 prefill_budget -= n
         budget = min(budget, prefill_budget)     # what is left is for admitting waiting requests (prefill)
         for request in list(self.waiting):
-            if not (budget > 0 and len(self.running) < self.max_num_seqs and self.states.num_free):
+            if not (budget > 0 and self._has_room()):
                 break
             hit = None
             if self.prefix_cache is not None:
-                # its cached prefix being read from disk: the requests behind it go first (no lookup until done)
-                if self.prefix_cache.waiting_for_read(request.request_id):
+                if self._reading(request):
                     continue
                 hit = self.prefix_cache.lookup(request.all_ids, request.num_tokens - 1, owner=request.request_id)
                 if hit is LOADING:
@@ -131,6 +130,18 @@ class Scheduler:
             chunks.append(ScheduledChunk(request, n))
             budget -= n
         return chunks
+
+    def may_admit(self) -> bool:
+        """Whether the next schedule() may admit a waiting request: one waits that is not held by a disk read, and a
+        sequence slot is free."""
+        return self._has_room() and any(not self._reading(r) for r in self.waiting)
+
+    def _has_room(self) -> bool:
+        return len(self.running) < self.max_num_seqs and self.states.num_free > 0
+
+    def _reading(self, request: Request) -> bool:
+        """Its cached prefix is being read from disk: the requests behind it go first (no lookup until done)."""
+        return self.prefix_cache is not None and self.prefix_cache.waiting_for_read(request.request_id)
 
     def _chunk_len(self, request: Request, start: int, budget: int) -> int:
         """Tokens of the next chunk: the budget's worth. Interval snapshots never cut a chunk short (computed()
