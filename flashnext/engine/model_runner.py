@@ -46,21 +46,14 @@ class ModelRunner:
         (before an eager forward or a graph capture, which may keep the host for a while)."""
         launched = launched or (lambda: None)
         requests = [c.request for c in chunks if c.samples]
-        if not requests:   # prefill only: a prompt's last tokens fed one a step (Scheduler.graph_tail) replay too
-            launched()
-            decoding = self._graph_chunks(chunks)
-            if decoding:
-                self._replay(decoding)
-            if len(decoding) < len(chunks):
-                self._forward_eager([c for c in chunks if c not in decoding])
-            return None
         # A new sampling batch is built before the forward is queued: its small host→device copies then find the
         # GPU idle instead of waiting behind the step (a pageable copy blocks the host until it is done). The last
         # step's batch advanced by its tokens is device work only: queued after the forward, off the GPU's idle gap.
-        appendable = self._appendable(requests)
-        batch = None if appendable else self._sampling_batch(requests, appendable)
-        decoding = self._graph_chunks(chunks)
-        eager = [c for c in chunks if c not in decoding]
+        appendable = bool(requests) and self._appendable(requests)
+        batch = self._sampling_batch(requests, appendable) if requests and not appendable else None
+        decoding = self._graph_chunks(chunks)   # prefill only: a prompt's last tokens fed one a step replay too
+        replayed = {id(c) for c in decoding}
+        eager = [c for c in chunks if id(c) not in replayed]
         replay_first = bool(decoding) and not eager and self.graphs.captured(
             len(decoding), max(len(c.request.blocks) for c in decoding))
         if not replay_first:
@@ -74,7 +67,11 @@ class ModelRunner:
             if replay_first:
                 launched()
         if eager:
-            parts.append(([c.request for c in eager if c.samples], self._forward_eager(eager)))
+            logits = self._forward_eager(eager)
+            if logits is not None:
+                parts.append(([c.request for c in eager if c.samples], logits))
+        if not requests:
+            return None
         if batch is None:
             batch = self._sampling_batch(requests, appendable)
         if len(parts) == 1:
