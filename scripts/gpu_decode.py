@@ -8,7 +8,7 @@
    loop's tokens/s (sampling, scheduling, detokenising included), at short context; GPU time per kernel, and the
    kernels of two layers in order.
 3. Batches (--batch N ..., with --context T): the captured step of N sequences each T tokens deep, on slots and
-   KV blocks of their own (zero states, unwritten KV: the bytes a step reads, not its values), its ms and the GPU
+   KV blocks of their own (zero states, unwritten KV, a random token per row so the rows route apart), its ms and the GPU
    time per kernel — what a step of concurrent long streams spends (issue #11).
 Exits non-zero on a mismatch. Run: python3 scripts/gpu_decode.py [--model NAME ...] [--quantize int4]
 [--variant FLASHNEXT_DECODE_BRANCHES=1 ...] (A/B of switches read at capture, without rebuilding the model)
@@ -136,13 +136,18 @@ def batch_timing(model_name: str, quantize: str | None, sizes: list[int], contex
     engine = llm.engine
     graphs, kv, states = engine.runner.graphs, engine.kv, engine.states
     blocks_each = kv.blocks_for(context)
+    assert graphs is not None and blocks_each <= graphs.max_width, "needs decode graphs and context <= max_model_len"
+    vocab = engine.config.vocab_size
     print(f"\n{model_name}: {largest} x {context} tokens need {largest * blocks_each} KV blocks of {kv.num_blocks}")
     print(f"{'batch':>5} {'graph ms/step':>13} {'per-stream tok/s':>16} {'aggregate tok/s':>15}")
     for n in sizes:
         slots = [states.allocate() for _ in range(n)]
         tables = [kv.allocate(blocks_each) for _ in range(n)]
+        # a token of its own per row: equal rows (zero states and KV) would route alike, the MoE reading k experts a
+        # layer instead of the union of n rows' (72 of 512 for 8 random rows, scripts/gpu_moe.py)
+        tokens = torch.randint(vocab // 4, vocab // 2, (n,), generator=torch.Generator().manual_seed(n)).tolist()
         with torch.inference_mode():
-            graphs.run([1] * n, [context - 1] * n, slots, tables)   # captures (batch, width) and fills the inputs
+            graphs.run(tokens, [context - 1] * n, slots, tables)   # captures (batch, width) and fills the inputs
         torch.cuda.synchronize()
         size, width = bucket(n), bucket(blocks_each, MIN_WIDTH)
         ms = replayed_ms(graphs.graphs[(size, width)][0])

@@ -300,7 +300,7 @@ class LLMEngine:
         when there is nothing to run.
 
         Decode ahead (--decode-ahead; one GPU with decode graphs): when every running request decodes in this step
-        and nothing waits, their next step is queued on the device before the host reads this one's tokens, fed
+        and no waiting request can be admitted, their next step is queued on the device before the host reads this one's tokens, fed
         those tokens there (_launch_ahead). The next call starts from that step in flight instead of scheduling one,
         so the host's work between steps (reading tokens, detokenising, stop checks, the server's delivery)
         overlaps the GPU's instead of leaving it idle."""
