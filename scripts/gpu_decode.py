@@ -128,8 +128,10 @@ def timing(model_name: str, quantize: str | None, variants: list[dict[str, str]]
     return replay_ms, replay_ms_without_pdl, eager_ms, loop_tps, engine.loaded.weight_bytes
 
 
-def batch_timing(model_name: str, quantize: str | None, sizes: list[int], context: int) -> None:
-    """The captured step of n sequences `context` tokens deep, for each n in sizes (see the module's 3.)."""
+def batch_timing(model_name: str, quantize: str | None, sizes: list[int], context: int,
+                 variants: list[dict[str, str]] = ()) -> None:
+    """The captured step of n sequences `context` tokens deep, for each n in sizes (see the module's 3.), and the
+    same step captured again under each variant's switches."""
     largest = max(sizes)
     llm = LLM(model_name, quantize=quantize, max_num_seqs=largest, enable_prefix_caching=False, warmup=False,
               kv_cache_gb=None)
@@ -146,12 +148,24 @@ def batch_timing(model_name: str, quantize: str | None, sizes: list[int], contex
         # a token of its own per row: equal rows (zero states and KV) would route alike, the MoE reading k experts a
         # layer instead of the union of n rows' (72 of 512 for 8 random rows, scripts/gpu_moe.py)
         tokens = torch.randint(vocab // 4, vocab // 2, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-        with torch.inference_mode():
-            graphs.run(tokens, [context - 1] * n, slots, tables)   # captures (batch, width) and fills the inputs
-        torch.cuda.synchronize()
         size, width = bucket(n), bucket(blocks_each, MIN_WIDTH)
-        ms = replayed_ms(graphs.graphs[(size, width)][0])
+
+        def step_ms() -> float:
+            with torch.inference_mode():   # captures (batch, width) if needed and fills the static inputs
+                graphs.run(tokens, [context - 1] * n, slots, tables)
+            torch.cuda.synchronize()
+            return replayed_ms(graphs.graphs[(size, width)][0])
+
+        ms = step_ms()
         print(f"{n:5} {ms:13.3f} {1e3 / ms:16.1f} {n * 1e3 / ms:15.1f}")
+        for variant in variants:
+            with environment(variant):
+                del graphs.graphs[(size, width)]
+                variant_ms = step_ms()
+            print(f"{'':5} {variant_ms:13.3f} {1e3 / variant_ms:16.1f} {n * 1e3 / variant_ms:15.1f}  "
+                  + " ".join(f"{k}={v}" for k, v in variant.items()))
+        del graphs.graphs[(size, width)]
+        step_ms()   # the default step again, for the profile below
         with torch.inference_mode():
             profile_kernels(lambda: graphs._step(size, width), top=15)
         for slot, table in zip(slots, tables):
@@ -233,7 +247,7 @@ def main() -> int:
               f"{'engine tok/s':>12} {'weights GB':>10}")
     for name in args.model:
         if args.batch:
-            batch_timing(name, args.quantize, args.batch, args.context)
+            batch_timing(name, args.quantize, args.batch, args.context, variants)
             continue
         replay_ms, without_pdl, eager_ms, loop_tps, nbytes = timing(name, args.quantize, variants)
         print(f"{name:40} {replay_ms:13.3f} {without_pdl:11.3f} {eager_ms:13.3f} {1e3 / replay_ms:11.1f} "

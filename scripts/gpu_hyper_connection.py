@@ -108,7 +108,8 @@ def main() -> int:
         print("needs a CUDA GPU")
         return 1
     from flashnext.ops import hyper_connection_triton as kernels
-    from flashnext.ops.hyper_connection import hc_inject_reference, hc_mix_reference
+    from flashnext.ops.hyper_connection import hc_combine, hc_inject_reference, hc_mix_reference
+    from flashnext.ops.rms_norm import rms_norm
 
     dev = torch.device("cuda")
     weights = make_weights(dev)
@@ -139,6 +140,10 @@ def main() -> int:
               f"{our_t[1]:10.1f} {gbs:6.0f} {100 * gbs * 1e9 / COPY_CEILING:5.1f}% {ref_t[1] / our_t[1]:6.2f}x"
               f"{'' if stable else '  NOT BIT-STABLE'}  (graph without PDL: "
               f"{without_pdl(lambda h=h: kernels.hc_mix_triton(h, *weights, HC, HIDDEN, EPS)):.1f} us)")
+        if n > 1:   # what FLASHNEXT_HC_DECODE_MAX_ROWS below n gives: the prefill path (cuBLAS GEMMs, norm, combine)
+            prefill_t = bench(lambda h=h: hc_mix_reference(h, *weights, HC, HIDDEN, EPS, norm=rms_norm,
+                                                           combine=hc_combine))
+            print(f"{'':7} {n:2d} the prefill path (cuBLAS): {prefill_t[0]:.1f} us eager, {prefill_t[1]:.1f} us in a graph")
         if args.sweep:
             sweeps.append((n, our_t[1], sweep(h, weights, kernels)))
 

@@ -181,3 +181,21 @@ def test_combine_kernel_equals_reference(rows, hc, hidden, dtype):
     got = hc_combine_triton(up, normed, hc, hidden)
     want = hc_combine_reference(up, normed, hc, hidden)
     torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 2e-3, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: off the GPU hc_mix always takes the reference")
+def test_decode_rows_above_the_switch_take_the_prefill_path(monkeypatch):
+    """FLASHNEXT_HC_DECODE_MAX_ROWS: batches above it take the reference math with cuBLAS and the norm and combine
+    kernels (what a prefill takes), those up to it the Triton mix."""
+    from flashnext.ops.hyper_connection import hc_combine
+    from flashnext.ops.hyper_connection_triton import hc_mix_triton
+    from flashnext.ops.rms_norm import rms_norm
+
+    monkeypatch.setenv("FLASHNEXT_HC_DECODE_MAX_ROWS", "2")
+    layer = make_layer(4, 640, 80, True, torch.bfloat16, seed=4).to("cuda")
+    for n in (2, 3):
+        h = (torch.randn(n, 4 * 640, device="cuda") * 2).bfloat16()
+        got = hc_mix(h, *mix_args(layer))
+        want = (hc_mix_triton(h, *mix_args(layer)) if n <= 2 else
+                hc_mix_reference(h, *mix_args(layer), norm=rms_norm, combine=hc_combine))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -9,7 +9,9 @@ Shapes (N rows, hc streams of H = hidden, R = lowrank):
 `hc_mix_reference` / `hc_inject_reference` are the specification and round where the module rounds: the
 normed streams to h's dtype (ZeroCenteredRMSNorm's .type_as), every F.linear output, each elementwise op
 of a 16-bit tensor, and the mean over streams once (fp32 sum). `hc_mix` dispatches CUDA tensors of up to
-DECODE_MAX_ROWS rows to the Triton kernels (ops/hyper_connection_triton.py); more rows (prefill) take the
+decode_max_rows() rows (16; FLASHNEXT_HC_DECODE_MAX_ROWS, read when a step is traced or captured, to A/B the
+paths for decode batches: on the H200 the Triton mix costs ~5 µs more per row, 53 µs at 8 rows, because its
+GEMVs multiply each row apart) to the Triton kernels (ops/hyper_connection_triton.py); more rows (prefill) take the
 reference's math with cuBLAS for the GEMMs (each weight read once for all rows; the GEMV kernels would not),
 the RMSNorm kernel for the streams' norm (one pass over [T, hc·H] instead of ~8 fp32 passes; on the H200 the
 pow and mean kernels of these norms and GatedDeltaNet's alone were ~3% of a 10K Flash-Next prefill) and one
@@ -28,6 +30,11 @@ import torch.nn.functional as F
 from flashnext.ops.rms_norm import rms_norm, rms_norm_reference
 
 DECODE_MAX_ROWS = 16
+
+
+def decode_max_rows() -> int:
+    """The most rows hc_mix sends to the Triton kernels (see the module's docstring)."""
+    return int(os.environ.get("FLASHNEXT_HC_DECODE_MAX_ROWS", DECODE_MAX_ROWS))
 
 
 def hc_combine_reference(up: torch.Tensor, normed: torch.Tensor, hc: int, hidden: int) -> torch.Tensor:
@@ -55,8 +62,9 @@ def hc_inject_reference(h: torch.Tensor, block_output: torch.Tensor, weights: to
     return h + (block_output.unsqueeze(-2) * weights.unsqueeze(-1)).flatten(-2)
 
 
-def _use_triton(*tensors: torch.Tensor, max_rows: int = DECODE_MAX_ROWS) -> bool:
+def _use_triton(*tensors: torch.Tensor, max_rows: int | None = None) -> bool:
     h = tensors[0]
+    max_rows = decode_max_rows() if max_rows is None else max_rows
     if h.device.type != "cuda" or os.environ.get("FLASHNEXT_HC", "triton") == "reference":
         return False
     # The kernels round to one activation dtype; mixed dtypes (torch would promote) take the reference.
