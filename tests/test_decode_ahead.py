@@ -183,3 +183,41 @@ def test_tokens_on_host_are_those_of_their_step_not_of_work_queued_after():
     logprobs.zero_()
     ids, lps, top = on_host.lists()
     assert ids == list(range(8)) and lps == torch.linspace(-1, 0, 8).tolist() and top is None
+
+
+def test_async_engine_streams_and_aborts_with_steps_ahead():
+    """Through AsyncLLM (the server's engine thread): streams equal stepping one at a time, and a client that stops
+    reading mid-stream (abort between steps, a step ahead in flight) frees its slot and blocks."""
+    import asyncio
+    import time
+
+    from flashnext.engine.async_llm import AsyncLLM
+
+    ps = prompts(3)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = run(engine_with_graphs(decode_ahead=False)[0], [(str(i), p, greedy) for i, p in enumerate(ps)])
+    engine, launches = engine_with_graphs()
+    free = (engine.kv.num_free, engine.states.num_free)
+    llm = AsyncLLM(engine)
+
+    async def stream(i, stop_after=None):
+        tokens = []
+        async for out in llm.generate(ps[i], greedy, request_id=str(i)):
+            tokens += out.token_ids
+            if stop_after is not None and len(tokens) >= stop_after:
+                break   # the client goes away: generate's finally aborts the request
+        return tokens
+
+    async def main():
+        return await asyncio.gather(stream(0), stream(1, stop_after=5), stream(2))
+
+    try:
+        got = asyncio.run(main())
+        deadline = time.monotonic() + 30
+        while (engine.has_work() or engine.requests) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        llm.shutdown()
+    assert got[0] == want["0"][0] and got[2] == want["2"][0]
+    assert got[1] == want["1"][0][:len(got[1])] and 5 <= len(got[1]) < 24
+    assert launches and (engine.kv.num_free, engine.states.num_free) == free and not engine.requests
