@@ -93,6 +93,41 @@ def test_prefill_budget_shrinks_while_others_decode():
     pools_idle(engine)
 
 
+def test_decode_only_steps_between_prefill_chunks():
+    """--decode-steps-between-prefill 3: after each step that carries a prefill chunk beside a decode, three steps of
+    decodes alone; the prompt still enters whole and every output equals its request alone."""
+    engine = LLMEngine(EngineArgs(model="tiny-qwen3-next", device="cpu", dtype="float32", max_num_seqs=4,
+                                  max_num_batched_tokens=40, prefill_budget_while_decoding=7, max_model_len=512,
+                                  decode_steps_between_prefill=3))
+    steps = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        chunks = schedule()
+        steps.append([(c.request.request_id, c.num_tokens) for c in chunks])
+        return chunks
+
+    engine.scheduler.schedule = recording
+    rng = random.Random(2)
+    first, second = [rng.randrange(3, 480) for _ in range(50)], [rng.randrange(3, 480) for _ in range(40)]
+    engine.add_request("first", first, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    outputs = {}
+    for step in range(300):
+        if step == 3:
+            engine.add_request("second", second, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.token_ids)
+        if not engine.has_work():
+            break
+    prefill = [i for i, s in enumerate(steps) if any(rid == "second" and n > 1 for rid, n in s)]
+    assert len(prefill) >= 5                                      # 40 tokens, 7 a step beside the decodes
+    for i in prefill[:-1]:
+        assert steps[i + 1: i + 4] == [[("first", 1)]] * 3        # three decode-only steps after each chunk
+    assert outputs["first"] == greedy_alone(engine, first, 60)
+    assert outputs["second"] == greedy_alone(engine, second, 3)
+    pools_idle(engine)
+
+
 def test_warm_up_leaves_no_trace():
     """Serving warms up with throwaway requests: afterwards the counters, the prefix cache and the pools are as
     before, and a request gives what it gives alone."""

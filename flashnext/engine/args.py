@@ -16,6 +16,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 8192    # token budget of one step (prefill chunks + decodes)
     prefill_budget_while_decoding: int = 2048  # prefill tokens per step while any sequence decodes
     decode_step_budget_ms: float = 0.0    # > 0: size those prefill chunks so a mixed step takes about this long
+    decode_steps_between_prefill: int = 0  # > 0: after a step with a prefill chunk beside decodes, this many decode-only steps
     graph_prefill_tail: int = 16          # with decode graphs: prompt chunks of at most this many tokens go one a step
     decode_ahead: bool = True             # with decode graphs: queue the next decode step before reading the tokens
     max_queued_requests: int = 256

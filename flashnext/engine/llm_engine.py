@@ -119,7 +119,8 @@ class LLMEngine:
             pacer = PrefillPacer(args.decode_step_budget_ms / 1e3, args.prefill_budget_while_decoding)
         self.scheduler = Scheduler(self.kv, self.states, args.max_num_seqs, args.max_num_batched_tokens,
                                    self.prefix_cache, args.prefix_snapshot_interval, args.prefill_budget_while_decoding,
-                                   pacer, graph_tail=args.graph_prefill_tail if use_graphs else 0)
+                                   pacer, graph_tail=args.graph_prefill_tail if use_graphs else 0,
+                                   decode_steps_between_prefill=args.decode_steps_between_prefill)
         eos = set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(e for e in eos if e < cfg.vocab_size)
         graphs = None

@@ -10,7 +10,11 @@ blocks are freed, and it waits again, to resume from that snapshot or be recompu
 While any running sequence decodes, prefill chunks (of running and newly admitted requests together) share
 a smaller budget, `prefill_budget_while_decoding` (or what a PrefillPacer's step-time budget allows): a step
 with a long prefill chunk stalls every decoding stream for as long as the chunk takes, while a prefill alone
-runs at the full budget (larger chunks keep the GEMMs busier).
+runs at the full budget (larger chunks keep the GEMMs busier). With `decode_steps_between_prefill` K > 0, each
+step that carries a prefill chunk while others decode is followed by K steps of decodes alone (and prompt tails fed
+one token a step), as SGLang alternates prefill and decode batches: an eager prefill step costs full-size
+Flash-Next ~150 ms of host time however small its chunk, so a shorter chunk cannot make a mixed step short; the
+streams get K fast tokens per prefill chunk instead, and the prompt enters K steps slower a chunk.
 
 With a prefix cache, an admitted request first resumes from the deepest cached snapshot of its tokens
 (never all of them: the last token must run to give logits) — when that snapshot is on disk, its files are
@@ -46,7 +50,7 @@ class Scheduler:
     def __init__(self, kv: KVPool, states: StatePool, max_num_seqs: int, token_budget: int,
                  prefix_cache: PrefixCache | None = None, snapshot_interval: int = 0,
                  prefill_budget_while_decoding: int | None = None, pacer: PrefillPacer | None = None,
-                 graph_tail: int = 0):
+                 graph_tail: int = 0, decode_steps_between_prefill: int = 0):
         self.kv = kv
         # A prompt chunk of at most this many tokens goes one token a step, so the captured decode graph runs it
         # (ModelRunner._graph_chunks): the engine sets it when it has decode graphs. On the H200 an eager prefill
@@ -59,6 +63,8 @@ class Scheduler:
         self.token_budget = token_budget
         self.prefill_budget_while_decoding = prefill_budget_while_decoding or token_budget
         self.pacer = pacer     # a step-time budget instead of the fixed prefill_budget_while_decoding
+        self.decode_steps_between_prefill = decode_steps_between_prefill
+        self._decode_only_steps = 0    # steps left before the next prefill chunk may run beside decodes
         self.prefix_cache = prefix_cache
         self.snapshot_interval = snapshot_interval if prefix_cache is not None else 0
         self.waiting: deque[Request] = deque()
@@ -75,7 +81,11 @@ class Scheduler:
         decoding = any(r.num_tokens - r.num_computed == 1 for r in self.running)
         while_decoding = self.pacer.tokens() if self.pacer is not None else self.prefill_budget_while_decoding
         prefill_budget = min(budget, while_decoding) if decoding else budget
+        decode_only = decoding and self._decode_only_steps > 0
+        if decode_only:
+            self._decode_only_steps -= 1
         chunks: list[ScheduledChunk] = []
+        prefilled = False
         for request in list(self.running):
             if budget == 0:
                 break
@@ -85,13 +95,17 @@ class Scheduler:
             if not decode and prefill_budget == 0:
                 continue
             n = self._chunk_len(request, request.num_computed, budget if decode else min(budget, prefill_budget))
+            if decode_only and n > 1:            # a prefill chunk waits; a prompt tail fed one token a step goes
+                continue
             if not self._reserve_blocks(request, n, chunks):
                 continue
             chunks.append(ScheduledChunk(request, n))
             budget -= n
+            prefilled |= n > 1
             if not decode:
                 prefill_budget -= n
-        budget = min(budget, prefill_budget)     # what is left is for admitting waiting requests (prefill)
+        # what is left is for admitting waiting requests (prefill), none on a decode-only step
+        budget = 0 if decode_only else min(budget, prefill_budget)
         for request in list(self.waiting):
             if not (budget > 0 and self._has_room()):
                 break
@@ -129,6 +143,9 @@ class Scheduler:
             self.running.append(request)
             chunks.append(ScheduledChunk(request, n))
             budget -= n
+            prefilled |= n > 1
+        if prefilled and decoding:
+            self._decode_only_steps = self.decode_steps_between_prefill
         return chunks
 
     def may_admit(self) -> bool:

@@ -70,6 +70,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--decode-step-budget-ms", type=float,
          help="size the prefill chunks of steps that also decode so such a step takes about this long, from "
               "measured step times (at most --prefill-budget-while-decoding tokens; default 0: off)")
+    _add(parser, "--decode-steps-between-prefill", type=int,
+         help="after each step that carries a prefill chunk while other sequences decode, run this many steps of "
+              "decodes alone, so running streams keep flowing while long prompts enter (an eager prefill step has a "
+              "fixed host cost however small its chunk); 0: every step may mix (default 0)")
     _add(parser, "--graph-prefill-tail", type=int,
          help="with CUDA graphs, a prompt chunk of at most this many tokens (an agent turn's generation prompt, a "
               "short tool result after a prefix hit) is fed one token a step through the captured decode graph "
@@ -137,6 +141,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 _ENGINE_FLAGS = {"model": "model", "device": "device", "max_num_batched_tokens": "max_num_batched_tokens",
                  "prefill_budget_while_decoding": "prefill_budget_while_decoding",
                  "decode_step_budget_ms": "decode_step_budget_ms",
+                 "decode_steps_between_prefill": "decode_steps_between_prefill",
                  "kv_cache_gb": "kv_cache_gb", "block_size": "block_size", "seed": "seed", "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
                  "max_queued_requests": "max_queued_requests", "graph_prefill_tail": "graph_prefill_tail", "decode_ahead": "decode_ahead", "gpu_memory_fraction": "gpu_memory_fraction",
                  "dtype": "dtype", "quantize": "quantize", "enforce_eager": "enforce_eager", "warmup": "warmup", "ple_placement": "ple_placement", "enable_prefix_caching": "enable_prefix_caching",
