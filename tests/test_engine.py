@@ -58,11 +58,9 @@ def test_batched_chunked_equals_alone(engine):
     pools_idle(engine)
 
 
-def test_prefill_budget_shrinks_while_others_decode():
-    """A long prompt arriving while another request decodes enters 7 tokens per step (the decodes keep flowing);
-    alone it takes the full 40-token budget; outputs equal each request alone."""
-    engine = LLMEngine(EngineArgs(model="tiny-qwen3-next", device="cpu", dtype="float32", max_num_seqs=4,
-                                  max_num_batched_tokens=40, prefill_budget_while_decoding=7, max_model_len=512))
+def second_arrives_while_first_decodes(engine, first, first_tokens, second, arrive_at):
+    """Run "first", add "second" (3 tokens) before step arrive_at; → (per step [(request id, tokens, decode?)],
+    outputs by request id)."""
     steps = []
     schedule = engine.scheduler.schedule
 
@@ -73,24 +71,33 @@ def test_prefill_budget_shrinks_while_others_decode():
         return chunks
 
     engine.scheduler.schedule = recording
-    rng = random.Random(1)
-    first, second = [rng.randrange(3, 480) for _ in range(90)], [rng.randrange(3, 480) for _ in range(60)]
-    engine.add_request("first", first, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    engine.add_request("first", first, SamplingParams(max_tokens=first_tokens, temperature=0, ignore_eos=True))
     outputs = {}
-    for step in range(200):
-        if step == 4:
+    for step in range(300):
+        if step == arrive_at:
             engine.add_request("second", second, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
         for out in engine.step():
             outputs.setdefault(out.request_id, []).extend(out.token_ids)
         if not engine.has_work():
             break
+    assert outputs["first"] == greedy_alone(engine, first, first_tokens)
+    assert outputs["second"] == greedy_alone(engine, second, 3)
+    pools_idle(engine)
+    return steps, outputs
+
+
+def test_prefill_budget_shrinks_while_others_decode():
+    """A long prompt arriving while another request decodes enters 7 tokens per step (the decodes keep flowing);
+    alone it takes the full 40-token budget; outputs equal each request alone."""
+    engine = LLMEngine(EngineArgs(model="tiny-qwen3-next", device="cpu", dtype="float32", max_num_seqs=4,
+                                  max_num_batched_tokens=40, prefill_budget_while_decoding=7, max_model_len=512))
+    rng = random.Random(1)
+    first, second = [rng.randrange(3, 480) for _ in range(90)], [rng.randrange(3, 480) for _ in range(60)]
+    steps, _ = second_arrives_while_first_decodes(engine, first, 30, second, arrive_at=4)
     assert [n for _, n, _ in steps[0]] == [40]          # alone: the full budget
     mixed = [s for s in steps if any(decode for _, _, decode in s) and any(not d for _, _, d in s)]
     assert mixed and all(sum(n for _, n, decode in s if not decode) <= 7 for s in mixed)
     assert sum(n for s in mixed for rid, n, decode in s if rid == "second" and not decode) >= 50
-    assert outputs["first"] == greedy_alone(engine, first, 30)
-    assert outputs["second"] == greedy_alone(engine, second, 3)
-    pools_idle(engine)
 
 
 def test_decode_only_steps_between_prefill_chunks():
@@ -99,33 +106,13 @@ def test_decode_only_steps_between_prefill_chunks():
     engine = LLMEngine(EngineArgs(model="tiny-qwen3-next", device="cpu", dtype="float32", max_num_seqs=4,
                                   max_num_batched_tokens=40, prefill_budget_while_decoding=7, max_model_len=512,
                                   decode_steps_between_prefill=3))
-    steps = []
-    schedule = engine.scheduler.schedule
-
-    def recording():
-        chunks = schedule()
-        steps.append([(c.request.request_id, c.num_tokens) for c in chunks])
-        return chunks
-
-    engine.scheduler.schedule = recording
     rng = random.Random(2)
     first, second = [rng.randrange(3, 480) for _ in range(50)], [rng.randrange(3, 480) for _ in range(40)]
-    engine.add_request("first", first, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
-    outputs = {}
-    for step in range(300):
-        if step == 3:
-            engine.add_request("second", second, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).extend(out.token_ids)
-        if not engine.has_work():
-            break
-    prefill = [i for i, s in enumerate(steps) if any(rid == "second" and n > 1 for rid, n in s)]
+    steps, _ = second_arrives_while_first_decodes(engine, first, 60, second, arrive_at=3)
+    prefill = [i for i, s in enumerate(steps) if any(rid == "second" and n > 1 for rid, n, _ in s)]
     assert len(prefill) >= 5                                      # 40 tokens, 7 a step beside the decodes
     for i in prefill[:-1]:
-        assert steps[i + 1: i + 4] == [[("first", 1)]] * 3        # three decode-only steps after each chunk
-    assert outputs["first"] == greedy_alone(engine, first, 60)
-    assert outputs["second"] == greedy_alone(engine, second, 3)
-    pools_idle(engine)
+        assert steps[i + 1: i + 4] == [[("first", 1, True)]] * 3  # three decode-only steps after each chunk
 
 
 def test_warm_up_leaves_no_trace():
