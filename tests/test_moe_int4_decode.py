@@ -138,3 +138,43 @@ def test_shared_expert_must_match_the_routed_forms():
                                                 for n in ("gate_up", "down")])   # zeros on one side only
     other_group = shared_expert(1, 16, 16, asym=False)
     assert not shared_fits(w_gate_up, w_down, other_group.gate_up, other_group.down)
+
+
+def pool_of(w, experts, slots):
+    """An expert cache's pool: `slots` rows, experts[i] copied into row i, the rest left zero."""
+    def pick(t):
+        if t is None:
+            return None
+        pool = torch.zeros((slots, *t.shape[1:]), dtype=t.dtype)
+        pool[:len(experts)] = t[experts]
+        return pool
+    return type(w)(pick(w.qweight), pick(w.scales), pick(w.zeros), pick(w.perm), w.group_size)
+
+
+@pytest.mark.parametrize("asym,act_order", [(False, False), (True, True)])
+def test_decode_through_an_expert_cache_pool_equals_reference(asym, act_order):
+    """CachedExperts: resident experts read from their pool slot, the others from the host store (here another CPU
+    tensor; page-locked memory read over PCIe on a GPU): the same result as the whole stack."""
+    from flashnext.ops.moe_int4 import CachedExperts
+    from flashnext.ops.moe_int4_decode_triton import DecodeConfig, moe_int4_decode
+
+    x, ids, weights, w_gate_up, w_down = case(3, 3, 32, 16, asym, act_order, seed=7)
+    resident = [ids[0, 1].item(), ids[2, 0].item(), (ids.max().item() + 1) % E]   # two used, one not
+    slots = 5
+    table = torch.full((E,), -1, dtype=torch.long)
+    order = [3, 0, 4]                       # pool rows in another order than the experts'
+    table[resident] = torch.tensor(order)
+    rows = [resident[order.index(r)] if r in order else 0 for r in range(slots)]
+    gate_up_pool, down_pool = pool_of(w_gate_up, rows, slots), pool_of(w_down, rows, slots)
+    # the residents' host rows spoiled: a kernel that read them there instead of from the pool would be wrong
+    spoiled = [pool_of(w, list(range(E)), E) for w in (w_gate_up, w_down)]
+    for w in spoiled:
+        w.qweight[resident] = 0
+    config = DecodeConfig(block_n=32, block_k=32, split_k=2)
+    got = moe_int4_decode(x, ids, weights, gate_up_pool, down_pool, config, cached=CachedExperts(table, *spoiled))
+    want = moe_int4_decode(x, ids, weights, w_gate_up, w_down, config)
+    assert torch.equal(got, want)           # the same words, read from one place or the other
+    assert rel_err(got, moe_int4_reference(x, ids, weights, w_gate_up, w_down)) < 1e-5
+    table.fill_(-1)                         # nothing resident: every expert read from the host store
+    cached = CachedExperts(table, w_gate_up, w_down)
+    assert torch.equal(moe_int4_decode(x, ids, weights, gate_up_pool, down_pool, config, cached=cached), want)

@@ -37,6 +37,18 @@ class SharedExpert:
     logit: torch.Tensor
 
 
+@dataclass(frozen=True)
+class CachedExperts:
+    """The routed experts of an expert cache (cache/expert_cache.py) for the decode kernels: the stacks passed to
+    `moe_int4` are its device pool of slots, `table` [E] int64 on the device each expert's slot or -1, `gate_up` and
+    `down` the stacked host store of every expert (page-locked on a GPU machine), from which the kernels read a
+    missing expert's row straight over PCIe. The pool rows are copies of host rows, so the result is the
+    reference's over the host store."""
+    table: torch.Tensor
+    gate_up: Int4Weight
+    down: Int4Weight
+
+
 def shared_fits(w_gate_up: Int4Weight, w_down: Int4Weight, shared_gate_up: Int4Weight, shared_down: Int4Weight) -> bool:
     """Whether the kernels can run a shared expert beside these routed ones: the same intermediate size, group
     sizes, zero form and scale dtype (one set of constexprs serves both), no act-order, one token's words
@@ -83,20 +95,33 @@ def runs_shared_expert(x) -> bool:
 
 
 def moe_int4(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weight,
-             shared: SharedExpert | None = None) -> torch.Tensor:
+             shared: SharedExpert | None = None, cached: CachedExperts | None = None) -> torch.Tensor:
     """CUDA: M <= DECODE_MAX_M -> the decode GEMV kernels (moe_int4_decode_triton; they run `shared` as one more
     expert), larger M -> the grouped kernels (moe_int4_triton), or with FLASHNEXT_MOE_PREFILL=dequant from
     DEQUANT_MIN_M on the grouped GEMM over dequantised experts (moe_int4_dequant); elsewhere the reference.
-    `shared` only where runs_shared_expert(x)."""
+    `shared` only where runs_shared_expert(x); `cached` (the stacks are an expert cache's pool) where
+    runs_cached_experts(x)."""
     if shared is not None and not runs_shared_expert(x):
         raise ValueError(f"the grouped INT4 MoE kernels do not run a shared expert ({x.shape[0]} rows)")
+    if cached is not None and not runs_cached_experts(x):
+        raise ValueError(f"the grouped INT4 MoE kernels do not read an expert cache's pool ({x.shape[0]} rows)")
     if x.is_cuda and _BACKEND != "reference":
         if x.shape[0] <= DECODE_MAX_M and _BACKEND != "grouped":
             from flashnext.ops.moe_int4_decode_triton import moe_int4_decode
 
-            return moe_int4_decode(x, topk_ids, topk_weights, w_gate_up, w_down, shared=shared)
+            return moe_int4_decode(x, topk_ids, topk_weights, w_gate_up, w_down, shared=shared, cached=cached)
         return _routed_grouped(x, topk_ids, topk_weights, w_gate_up, w_down)
+    if cached is not None:   # the pool holds copies of host rows: the host store is the whole stack
+        w_gate_up, w_down = cached.gate_up, cached.down
     return moe_int4_reference(x, topk_ids, topk_weights, w_gate_up, w_down, shared)
+
+
+def runs_cached_experts(x) -> bool:
+    """Whether `moe_int4` takes CachedExperts for this input: the decode kernels (as runs_shared_expert), or the
+    reference (over the host store, on the CPU)."""
+    if x.device.type == "cpu":
+        return True
+    return x.is_cuda and _BACKEND == "auto" and x.shape[0] <= DECODE_MAX_M
 
 
 def _routed_grouped(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weight) -> torch.Tensor:

@@ -44,7 +44,7 @@ import triton.language as tl
 from flashnext.ops.arrival import arrival_counters, arrive_last
 from flashnext.ops.device import num_sms
 from flashnext.ops.int4_groups import group_zero_scale
-from flashnext.ops.moe_int4 import SharedExpert, shared_fits
+from flashnext.ops.moe_int4 import CachedExperts, SharedExpert, shared_fits
 from flashnext.ops.moe_int4_triton import block_k_for_group
 from flashnext.ops.pdl import launch_options, wait_for_inputs
 from flashnext.weights.int4_layout import Int4Weight
@@ -124,13 +124,22 @@ def _sum_rows(ptr, first_row, n_rows, row_stride, offs, ok, ROWS: tl.constexpr):
 
 @triton.jit
 def _slot_weights(ids_ptr, token, slot, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, shared_q_ptr, shared_s_ptr,
-                  shared_z_ptr, K, N, GROUP: tl.constexpr, TOP_K: tl.constexpr):
+                  shared_z_ptr, table_ptr, host_q_ptr, host_s_ptr, host_z_ptr, host_perm_ptr, K, N,
+                  GROUP: tl.constexpr, TOP_K: tl.constexpr, CACHED: tl.constexpr):
     """The [K, N] weight a (token, slot) pair reads: its routed expert's in the stacks, or at slot TOP_K the shared
-    expert's (SLOTS = TOP_K + 1) → (qweight, scales, zeros, perm) pointers."""
+    expert's (SLOTS = TOP_K + 1) → (qweight, scales, zeros, perm) pointers. CACHED (an expert cache): the stacks
+    are a pool of slots, table[expert] the expert's slot or -1, and a missing expert is read from its row of the
+    host store, in page-locked memory the GPU reads over PCIe."""
     if slot == TOP_K:
         qweight, scales, zeros = shared_q_ptr, shared_s_ptr, shared_z_ptr
     else:
         expert = tl.load(ids_ptr + token * TOP_K + slot).to(tl.int64)
+        if CACHED:
+            row = tl.load(table_ptr + expert).to(tl.int64)
+            if row < 0:
+                qweight_ptr, scales_ptr, zeros_ptr, perm_ptr = host_q_ptr, host_s_ptr, host_z_ptr, host_perm_ptr
+                row = expert
+            expert = row
         qweight = qweight_ptr + expert * (K // 8) * N
         scales = scales_ptr + expert * (K // GROUP) * N
         zeros = zeros_ptr + expert * (K // GROUP) * N
@@ -140,17 +149,18 @@ def _slot_weights(ids_ptr, token, slot, qweight_ptr, scales_ptr, zeros_ptr, perm
 
 @triton.jit
 def _gate_up_kernel(x_ptr, ids_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, shared_q_ptr, shared_s_ptr,
-                    shared_z_ptr, h_ptr, part_ptr, counter_ptr, H, I, k_per_split, GROUP: tl.constexpr,
+                    shared_z_ptr, table_ptr, host_q_ptr, host_s_ptr, host_z_ptr, host_perm_ptr, h_ptr, part_ptr,
+                    counter_ptr, H, I, k_per_split, GROUP: tl.constexpr,
                     TOP_K: tl.constexpr, SLOTS: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
-                    HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+                    HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, CACHED: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
     pair, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     token, slot = pair // SLOTS, pair % SLOTS
     N = 2 * I
     qweight, scales, zeros, perm_ptr = _slot_weights(
         ids_ptr, token, slot, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, shared_q_ptr, shared_s_ptr, shared_z_ptr,
-        H, N, GROUP, TOP_K)
+        table_ptr, host_q_ptr, host_s_ptr, host_z_ptr, host_perm_ptr, H, N, GROUP, TOP_K, CACHED)
     x_ptr += token * H
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
@@ -179,16 +189,17 @@ def _gate_up_kernel(x_ptr, ids_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr
 
 @triton.jit
 def _down_kernel(h_ptr, ids_ptr, topk_weights_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, shared_q_ptr,
-                 shared_s_ptr, shared_z_ptr, shared_logit_ptr, stride_logit, out_ptr, part_ptr, counter_ptr, H, I,
+                 shared_s_ptr, shared_z_ptr, table_ptr, host_q_ptr, host_s_ptr, host_z_ptr, host_perm_ptr,
+                 shared_logit_ptr, stride_logit, out_ptr, part_ptr, counter_ptr, H, I,
                  k_per_split, GROUP: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, SPLIT: tl.constexpr,
-                 PARTS_P2: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
+                 PARTS_P2: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, CACHED: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
     pair, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     token, slot = pair // SLOTS, pair % SLOTS
     qweight, scales, zeros, perm_ptr = _slot_weights(
         ids_ptr, token, slot, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, shared_q_ptr, shared_s_ptr, shared_z_ptr,
-        I, H, GROUP, TOP_K)
+        table_ptr, host_q_ptr, host_s_ptr, host_z_ptr, host_perm_ptr, I, H, GROUP, TOP_K, CACHED)
     if slot == TOP_K:   # the shared expert, gated by sigmoid of its logit
         weight = tl.sigmoid(tl.load(shared_logit_ptr + token * stride_logit).to(tl.float32))
     else:
@@ -222,9 +233,11 @@ def _splits(k: int, block_k: int, wanted: int, programs: int, device: torch.devi
 
 
 def moe_int4_decode(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weight,
-                    config: DecodeConfig | None = None, shared: SharedExpert | None = None) -> torch.Tensor:
+                    config: DecodeConfig | None = None, shared: SharedExpert | None = None,
+                    cached: CachedExperts | None = None) -> torch.Tensor:
     """Same contract as ops.moe_int4.moe_int4_reference; x [M, H] bf16/fp16/fp32 on CUDA (or interpreted).
-    `shared` runs as slot k of every token (its weights in the experts' forms: see shared_fits)."""
+    `shared` runs as slot k of every token (its weights in the experts' forms: see shared_fits). `cached`: the
+    stacks are an expert cache's pool of slots (ops.moe_int4.CachedExperts)."""
     cfg = config or DEFAULT
     m, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -259,19 +272,28 @@ def moe_int4_decode(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: In
         s = w if shared is None else (shared.gate_up if w is w_gate_up else shared.down)
         return s.qweight, s.scales, optional(s)[0]
 
+    def cache_pointers(w):   # the table and the host store's rows, or the pool standing in (never read)
+        if cached is None:
+            return (ids, w.qweight, w.scales, *optional(w)[:2])
+        host = cached.gate_up if w is w_gate_up else cached.down
+        zeros, perm, _ = optional(host)
+        return cached.table, host.qweight, host.scales, zeros, perm
+
     if shared is not None:
         assert shared_fits(w_gate_up, w_down, shared.gate_up, shared.down), "see shared_fits"
     zeros, perm, flags = optional(w_gate_up)
     _gate_up_kernel[(pairs, tiles_up, split_up)](
-        x, ids, w_gate_up.qweight, w_gate_up.scales, zeros, perm, *shared_pointers(w_gate_up), h, part_up, counters,
-        hidden, inter, per_up, GROUP=w_gate_up.group_size, TOP_K=top_k, SLOTS=slots, SPLIT=split_up,
-        SPLIT_P2=triton.next_power_of_2(split_up), BLOCK_N=cfg.block_n, BLOCK_K=bk_up, **flags, **launch)
+        x, ids, w_gate_up.qweight, w_gate_up.scales, zeros, perm, *shared_pointers(w_gate_up),
+        *cache_pointers(w_gate_up), h, part_up, counters, hidden, inter, per_up, GROUP=w_gate_up.group_size,
+        TOP_K=top_k, SLOTS=slots, SPLIT=split_up, SPLIT_P2=triton.next_power_of_2(split_up), CACHED=cached is not None,
+        BLOCK_N=cfg.block_n, BLOCK_K=bk_up, **flags, **launch)
     zeros, perm, flags = optional(w_down)
     logit = shared.logit if shared is not None else topk_weights
     _down_kernel[(pairs, tiles_down, split_down)](
         h, ids, topk_weights.reshape(-1).contiguous(), w_down.qweight, w_down.scales, zeros, perm,
-        *shared_pointers(w_down), logit, logit.stride(0), out, part_down, counters, hidden, inter, per_down,
-        GROUP=w_down.group_size, TOP_K=top_k, SLOTS=slots, SPLIT=split_down,
-        PARTS_P2=triton.next_power_of_2(parts_down), BLOCK_N=down_block_n, BLOCK_K=bk_down, **flags, **launch)
+        *shared_pointers(w_down), *cache_pointers(w_down), logit, logit.stride(0), out, part_down, counters, hidden,
+        inter, per_down, GROUP=w_down.group_size, TOP_K=top_k, SLOTS=slots, SPLIT=split_down,
+        PARTS_P2=triton.next_power_of_2(parts_down), CACHED=cached is not None, BLOCK_N=down_block_n,
+        BLOCK_K=bk_down, **flags, **launch)
     return out
 
