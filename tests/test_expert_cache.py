@@ -154,3 +154,56 @@ def test_load_with_budget_keeps_experts_in_host_memory(checkpoint, tmp_path):
         if isinstance(module, Int4Experts):
             assert torch.equal(module.expert_cache.host["gate_up_qweight"], want[name])   # the same codes
     assert torch.equal(_greedy(loaded.model, _prompt(41)), _greedy(resident, _prompt(41)))
+
+
+@pytest.mark.parametrize("model", PRESETS)
+def test_pools_adapting_between_graph_steps_keep_outputs_exact(model, monkeypatch):
+    """The decode graph's path (cache/expert_graph_pool.py; on a CPU the fixed-shape step runs uncaptured): decode
+    reads through the slot tables, missing experts from the host store, and the pools take in the missed experts
+    between steps — outputs equal all-resident, the counters add up, the tables end up holding what was copied."""
+    from flashnext.cache import expert_graph_pool
+    from flashnext.engine.cuda_graph import DecodeGraphs
+
+    monkeypatch.setattr(expert_graph_pool, "COPIES_PER_LAYER", 1)
+    prompts = [_prompt(30, seed=s) for s in range(3)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def run(engine):
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        out = {}
+        while engine.has_work():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.token_ids)
+        return out
+
+    args = EngineArgs(model=model, device="cpu", dtype="float32", quantize="int4", max_num_seqs=4,
+                      max_num_batched_tokens=64, max_model_len=256, enable_prefix_caching=False)
+    want = run(LLMEngine(args))
+    loaded = load_model(model, "cpu", torch.float32, quantize="int4", expert_vram_gb=4e-5)   # 3 of 8 slots a layer
+    engine = LLMEngine(EngineArgs(**{**vars(args), "expert_vram_gb": 4e-5}), loaded)
+    cache = loaded.expert_cache
+    runner = engine.runner
+    runner.graphs = DecodeGraphs(runner.model, engine.kv, engine.states, max_batch=4,
+                                 max_blocks_per_seq=engine.kv.blocks_for(engine.max_model_len))
+    cache.enable_graphs(runner.graphs.max_batch, engine.config.num_experts_per_tok)
+    runner.after_decode = cache.after_step
+    pool = cache.graph_pool
+    learned, copied = [], []
+    learn, copy_in = pool._learn, pool._copy_in
+    pool._learn = lambda observed: learned.append(observed.clone()) or learn(observed)
+    pool._copy_in = lambda layer, experts: copied.append((layer, list(experts))) or copy_in(layer, experts)
+    before = cache.stats.hits + cache.stats.misses
+    assert run(engine) == want
+    assert learned and copied and all(len(e) == 1 for _, e in copied)
+    # the graph path's reads: every routed (layer, step) expert counted once, hits + misses
+    graph_reads = sum(len(ids[ids >= 0].unique()) for observed in learned for ids in observed)
+    assert cache.stats.hits + cache.stats.misses - before >= graph_reads > 0
+    pool.settle()
+    assert not pool.pending
+    layer, experts = copied[-1]                          # the last copy landed in its table
+    assert all(layer.slot_of[e] >= 0 for e in experts)
+    for layer in cache.layers:                           # the device table is the host's view; slots are unique
+        assert torch.equal(layer.slot_table, layer.slot_of)
+        resident = layer.slot_of[layer.slot_of >= 0]
+        assert len(resident.unique()) == len(resident) and not set(resident.tolist()) & set(layer.free)

@@ -18,6 +18,10 @@ A step that routes to more distinct experts than S (a prefill) runs in rounds of
 order. On the CPU every round sums each expert's output into one fp32 accumulator in the same order as
 `moe_int4_reference`, so the result is bit-identical to all-resident at any budget.
 Counting: one read per (layer, forward, distinct routed expert): hits + misses = reads.
+
+That is the eager path (prefill; decode without CUDA graphs). A captured decode step reads through the slot table
+instead, missing experts straight from the host store, and the pools adapt between steps
+(`decode`, cache/expert_graph_pool.py, ExpertCache.enable_graphs).
 """
 from __future__ import annotations
 
@@ -106,10 +110,38 @@ class LayerExpertCache:
         self.slot_of = torch.full((self.num_experts,), -1, dtype=torch.long)        # expert → slot (host copy)
         self.slot_table = torch.full((self.num_experts,), -1, dtype=torch.long, device=device)
         self.free = list(range(num_slots))
+        # Inside a captured decode step (cache/expert_graph_pool.py): the kernels read the pool through slot_table
+        # and a missing expert from its host row; the step's routed ids go to `observed` for the GraphPool.
+        self.cached = moe_ops.CachedExperts(self.slot_table, self._host_weight("gate_up"), self._host_weight("down"))
+        self.graph_pool, self.observed = None, None
         module.expert_cache = self
+
+    def _host_weight(self, prefix: str) -> Int4Weight:
+        get = lambda name: self.host.get(f"{prefix}_{name}")  # noqa: E731
+        return Int4Weight(get("qweight"), get("scales"), get("zeros"), get("perm"),
+                          self.module.group_sizes[prefix == "down"])
+
+    def decode(self, x, weights, ids):
+        """The graph-safe forward of a decode step (a GraphPool is installed): no host sync, no copy. Batches the
+        decode kernels do not take (above DECODE_MAX_M rows) go through `forward` (the engine captures no such
+        step: LLMEngine)."""
+        if not moe_ops.runs_cached_experts(x):
+            return self.forward(x, weights, ids)
+        self.observed[:ids.numel()].copy_(ids.reshape(-1))
+        return moe_ops.moe_int4(x, ids, weights, self.module.weight_int4("gate_up"), self.module.weight_int4("down"),
+                                cached=self.cached)
+
+    def copy_rows(self, experts: torch.Tensor, slots: list[int]) -> None:
+        """Host rows `experts` into pool slots `slots` on the current stream (page-locked rows: DMA)."""
+        for name in self.names:
+            pool, host = getattr(self.module, name), self.host[name]
+            for expert, slot in zip(experts.tolist(), slots):
+                pool[slot].copy_(host[expert], non_blocking=True)
 
     def load(self, experts: list[int]) -> list[int]:
         """Make `experts` (distinct, ≤ num_slots) resident; → their slots. Only other experts are evicted."""
+        if self.graph_pool is not None:          # copies started between decode steps land first
+            self.graph_pool.settle()
         if self.prefetch_event is not None:     # prefetched rows and slot table land before this layer reads them
             torch.cuda.current_stream(self.device).wait_event(self.prefetch_event)
         need = torch.tensor(experts, dtype=torch.long)
@@ -242,6 +274,22 @@ class ExpertCache:
     @property
     def slots_per_layer(self) -> int:
         return self.layers[0].num_slots
+
+    @property
+    def graph_pool(self):
+        return self.layers[0].graph_pool
+
+    def enable_graphs(self, max_rows: int, top_k: int) -> None:
+        """Decode steps read the pools through their slot tables (they may be captured); the pools adapt between
+        steps (after_step)."""
+        from flashnext.cache.expert_graph_pool import GraphPool
+
+        GraphPool(self.layers, max_rows, top_k, self.layers[0].device)
+
+    def after_step(self, rows: int | None) -> None:
+        """After a decode step of `rows` rows, or None (no decode graph ran): GraphPool.after_step."""
+        if self.graph_pool is not None:
+            self.graph_pool.after_step(rows)
 
     @property
     def device_bytes(self) -> int:

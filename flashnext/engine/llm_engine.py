@@ -28,6 +28,7 @@ from flashnext.engine.sampled_on_host import SampledOnHost
 from flashnext.engine.sampler import SamplerOutput, validate_token_ids
 from flashnext.engine.sampling_params import InvalidParams, SamplingParams
 from flashnext.engine.scheduler import ScheduledChunk, Scheduler
+from flashnext.ops.moe_int4 import DECODE_MAX_M
 from flashnext.engine.structured.backend import InvalidConstraint, shared_backend
 from flashnext.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -124,11 +125,16 @@ class LLMEngine:
         eos = set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(e for e in eos if e < cfg.vocab_size)
         graphs = None
+        experts = self.loaded.expert_cache
         if use_graphs:
-            graphs = DecodeGraphs(self.loaded.model, self.kv, self.states, args.max_num_seqs,
+            # with an expert cache, batches up to what the decode kernels take read its pools in the graph
+            graph_rows = args.max_num_seqs if experts is None else min(args.max_num_seqs, DECODE_MAX_M)
+            graphs = DecodeGraphs(self.loaded.model, self.kv, self.states, graph_rows,
                                   self.kv.blocks_for(self.max_model_len))
+            if experts is not None:
+                experts.enable_graphs(graphs.max_batch, cfg.num_experts_per_tok)
         self.runner = ModelRunner(self.loaded.model, self.kv, self.states, self.eos_token_ids, self.device, args.seed,
-                                  graphs)
+                                  graphs, after_decode=experts.after_step if use_graphs and experts else None)
         self.requests: dict[str, Request] = {}
         self._in_flight: tuple[list[Request], SamplerOutput] | None = None   # a decode step launched ahead (step)
         self._tokens_read_at = 0.0   # when the last sampled tokens reached the host (the pacer's decode step time)
@@ -137,12 +143,12 @@ class LLMEngine:
         log.info("memory plan: %s", self.memory_plan)
 
     def _use_cuda_graphs(self) -> bool:
-        """Decode replays CUDA graphs on a GPU unless --enforce-eager; the expert cache copies misses from the host
-        inside a layer and a routing trace draws on the host, so those stay eager for now. With several GPUs every
-        rank replays its own graph, NCCL all-reduces inside (parallel/runtime.py broadcast_decode)."""
+        """Decode replays CUDA graphs on a GPU unless --enforce-eager — with an expert cache too, whose kernels read
+        missing experts from host memory and whose pools adapt between steps (cache/expert_graph_pool.py); a
+        routing trace draws on the host, so it stays eager for now. With several GPUs every rank replays its own
+        graph, NCCL all-reduces inside (parallel/runtime.py broadcast_decode)."""
         args = self.args
-        return (self.device.type == "cuda" and not args.enforce_eager and self.loaded.expert_cache is None
-                and not args.routing_trace)
+        return self.device.type == "cuda" and not args.enforce_eager and not args.routing_trace
 
     def _build_prefix_cache(self, block_size: int) -> PrefixCache | None:
         args = self.args

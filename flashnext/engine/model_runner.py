@@ -22,9 +22,12 @@ from flashnext.models.context import ForwardContext, Segment
 
 class ModelRunner:
     def __init__(self, model, kv: KVPool, states: StatePool, eos_token_ids, device, seed: int = 0,
-                 graphs: DecodeGraphs | None = None):
+                 graphs: DecodeGraphs | None = None, after_decode: Callable[[int], None] | None = None):
+        """`after_decode(rows)`: called once a decode graph step of `rows` rows is queued (the expert cache adapts
+        its pools between steps: ExpertCache.after_step)."""
         self.model = model
         self.graphs = graphs
+        self.after_decode = after_decode
         self.kv = kv
         self.states = states
         self.eos_token_ids = sorted(eos_token_ids)
@@ -105,13 +108,18 @@ class ModelRunner:
         self._last_batch = (ids, [m + 1 for m in lengths], batch, None)
         logits = self.graphs.run(tokens, [r.num_computed for r in requests], [r.slot for r in requests],
                                  [r.blocks for r in requests])
+        if self.after_decode is not None:
+            self.after_decode(len(requests))
         return self._sample(logits.float(), requests, batch)
 
     def _replay(self, decoding: list[ScheduledChunk]) -> torch.Tensor:
         """One token per request through the decode graph → logits [len(decoding), V]."""
         rs = [c.request for c in decoding]
-        return self.graphs.run([r.all_ids[r.num_computed] for r in rs], [r.num_computed for r in rs],
-                               [r.slot for r in rs], [r.blocks for r in rs])
+        logits = self.graphs.run([r.all_ids[r.num_computed] for r in rs], [r.num_computed for r in rs],
+                                 [r.slot for r in rs], [r.blocks for r in rs])
+        if self.after_decode is not None:
+            self.after_decode(len(rs))
+        return logits
 
     def _graph_chunks(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """The chunks the decode graph can run: one token each (a decode, or a prompt token fed alone), all of

@@ -73,8 +73,11 @@ class Int4Experts(nn.Module):
 
     def decode(self, x, weights, ids, shared: SharedExpert | None = None):
         """The fused kernels need no host sync, so a captured decode step runs `forward` as it is (with `shared`,
-        from `shared_int4`, as one more expert per token). The expert cache copies misses in from host memory:
-        the engine runs it eagerly (no graph)."""
+        from `shared_int4`, as one more expert per token). With an expert cache whose pools adapt between graph
+        steps (ExpertCache.enable_graphs), through its slot tables; without, the cache runs eagerly."""
+        if self.expert_cache is not None and self.expert_cache.graph_pool is not None:
+            assert shared is None, "the expert cache's slots hold routed experts only"
+            return self.expert_cache.decode(x, weights, ids)
         if shared is None:
             return self.forward(x, weights, ids)
         assert self.expert_cache is None, "the expert cache's slots hold routed experts only"

@@ -1,0 +1,115 @@
+"""An expert cache's pools adapted between decode steps that run inside CUDA graphs.
+
+In a captured decode step the MoE kernels read through each layer's slot table, a missing expert straight from its
+row of the host store (ops.moe_int4.CachedExperts): nothing decided on the host can happen inside the step. So
+each layer's decode writes its routed ids into its row of one device buffer, and after each decode step the engine
+calls `after_step` (LLMEngine), which
+ 1. publishes the copies that have finished: their experts enter the device slot tables;
+ 2. learns from the routing of the last step whose ids have reached page-locked memory (copied behind the step;
+    never waited for): it counts hits and misses, tells each layer's policy, and gives up to COPIES_PER_LAYER of
+    each layer's missed experts a slot — a free one, else the policy's victim;
+ 3. takes a victim out of the table on the compute stream first and overwrites its slot on the copy stream only
+    after an event recorded there, so the steps queued before (decode ahead keeps up to two) still read the old
+    expert; the new one enters the table once its copy's event has passed (step 1 of a later call).
+The eager path (prefill: LayerExpertCache.load) settles first: it waits for the pending copies and publishes them.
+On a CPU there is no graph and no stream: the same bookkeeping runs with plain copies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Experts copied in per layer and step at most: the copies share PCIe with the kernels' reads of missing experts.
+COPIES_PER_LAYER = 2
+
+
+@dataclass
+class PendingCopy:
+    layer: object            # LayerExpertCache
+    experts: list[int]
+    slots: list[int]
+    done: torch.cuda.Event | None
+
+
+class GraphPool:
+    def __init__(self, layers: list, max_rows: int, top_k: int, device: torch.device):
+        self.layers, self.top_k, self.device = layers, top_k, device
+        self.gpu = device.type == "cuda"
+        self.observed = torch.full((len(layers), max_rows * top_k), -1, dtype=torch.long, device=device)
+        self.observed_host = torch.empty(self.observed.shape, dtype=torch.long, pin_memory=self.gpu)
+        self.reading: tuple[torch.cuda.Event | None, int] | None = None   # (copy done, rows) of observed_host
+        self.pending: list[PendingCopy] = []
+        for i, layer in enumerate(layers):
+            layer.graph_pool, layer.observed = self, self.observed[i]
+
+    def after_step(self, rows: int | None) -> None:
+        """After a decode step of `rows` rows (None: no decode graph ran since the last call)."""
+        self._publish(wait=False)
+        if self.reading is not None:
+            done, read_rows = self.reading
+            if done is None or done.query():
+                self.reading = None
+                self._learn(self.observed_host[:, :read_rows * self.top_k])
+        if rows and self.reading is None:    # the next observation once the last is read: at most one in flight
+            self.observed_host.copy_(self.observed, non_blocking=self.gpu)
+            done = None
+            if self.gpu:
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(self.device))
+            self.reading = (done, rows)
+
+    def settle(self) -> None:
+        """Wait for the pending copies and publish them (before the eager path touches the pools)."""
+        self._publish(wait=True)
+
+    def _publish(self, wait: bool) -> None:
+        still = []
+        for copy in self.pending:
+            if copy.done is not None and not wait and not copy.done.query():
+                still.append(copy)
+                continue
+            if copy.done is not None:
+                copy.done.synchronize()
+            layer = copy.layer
+            layer.slot_of[copy.experts] = torch.tensor(copy.slots, dtype=torch.long)
+            layer.slot_table.copy_(layer.slot_of, non_blocking=self.gpu)
+        self.pending = still
+
+    def _learn(self, observed: torch.Tensor) -> None:
+        copying = {(id(c.layer), e) for c in self.pending for e in c.experts}
+        for layer, ids in zip(self.layers, observed):
+            routed = ids[ids >= 0].unique()
+            if not len(routed):
+                continue
+            layer.policy.access(routed)
+            missing = routed[layer.slot_of[routed] < 0]
+            layer.stats.hits += len(routed) - len(missing)
+            layer.stats.misses += len(missing)
+            wanted = [e for e in missing.tolist() if (id(layer), e) not in copying][:COPIES_PER_LAYER]
+            if wanted:
+                self._copy_in(layer, wanted)
+
+    def _copy_in(self, layer, experts: list[int]) -> None:
+        shortfall = len(experts) - len(layer.free)
+        if shortfall > 0:
+            candidates = layer.slot_of >= 0
+            victims = layer.policy.victims(candidates, shortfall)
+            layer.free += layer.slot_of[victims].tolist()
+            layer.slot_of[victims] = -1
+            layer.slot_table.copy_(layer.slot_of, non_blocking=self.gpu)   # the victims leave the table first
+        slots = [layer.free.pop() for _ in experts]
+        rows = torch.tensor(experts, dtype=torch.long)
+        done = None
+        if self.gpu:
+            freed = torch.cuda.Event()
+            freed.record(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(layer.copy_stream):
+                layer.copy_stream.wait_event(freed)   # steps queued before still read the victims' slots
+                layer.copy_rows(rows, slots)
+                done = torch.cuda.Event()
+                done.record(layer.copy_stream)
+        else:
+            layer.copy_rows(rows, slots)
+        layer.stats.bytes_copied += len(experts) * layer.bytes_per_expert
+        self.pending.append(PendingCopy(layer, experts, slots, done))
