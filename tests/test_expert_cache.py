@@ -32,6 +32,18 @@ def _greedy(model, prompt, n=6):
     return torch.cat(logits)
 
 
+def _three_greedy(engine, max_tokens):
+    """Three 30-token prompts decoded together greedily → {request id: tokens}."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(str(i), _prompt(30, seed=i), params)
+    out = {}
+    while engine.has_work():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+    return out
+
+
 @pytest.fixture(scope="module", params=PRESETS)
 def resident(request):
     return request.param, _greedy(load_model(request.param, "cpu", torch.float32, quantize="int4").model, _prompt(41))
@@ -76,18 +88,7 @@ def test_needs_int4_experts():
 
 
 def test_engine_outputs_and_metrics():
-    prompts = [_prompt(30, seed=s) for s in range(3)]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-
-    def run(engine):
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, params)
-        out = {}
-        while engine.has_work():
-            for o in engine.step():
-                out.setdefault(o.request_id, []).extend(o.token_ids)
-        return out
-
+    run = lambda engine: _three_greedy(engine, 8)  # noqa: E731
     args = EngineArgs(model="tiny-qwen3-next", device="cpu", dtype="float32", quantize="int4", max_num_seqs=4,
                       max_num_batched_tokens=23, max_model_len=256, expert_vram_gb=1e-9)
     with pytest.raises(ValueError, match="expert slots per layer"):
@@ -165,18 +166,7 @@ def test_pools_adapting_between_graph_steps_keep_outputs_exact(model, monkeypatc
     from flashnext.engine.cuda_graph import DecodeGraphs
 
     monkeypatch.setattr(expert_graph_pool, "COPIES_PER_LAYER", 1)
-    prompts = [_prompt(30, seed=s) for s in range(3)]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-    def run(engine):
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, params)
-        out = {}
-        while engine.has_work():
-            for o in engine.step():
-                out.setdefault(o.request_id, []).extend(o.token_ids)
-        return out
-
+    run = lambda engine: _three_greedy(engine, 12)  # noqa: E731
     args = EngineArgs(model=model, device="cpu", dtype="float32", quantize="int4", max_num_seqs=4,
                       max_num_batched_tokens=64, max_model_len=256, enable_prefix_caching=False)
     want = run(LLMEngine(args))
