@@ -46,3 +46,48 @@ def test_engine_runs_with_a_trace_and_an_expert_cache():
         tokens += [t for o in engine.step() for t in o.token_ids]
     stats = engine.loaded.expert_cache.stats
     assert len(tokens) == 8 and stats.hits > 0 and stats.misses > 0
+
+
+def test_decode_graph_path_with_a_trace_and_an_expert_cache():
+    """With decode graphs (uncaptured on a CPU) the decode steps route from the trace's tables and read the expert
+    cache through its slot tables; the pools adapt between steps."""
+    from flashnext.engine.cuda_graph import DecodeGraphs
+
+    engine = LLMEngine(EngineArgs(model="tiny-flash-next", device="cpu", dtype="float32", quantize="int4",
+                                  routing_trace="calibrated", expert_vram_gb=1e-4, enable_prefix_caching=False))
+    runner, cache = engine.runner, engine.loaded.expert_cache
+    runner.graphs = DecodeGraphs(runner.model, engine.kv, engine.states, max_batch=2,
+                                 max_blocks_per_seq=engine.kv.blocks_for(engine.max_model_len))
+    cache.enable_graphs(runner.graphs.max_batch, engine.config.num_experts_per_tok)
+    runner.after_decode = cache.after_step
+    engine.add_request("r", list(range(3, 40)), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    tokens = []
+    while engine.has_work():
+        tokens += [t for o in engine.step() for t in o.token_ids]
+    routers = [m for m in engine.loaded.model.modules() if isinstance(m, Router)]
+    assert len(tokens) == 8 and all(1 in r.trace.decode_tables for r in routers)
+    assert all(r.trace.decode_tables[1][1].item() >= 7 for r in routers)   # one table step per decode step
+    assert cache.stats.hits + cache.stats.misses > 0
+
+
+def test_decode_steps_read_a_table_drawn_ahead_and_advance_it_on_the_device(monkeypatch):
+    """decode_ids (a captured decode step's routing): the tokens the trace draws, token after token, a step's rows
+    at a time, picked by a device counter the call itself advances; wrapping around past the table's end."""
+    from flashnext.cache import routing_trace
+
+    monkeypatch.setattr(routing_trace, "DECODE_TABLE_TOKENS", 6)
+    routing = CalibratedRouting(16, 3, seed=2)
+    expected = CalibratedRouting(16, 3, seed=2).ids(6, "cpu")
+    steps = [routing.decode_ids(2, "cpu") for _ in range(4)]
+    assert [s.shape for s in steps] == [(2, 3)] * 4
+    assert torch.equal(torch.cat(steps[:3]), expected) and torch.equal(steps[3], expected[:2])
+    table, step = routing.decode_tables[2]
+    assert step.item() == 4 and table.shape == (3, 2, 3)
+    # a router in a decode step takes them, with its own softmax weights
+    router = Router.__new__(Router)
+    torch.nn.Module.__init__(router)
+    router.top_k, router.normalize, router.trace = 3, False, routing
+    logits = torch.randn(2, 16)
+    weights, ids = router.select(logits, decode=True)
+    assert torch.equal(ids, expected[2:4])
+    torch.testing.assert_close(weights, torch.softmax(logits, -1).gather(1, ids))

@@ -6,7 +6,8 @@ Random weights route uniformly: the worst case for a cache, and not what a train
 experts hits ~67%, of 128 ~81%, and there is no static hot set (the working set drifts). Each of a token's k
 choices re-uses a recently used expert with probability `reuse` — the r-th most recent, r drawn geometrically
 with ratio `decay` — or else is uniform over all experts. Outputs of a model run this way are not the model's:
-the mode exists for `flashnext bench experts` and says so in the log.
+the mode exists for `flashnext bench experts` and says so in the log. A captured decode step cannot call into
+Python, so its routers read `decode_ids`: a table drawn ahead on the device, stepped by a device counter.
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ import torch
 
 REUSE, DECAY = 0.80, 0.973   # fitted: LRU-64 67.2%, LRU-128 81.5% at 512 experts, top-10 (2,000 tokens)
 TRACES = ("calibrated",)
+# Tokens drawn ahead per batch size for captured decode steps (decode_ids): a benchmark's decode fits in them; past
+# their end the steps wrap around to the first.
+DECODE_TABLE_TOKENS = 8192
 
 
 class CalibratedRouting:
@@ -27,6 +31,7 @@ class CalibratedRouting:
         order = list(range(num_experts))
         self.rng.shuffle(order)
         self.recent: OrderedDict[int, None] = OrderedDict((e, None) for e in order)   # most recent last
+        self.decode_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # rows → (table, step counter)
 
     def _recent(self, rank: int) -> int:
         for i, expert in enumerate(reversed(self.recent)):
@@ -52,6 +57,19 @@ class CalibratedRouting:
     def ids(self, num_tokens: int, device) -> torch.Tensor:
         """[num_tokens, k] int64 expert ids, token after token."""
         return torch.tensor([self.choose() for _ in range(num_tokens)], dtype=torch.long, device=device)
+
+    def decode_ids(self, num_rows: int, device) -> torch.Tensor:
+        """[num_rows, k] ids of one decode step, with no host work (a captured step replays it): the next step of a
+        table drawn ahead on first use for this batch size (DECODE_TABLE_TOKENS tokens, token after token), picked
+        by a counter on the device that the step advances."""
+        if num_rows not in self.decode_tables:
+            steps = max(1, DECODE_TABLE_TOKENS // num_rows)
+            table = self.ids(steps * num_rows, device).view(steps, num_rows, self.top_k)
+            self.decode_tables[num_rows] = table, torch.zeros(1, dtype=torch.long, device=device)
+        table, step = self.decode_tables[num_rows]
+        ids = table.index_select(0, step.remainder(len(table))).squeeze(0)
+        step.add_(1)
+        return ids
 
 
 def install_routing_trace(model: torch.nn.Module, kind: str, seed: int = 0) -> int:

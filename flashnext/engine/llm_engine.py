@@ -144,11 +144,10 @@ class LLMEngine:
 
     def _use_cuda_graphs(self) -> bool:
         """Decode replays CUDA graphs on a GPU unless --enforce-eager — with an expert cache too, whose kernels read
-        missing experts from host memory and whose pools adapt between steps (cache/expert_graph_pool.py); a
-        routing trace draws on the host, so it stays eager for now. With several GPUs every rank replays its own
-        graph, NCCL all-reduces inside (parallel/runtime.py broadcast_decode)."""
-        args = self.args
-        return self.device.type == "cuda" and not args.enforce_eager and not args.routing_trace
+        missing experts from host memory and whose pools adapt between steps (cache/expert_graph_pool.py), and with
+        a routing trace, whose decode steps read tables drawn ahead (CalibratedRouting.decode_ids). With several
+        GPUs every rank replays its own graph, NCCL all-reduces inside (parallel/runtime.py broadcast_decode)."""
+        return self.device.type == "cuda" and not self.args.enforce_eager
 
     def _build_prefix_cache(self, block_size: int) -> PrefixCache | None:
         args = self.args

@@ -34,16 +34,18 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
         self.trace = None  # a CalibratedRouting (cache/routing_trace.py): benchmarks' stated-locality routing
 
-    def forward(self, x):
+    def forward(self, x, decode: bool = False):
         """→ (weights [N, k] in x's dtype, expert ids [N, k])."""
-        return self.select(F.linear(x, self.weight))
+        return self.select(F.linear(x, self.weight), decode)
 
-    def select(self, logits):
+    def select(self, logits, decode: bool = False):
         """Routing from the logits: the top-k of their softmax — or, with a trace installed, the trace's experts
-        with their softmax weights (renormalised the same way)."""
+        with their softmax weights (renormalised the same way); `decode`: a decode step, which may be captured
+        (the trace's ids then come from a table on the device: CalibratedRouting.decode_ids)."""
         if self.trace is None:
             return router_topk(logits, self.top_k, self.normalize)
-        ids = self.trace.ids(logits.shape[0], logits.device)
+        draw = self.trace.decode_ids if decode else self.trace.ids
+        ids = draw(logits.shape[0], logits.device)
         top = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, ids)
         if self.normalize:
             top = top / top.sum(dim=-1, keepdim=True)
@@ -94,7 +96,7 @@ class SparseMoe(nn.Module):
     def decode(self, x):
         shared = self.experts.shared_int4(self.shared_expert, x)
         if shared is not None:   # the INT4 kernels run the shared expert as one more expert: no launches of its own
-            weights, ids, shared_gate = self._route(x)
+            weights, ids, shared_gate = self._route(x, decode=True)
             return self.experts.decode(x, weights, ids, SharedExpert(*shared, shared_gate))
         # the shared expert needs only x: a parallel branch of the decode graph (ops.branches)
         (routed, shared_gate), shared = branches.parallel(x, lambda: self._routed_decode(x),
@@ -102,12 +104,12 @@ class SparseMoe(nn.Module):
         return gated_add(routed, shared, shared_gate)
 
     def _routed_decode(self, x):
-        weights, ids, shared_gate = self._route(x)
+        weights, ids, shared_gate = self._route(x, decode=True)
         return self.experts.decode(x, weights, ids), shared_gate
 
-    def _route(self, x):
+    def _route(self, x, decode: bool = False):
         """→ routing weights [N, k], expert ids [N, k], shared-expert gate logit [N, 1]."""
         if self.route_and_gate is None:
-            return *self.gate(x), self.shared_expert_gate(x)
+            return *self.gate(x, decode), self.shared_expert_gate(x)
         logits, shared_gate = self.route_and_gate(x)
-        return *self.gate.select(logits), shared_gate
+        return *self.gate.select(logits, decode), shared_gate
