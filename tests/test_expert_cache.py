@@ -180,9 +180,16 @@ def test_pools_adapting_between_graph_steps_keep_outputs_exact(model, monkeypatc
     runner.after_decode = cache.after_step
     pool = cache.graph_pool
     learned, copied = [], []
-    learn, copy_in = pool._learn, pool._copy_in
+    learn, admitted = pool._learn, pool._admitted
+
+    def admit(layer, experts):
+        chosen = admitted(layer, experts)
+        if chosen[0]:
+            copied.append((layer, chosen[0]))
+        return chosen
+
     pool._learn = lambda observed: learned.append(observed.clone()) or learn(observed)
-    pool._copy_in = lambda layer, experts: copied.append((layer, list(experts))) or copy_in(layer, experts)
+    pool._admitted = admit
     before = cache.stats.hits + cache.stats.misses
     assert run(engine) == want
     assert learned and copied and all(len(e) == 1 for _, e in copied)
@@ -197,3 +204,28 @@ def test_pools_adapting_between_graph_steps_keep_outputs_exact(model, monkeypatc
         assert torch.equal(layer.slot_table, layer.slot_of)
         resident = layer.slot_of[layer.slot_of >= 0]
         assert len(resident.unique()) == len(resident) and not set(resident.tolist()) & set(layer.free)
+
+
+def test_graph_pools_trade_a_resident_only_for_a_more_valuable_expert():
+    """Between graph steps a missed expert takes a free slot, else evicts the least valuable resident only when it
+    is worth more (it can be read from host memory meanwhile): a one-off never pushes out a hot expert."""
+    from types import SimpleNamespace
+
+    from flashnext.cache.expert_graph_pool import GraphPool
+    from flashnext.cache.expert_policy import make_policy
+
+    policy = make_policy("lfu-decay", 8)
+    for _ in range(5):
+        policy.access(torch.tensor([0, 1]))       # hot residents
+    policy.access(torch.tensor([5]))              # a one-off
+    slot_of = torch.full((8,), -1, dtype=torch.long)
+    slot_of[torch.tensor([0, 1])] = torch.tensor([0, 1])
+    layer = SimpleNamespace(policy=policy, free=[], slot_of=slot_of)
+    pool = GraphPool.__new__(GraphPool)
+    assert pool._admitted(layer, [5]) == ([], [])
+    layer.free = [2]
+    assert pool._admitted(layer, [5]) == ([5], [])
+    for _ in range(9):
+        policy.access(torch.tensor([6, 0]))       # 6 grows hotter than 1, which has not been used since
+    layer.free = []
+    assert pool._admitted(layer, [5, 6]) == ([6], [1])   # the most valuable first; 5 still not worth a slot

@@ -90,11 +90,28 @@ class GraphPool:
             if wanted:
                 self._copy_in(layer, wanted)
 
+    def _admitted(self, layer, experts: list[int]) -> tuple[list[int], list[int]]:
+        """(the experts to copy in, the residents they evict): free slots first, then a victim each while the
+        expert is worth more than it (the policy's value) — a missed expert can be read from host memory
+        meanwhile, so a hot resident is not traded for a one-off."""
+        policy = layer.policy
+        order = sorted(experts, key=lambda e: -float(policy.value(torch.tensor([e]))))
+        admitted, victims = order[:len(layer.free)], []
+        candidates = layer.slot_of >= 0
+        for expert in order[len(admitted):]:
+            victim = policy.victims(candidates, 1)
+            if not victim or policy.value(torch.tensor(victim)) >= policy.value(torch.tensor([expert])):
+                break
+            candidates[victim[0]] = False
+            admitted.append(expert)
+            victims.append(victim[0])
+        return admitted, victims
+
     def _copy_in(self, layer, experts: list[int]) -> None:
-        shortfall = len(experts) - len(layer.free)
-        if shortfall > 0:
-            candidates = layer.slot_of >= 0
-            victims = layer.policy.victims(candidates, shortfall)
+        experts, victims = self._admitted(layer, experts)
+        if not experts:
+            return
+        if victims:
             layer.free += layer.slot_of[victims].tolist()
             layer.slot_of[victims] = -1
             layer.slot_table.copy_(layer.slot_of, non_blocking=self.gpu)   # the victims leave the table first
