@@ -204,6 +204,9 @@ def test_pools_adapting_between_graph_steps_keep_outputs_exact(model, monkeypatc
         assert torch.equal(layer.slot_table, layer.slot_of)
         resident = layer.slot_of[layer.slot_of >= 0]
         assert len(resident.unique()) == len(resident) and not set(resident.tolist()) & set(layer.free)
+        for expert in (layer.slot_of >= 0).nonzero().flatten().tolist():   # each slot holds its expert's words
+            slot = layer.slot_of[expert].item()
+            assert all(torch.equal(getattr(layer.module, n)[slot], layer.host[n][expert]) for n in layer.names)
 
 
 def test_graph_pools_trade_a_resident_only_for_a_more_valuable_expert():

@@ -213,6 +213,8 @@ class LayerExpertCache:
         if self.copy_stream is None:
             self._copy_rows(experts, slots, None)
         else:
+            # the kernels queued before (an earlier round of this layer) may still read the slots being refilled
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
                 self._copy_rows(experts, slots, self.staging)
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)

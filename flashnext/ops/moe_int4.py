@@ -111,9 +111,26 @@ def moe_int4(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weigh
 
             return moe_int4_decode(x, topk_ids, topk_weights, w_gate_up, w_down, shared=shared, cached=cached)
         return _routed_grouped(x, topk_ids, topk_weights, w_gate_up, w_down)
-    if cached is not None:   # the pool holds copies of host rows: the host store is the whole stack
-        w_gate_up, w_down = cached.gate_up, cached.down
+    if cached is not None:   # what the kernels read: residents from their pool slots, the others from the host
+        w_gate_up, w_down = (through_table(pool, host, cached.table)
+                             for pool, host in ((w_gate_up, cached.gate_up), (w_down, cached.down)))
     return moe_int4_reference(x, topk_ids, topk_weights, w_gate_up, w_down, shared)
+
+
+def through_table(pool: Int4Weight, host: Int4Weight, table: torch.Tensor) -> Int4Weight:
+    """The whole stack as an expert cache's kernels see it: expert e's rows from pool slot table[e] when that is
+    >= 0, else from the host store (a copy: the reference path, on the CPU)."""
+    resident = (table >= 0).nonzero().flatten()
+
+    def merged(pool_t, host_t):
+        if host_t is None:
+            return None
+        out = host_t.clone()
+        out[resident] = pool_t[table[resident]]
+        return out
+
+    return Int4Weight(*(merged(getattr(pool, n), getattr(host, n)) for n in ("qweight", "scales", "zeros", "perm")),
+                      host.group_size)
 
 
 def runs_cached_experts(x) -> bool:

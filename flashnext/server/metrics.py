@@ -56,7 +56,8 @@ class _EngineCollector:
             st = cache.stats
             for name, doc, value in (
                     ("hits", "Routed expert reads found in the device slot pool.", st.hits),
-                    ("misses", "Routed expert reads copied in from host memory.", st.misses),
+                    ("misses", "Routed expert reads of experts not in the device pool (copied in first; in a "
+                               "captured decode step read from host memory over PCIe).", st.misses),
                     ("bytes_copied", "Bytes of expert weights copied host to device.", st.bytes_copied),
                     ("stall_seconds", "Wall time spent copying experts in.", st.stall_seconds),
                     ("prefetched", "Experts copied in ahead of their layer (a guess through its router).",
