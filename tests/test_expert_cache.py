@@ -166,6 +166,7 @@ def test_pools_adapting_between_graph_steps_keep_outputs_exact(model, monkeypatc
     from flashnext.engine.cuda_graph import DecodeGraphs
 
     monkeypatch.setattr(expert_graph_pool, "COPIES_PER_LAYER", 1)
+    monkeypatch.setattr(expert_graph_pool, "LAYERS_PER_STEP", 3)    # 4 layers: an observation over two steps
     run = lambda engine: _three_greedy(engine, 12)  # noqa: E731
     args = EngineArgs(model=model, device="cpu", dtype="float32", quantize="int4", max_num_seqs=4,
                       max_num_batched_tokens=64, max_model_len=256, enable_prefix_caching=False)
@@ -188,11 +189,12 @@ def test_pools_adapting_between_graph_steps_keep_outputs_exact(model, monkeypatc
             copied.append((layer, chosen[0]))
         return chosen
 
-    pool._learn = lambda observed: learned.append(observed.clone()) or learn(observed)
+    pool._learn = lambda layers, observed: learned.append(observed.clone()) or learn(layers, observed)
     pool._admitted = admit
     before = cache.stats.hits + cache.stats.misses
     assert run(engine) == want
     assert learned and copied and all(len(e) == 1 for _, e in copied)
+    assert {len(observed) for observed in learned} == {3, 1}         # layers 0-2, then layer 3
     # the graph path's reads: every routed (layer, step) expert counted once, hits + misses
     graph_reads = sum(len(ids[ids >= 0].unique()) for observed in learned for ids in observed)
     assert cache.stats.hits + cache.stats.misses - before >= graph_reads > 0

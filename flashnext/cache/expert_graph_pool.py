@@ -6,8 +6,9 @@ each layer's decode writes its routed ids into its row of one device buffer, and
 calls `after_step` (LLMEngine), which
  1. publishes the copies that have finished: their experts enter the device slot tables;
  2. learns from the routing of the last step whose ids have reached page-locked memory (copied behind the step;
-    never waited for): it counts hits and misses, tells each layer's policy, and gives up to COPIES_PER_LAYER of
-    each layer's missed experts a slot — a free one, else the policy's victim;
+    never waited for; LAYERS_PER_STEP layers a call): it counts hits and misses, tells each layer's policy, and
+    gives up to COPIES_PER_LAYER of each layer's missed experts a slot — a free one, else the least valuable
+    resident's when the policy values the missed expert more (it can be read from host memory meanwhile);
  3. takes a victim out of the table on the compute stream first and overwrites its slot on the copy stream only
     after an event recorded there, so the steps queued before (decode ahead keeps up to two) still read the old
     expert; the new one enters the table once its copy's event has passed (step 1 of a later call).
@@ -22,6 +23,10 @@ import torch
 
 # Experts copied in per layer and step at most: the copies share PCIe with the kernels' reads of missing experts.
 COPIES_PER_LAYER = 2
+# Layers learned from per call: a layer's bookkeeping is ~0.1 ms of host time (small CPU tensor ops), so an
+# observation of Flash-Next's 48 layers is spread over 4 steps instead of stalling one (decode ahead hides host
+# time only up to a step's GPU time); the next observation is taken once the last is learned.
+LAYERS_PER_STEP = 12
 
 
 @dataclass
@@ -39,6 +44,7 @@ class GraphPool:
         self.observed = torch.full((len(layers), max_rows * top_k), -1, dtype=torch.long, device=device)
         self.observed_host = torch.empty(self.observed.shape, dtype=torch.long, pin_memory=self.gpu)
         self.reading: tuple[torch.cuda.Event | None, int] | None = None   # (copy done, rows) of observed_host
+        self.learning: tuple[torch.Tensor, int] | None = None    # (the observation read, next layer to learn)
         self.pending: list[PendingCopy] = []
         for i, layer in enumerate(layers):
             layer.graph_pool, layer.observed = self, self.observed[i]
@@ -50,8 +56,13 @@ class GraphPool:
             done, read_rows = self.reading
             if done is None or done.query():
                 self.reading = None
-                self._learn(self.observed_host[:, :read_rows * self.top_k])
-        if rows and self.reading is None:    # the next observation once the last is read: at most one in flight
+                self.learning = (self.observed_host[:, :read_rows * self.top_k], 0)
+        if self.learning is not None:
+            observed, first = self.learning
+            last = min(first + LAYERS_PER_STEP, len(self.layers))
+            self._learn(self.layers[first:last], observed[first:last])
+            self.learning = (observed, last) if last < len(self.layers) else None
+        if rows and self.reading is None and self.learning is None:   # one observation at a time
             self.observed_host.copy_(self.observed, non_blocking=self.gpu)
             done = None
             if self.gpu:
@@ -76,9 +87,9 @@ class GraphPool:
             layer.slot_table.copy_(layer.slot_of, non_blocking=self.gpu)
         self.pending = still
 
-    def _learn(self, observed: torch.Tensor) -> None:
+    def _learn(self, layers: list, observed: torch.Tensor) -> None:
         copying = {(id(c.layer), e) for c in self.pending for e in c.experts}
-        for layer, ids in zip(self.layers, observed):
+        for layer, ids in zip(layers, observed):
             routed = ids[ids >= 0].unique()
             if not len(routed):
                 continue
