@@ -23,10 +23,12 @@ import torch
 
 # Experts copied in per layer and step at most: the copies share PCIe with the kernels' reads of missing experts.
 COPIES_PER_LAYER = 2
-# Layers learned from per call: a layer's bookkeeping is an estimated ~0.1 ms of host time (small CPU tensor ops;
-# not measured), so an observation of Flash-Next's 48 layers is spread over 4 steps instead of stalling one (decode
-# ahead hides host time only up to a step's GPU time); the next observation is taken once the last is learned.
-LAYERS_PER_STEP = 12
+# Layers learned from per call: a layer's bookkeeping is ~60 small CPU tensor ops, 0.8-0.9 ms of host time on the
+# 2-core dev machine (Flash-Next's shapes: 512 experts, top-10, 196 slots, lfu-decay), so an observation of its 48
+# layers is spread over 12 steps (~3.5 ms a step there) instead of stalling one: decode ahead hides host time only
+# up to a step's GPU time. The next observation is taken once the last is learned. Vectorising the learning over
+# all layers at once is the way to learn from every step.
+LAYERS_PER_STEP = 4
 
 
 @dataclass
@@ -102,21 +104,22 @@ class GraphPool:
                 self._copy_in(layer, wanted)
 
     def _admitted(self, layer, experts: list[int]) -> tuple[list[int], list[int]]:
-        """(the experts to copy in, the residents they evict): free slots first, then a victim each while the
-        expert is worth more than it (the policy's value) — a missed expert can be read from host memory
-        meanwhile, so a hot resident is not traded for a one-off."""
+        """(the experts to copy in, the residents they evict): free slots first, then the least valuable residents,
+        each only for an expert the policy values more (the most valuable experts against the least valuable
+        residents, in order) — a missed expert can be read from host memory meanwhile, so a hot resident is not
+        traded for a one-off."""
         policy = layer.policy
-        order = sorted(experts, key=lambda e: -float(policy.value(torch.tensor([e]))))
-        admitted, victims = order[:len(layer.free)], []
-        candidates = layer.slot_of >= 0
-        for expert in order[len(admitted):]:
-            victim = policy.victims(candidates, 1)
-            if not victim or policy.value(torch.tensor(victim)) >= policy.value(torch.tensor([expert])):
-                break
-            candidates[victim[0]] = False
-            admitted.append(expert)
-            victims.append(victim[0])
-        return admitted, victims
+        wanted = torch.tensor(experts, dtype=torch.long)
+        wanted = wanted[torch.argsort(policy.value(wanted), descending=True, stable=True)].tolist()
+        admitted = wanted[:len(layer.free)]
+        rest = wanted[len(admitted):]
+        if not rest:
+            return admitted, []
+        victims = policy.victims(layer.slot_of >= 0, len(rest))
+        worth = policy.value(torch.tensor(rest[:len(victims)], dtype=torch.long))
+        kept = policy.value(torch.tensor(victims, dtype=torch.long))
+        trades = int((worth > kept).long().cumprod(0).sum()) if victims else 0   # in order, until one is not worth it
+        return admitted + rest[:trades], victims[:trades]
 
     def _copy_in(self, layer, experts: list[int]) -> None:
         experts, victims = self._admitted(layer, experts)
