@@ -166,7 +166,6 @@ def test_pools_adapting_between_graph_steps_keep_outputs_exact(model, monkeypatc
     from flashnext.engine.cuda_graph import DecodeGraphs
 
     monkeypatch.setattr(expert_graph_pool, "COPIES_PER_LAYER", 1)
-    monkeypatch.setattr(expert_graph_pool, "LAYERS_PER_STEP", 3)    # 4 layers: an observation over two steps
     run = lambda engine: _three_greedy(engine, 12)  # noqa: E731
     args = EngineArgs(model=model, device="cpu", dtype="float32", quantize="int4", max_num_seqs=4,
                       max_num_batched_tokens=64, max_model_len=256, enable_prefix_caching=False)
@@ -181,20 +180,18 @@ def test_pools_adapting_between_graph_steps_keep_outputs_exact(model, monkeypatc
     runner.after_decode = cache.after_step
     pool = cache.graph_pool
     learned, copied = [], []
-    learn, admitted = pool._learn, pool._admitted
+    learn, admitted = pool._learn, pool.admitted
 
-    def admit(layer, experts):
-        chosen = admitted(layer, experts)
-        if chosen[0]:
-            copied.append((layer, chosen[0]))
-        return chosen
+    def admit(candidates, resident):
+        experts, victims = admitted(candidates, resident)
+        copied.extend((cache.layers[i], [e for e in row if e >= 0]) for i, row in enumerate(experts) if row[0] >= 0)
+        return experts, victims
 
-    pool._learn = lambda layers, observed: learned.append(observed.clone()) or learn(layers, observed)
-    pool._admitted = admit
+    pool._learn = lambda observed: learned.append(observed.clone()) or learn(observed)
+    pool.admitted = admit
     before = cache.stats.hits + cache.stats.misses
     assert run(engine) == want
     assert learned and copied and all(len(e) == 1 for _, e in copied)
-    assert {len(observed) for observed in learned} == {3, 1}         # layers 0-2, then layer 3
     # the graph path's reads: every routed (layer, step) expert counted once, hits + misses
     graph_reads = sum(len(ids[ids >= 0].unique()) for observed in learned for ids in observed)
     assert cache.stats.hits + cache.stats.misses - before >= graph_reads > 0
@@ -212,25 +209,24 @@ def test_pools_adapting_between_graph_steps_keep_outputs_exact(model, monkeypatc
 
 
 def test_graph_pools_trade_a_resident_only_for_a_more_valuable_expert():
-    """Between graph steps a missed expert takes a free slot, else evicts the least valuable resident only when it
-    is worth more (it can be read from host memory meanwhile): a one-off never pushes out a hot expert."""
+    """Between graph steps a layer's most valuable missed experts take free slots, else evict the least valuable
+    residents only while worth more (they can be read from host memory meanwhile): a one-off never pushes out a hot
+    expert. Two layers decided at once."""
     from types import SimpleNamespace
 
     from flashnext.cache.expert_graph_pool import GraphPool
-    from flashnext.cache.expert_policy import make_policy
 
-    policy = make_policy("lfu-decay", 8)
-    for _ in range(5):
-        policy.access(torch.tensor([0, 1]))       # hot residents
-    policy.access(torch.tensor([5]))              # a one-off
-    slot_of = torch.full((8,), -1, dtype=torch.long)
-    slot_of[torch.tensor([0, 1])] = torch.tensor([0, 1])
-    layer = SimpleNamespace(policy=policy, free=[], slot_of=slot_of)
     pool = GraphPool.__new__(GraphPool)
-    assert pool._admitted(layer, [5]) == ([], [])
-    layer.free = [2]
-    assert pool._admitted(layer, [5]) == ([5], [])
-    for _ in range(9):
-        policy.access(torch.tensor([6, 0]))       # 6 grows hotter than 1, which has not been used since
-    layer.free = []
-    assert pool._admitted(layer, [5, 6]) == ([6], [1])   # the most valuable first; 5 still not worth a slot
+    pool.layers = [SimpleNamespace(free=[]), SimpleNamespace(free=[3])]
+    pool.value = torch.tensor([[9.0, 2.0, 0.0, 0.0, 0.0, 1.0, 5.0, 0.5],     # layer 0: 0, 1 resident (9, 2)
+                               [9.0, 2.0, 0.0, 0.0, 0.0, 1.0, 5.0, 0.5]])    # layer 1: the same, one slot free
+    resident = torch.zeros(2, 8, dtype=torch.bool)
+    resident[:, :2] = True
+    missed = torch.zeros(2, 8, dtype=torch.bool)
+    missed[:, [5, 6, 7]] = True
+    experts, victims = pool.admitted(missed, resident)
+    # layer 0: 6 (5) evicts 1 (2); 5 (1) is not worth 0 (9): stop. Layer 1: 6 takes the free slot; 5 (1) < 1 (2)
+    assert experts == [[6, -1], [6, -1]] and victims == [[1, -1], [-1, -1]]
+    pool.value[0, 5] = 3.0                    # now 5 is worth more than 1 but 6 goes first, then 5 against 0: no
+    experts, victims = pool.admitted(missed, resident)
+    assert experts[0] == [6, -1] and victims[0] == [1, -1]

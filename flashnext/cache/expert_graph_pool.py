@@ -6,9 +6,10 @@ each layer's decode writes its routed ids into its row of one device buffer, and
 calls `after_step` (LLMEngine), which
  1. publishes the copies that have finished: their experts enter the device slot tables;
  2. learns from the routing of the last step whose ids have reached page-locked memory (copied behind the step;
-    never waited for; LAYERS_PER_STEP layers a call): it counts hits and misses, tells each layer's policy, and
-    gives up to COPIES_PER_LAYER of each layer's missed experts a slot — a free one, else the least valuable
-    resident's when the policy values the missed expert more (it can be read from host memory meanwhile);
+    never waited for), all layers at once in [layers, experts] tensor ops: counts hits and misses, updates each
+    expert's value (--expert-cache-policy: a count decayed per learned step, or the step last seen), and gives up
+    to COPIES_PER_LAYER of each layer's most valuable missed experts a slot — a free one, else the least valuable
+    resident's when the missed expert is worth more (it can be read from host memory meanwhile);
  3. takes a victim out of the table on the compute stream first and overwrites its slot on the copy stream only
     after an event recorded there, so the steps queued before (decode ahead keeps up to two) still read the old
     expert; the new one enters the table once its copy's event has passed (step 1 of a later call).
@@ -17,25 +18,25 @@ On a CPU there is no graph and no stream: the same bookkeeping runs with plain c
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-# Experts copied in per layer and step at most: the copies share PCIe with the kernels' reads of missing experts.
+# Experts copied in per layer and per learning step at most (the copies share PCIe with the kernels' reads of
+# missing experts, and each costs a few host calls), MAX_COPIES_PER_STEP in all, the layers taking turns.
 COPIES_PER_LAYER = 2
-# Layers learned from per call: a layer's bookkeeping is ~60 small CPU tensor ops, 0.8-0.9 ms of host time on the
-# 2-core dev machine (Flash-Next's shapes: 512 experts, top-10, 196 slots, lfu-decay), so an observation of its 48
-# layers is spread over 12 steps (~3.5 ms a step there) instead of stalling one: decode ahead hides host time only
-# up to a step's GPU time. The next observation is taken once the last is learned. Vectorising the learning over
-# all layers at once is the way to learn from every step.
-LAYERS_PER_STEP = 4
+MAX_COPIES_PER_STEP = 16
+# A learning step is ~30 tensor ops over [layers, experts] plus the copies it starts: 1.6 ms of host time for all 48
+# layers of Flash-Next's shapes (512 experts, top-10, 196 slots) with 16 copies on the 2-core dev machine (copies
+# not issued there); done per layer it had been 0.8-0.9 ms a layer.
 
 
 @dataclass
 class PendingCopy:
-    layer: object            # LayerExpertCache
-    experts: list[int]
-    slots: list[int]
+    """The copies one learning step started (all layers): they enter the tables together once `done` has passed."""
+    layers: torch.Tensor     # [n] layer index of each copied expert
+    experts: torch.Tensor    # [n]
+    slots: torch.Tensor      # [n]
     done: torch.cuda.Event | None
 
 
@@ -46,10 +47,20 @@ class GraphPool:
         self.observed = torch.full((len(layers), max_rows * top_k), -1, dtype=torch.long, device=device)
         self.observed_host = torch.empty(self.observed.shape, dtype=torch.long, pin_memory=self.gpu)
         self.reading: tuple[torch.cuda.Event | None, int] | None = None   # (copy done, rows) of observed_host
-        self.learning: tuple[torch.Tensor, int] | None = None    # (the observation read, next layer to learn)
         self.pending: list[PendingCopy] = []
+        # every layer's slot_of and device slot table become rows of one [layers, experts] tensor each, so learning is
+        # a few whole-tensor ops and the tables take one host-to-device copy
+        self.slot_of = torch.stack([layer.slot_of for layer in layers])
+        self.tables = torch.stack([layer.slot_table for layer in layers])
+        self.copying = torch.zeros(self.slot_of.shape, dtype=torch.bool)   # experts whose copy is under way
+        policy = layers[0].policy
+        self.decay = getattr(policy, "decay", None)     # lfu-decay: counts decayed per learned step; lru: None
+        self.value = torch.zeros(self.slot_of.shape, dtype=torch.float64)
+        self.clock = 0
         for i, layer in enumerate(layers):
             layer.graph_pool, layer.observed = self, self.observed[i]
+            layer.slot_of, layer.slot_table = self.slot_of[i], self.tables[i]
+            layer.cached = replace(layer.cached, table=layer.slot_table)
 
     def after_step(self, rows: int | None) -> None:
         """After a decode step of `rows` rows (None: no decode graph ran since the last call)."""
@@ -58,13 +69,8 @@ class GraphPool:
             done, read_rows = self.reading
             if done is None or done.query():
                 self.reading = None
-                self.learning = (self.observed_host[:, :read_rows * self.top_k], 0)
-        if self.learning is not None:
-            observed, first = self.learning
-            last = min(first + LAYERS_PER_STEP, len(self.layers))
-            self._learn(self.layers[first:last], observed[first:last])
-            self.learning = (observed, last) if last < len(self.layers) else None
-        if rows and self.reading is None and self.learning is None:   # one observation at a time
+                self._learn(self.observed_host[:, :read_rows * self.top_k])
+        if rows and self.reading is None:    # the next observation once the last is read: one in flight
             self.observed_host.copy_(self.observed, non_blocking=self.gpu)
             done = None
             if self.gpu:
@@ -84,63 +90,80 @@ class GraphPool:
                 continue
             if copy.done is not None:
                 copy.done.synchronize()
-            layer = copy.layer
-            layer.slot_of[copy.experts] = torch.tensor(copy.slots, dtype=torch.long)
-            layer.slot_table.copy_(layer.slot_of, non_blocking=self.gpu)
+            self.slot_of[copy.layers, copy.experts] = copy.slots
+            self.copying[copy.layers, copy.experts] = False
+            self.tables.copy_(self.slot_of, non_blocking=self.gpu)
         self.pending = still
 
-    def _learn(self, layers: list, observed: torch.Tensor) -> None:
-        copying = {(id(c.layer), e) for c in self.pending for e in c.experts}
-        for layer, ids in zip(layers, observed):
-            routed = ids[ids >= 0].unique()
-            if not len(routed):
-                continue
-            layer.policy.access(routed)
-            missing = routed[layer.slot_of[routed] < 0]
-            layer.stats.hits += len(routed) - len(missing)
-            layer.stats.misses += len(missing)
-            wanted = [e for e in missing.tolist() if (id(layer), e) not in copying][:COPIES_PER_LAYER]
-            if wanted:
-                self._copy_in(layer, wanted)
+    def _learn(self, observed: torch.Tensor) -> None:
+        """observed [layers, rows·k] (-1: no row) → counters, values, and the copies worth starting."""
+        layers, experts = self.slot_of.shape
+        present = torch.zeros(layers, experts + 1, dtype=torch.bool)
+        present.scatter_(1, torch.where(observed >= 0, observed, experts), True)
+        present = present[:, :experts]
+        self.clock += 1
+        if self.decay is None:
+            self.value[present] = float(self.clock)
+        else:
+            self.value.mul_(self.decay).add_(present)
+        resident = self.slot_of >= 0
+        missed = present & ~resident
+        stats = self.layers[0].stats
+        stats.hits += int((present & resident).sum())
+        stats.misses += int(missed.sum())
+        experts, victims = self.admitted(missed & ~self.copying, resident)
+        self._copy_in(experts, victims)
 
-    def _admitted(self, layer, experts: list[int]) -> tuple[list[int], list[int]]:
-        """(the experts to copy in, the residents they evict): free slots first, then the least valuable residents,
-        each only for an expert the policy values more (the most valuable experts against the least valuable
-        residents, in order) — a missed expert can be read from host memory meanwhile, so a hot resident is not
-        traded for a one-off."""
-        policy = layer.policy
-        wanted = torch.tensor(experts, dtype=torch.long)
-        wanted = wanted[torch.argsort(policy.value(wanted), descending=True, stable=True)].tolist()
-        admitted = wanted[:len(layer.free)]
-        rest = wanted[len(admitted):]
-        if not rest:
-            return admitted, []
-        victims = policy.victims(layer.slot_of >= 0, len(rest))
-        worth = policy.value(torch.tensor(rest[:len(victims)], dtype=torch.long))
-        kept = policy.value(torch.tensor(victims, dtype=torch.long))
-        trades = int((worth > kept).long().cumprod(0).sum()) if victims else 0   # in order, until one is not worth it
-        return admitted + rest[:trades], victims[:trades]
+    def admitted(self, candidates: torch.Tensor, resident: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
+        """Per layer, (the experts to copy in, the residents they evict; -1 pads): up to COPIES_PER_LAYER of the
+        most valuable candidates, into free slots first, then each over the least valuable resident left while it
+        is worth more — in order, stopping at the first that is not (a hot resident is not traded for a one-off)."""
+        n = COPIES_PER_LAYER
+        worth, wanted = self.value.masked_fill(~candidates, -float("inf")).topk(n, dim=1)
+        kept, victims = self.value.masked_fill(~resident, float("inf")).topk(n, dim=1, largest=False)
+        free = torch.tensor([len(layer.free) for layer in self.layers])
+        rank = torch.arange(n)[None, :] - free[:, None]        # ≥ 0: the victim this expert needs
+        against = kept.gather(1, rank.clamp(0, n - 1))
+        ok = (worth > -float("inf")) & ((rank < 0) | (worth > against))
+        ok = ok.long().cumprod(1).bool()
+        trades = (ok & (rank >= 0)).sum(1, keepdim=True)
+        evicted = torch.where(torch.arange(n)[None, :] < trades, victims, -1)
+        return torch.where(ok, wanted, -1).tolist(), evicted.tolist()
 
-    def _copy_in(self, layer, experts: list[int]) -> None:
-        experts, victims = self._admitted(layer, experts)
-        if not experts:
+    def _copy_in(self, experts: list[list[int]], victims: list[list[int]]) -> None:
+        """Start the copies `admitted` chose (per layer, -1 padded), at most MAX_COPIES_PER_STEP: the victims leave
+        the tables, one event behind the queued steps, the copies on the copy stream, one event at their end."""
+        start = self.clock % len(experts)   # the layers take turns at the head of the queue
+        plan = [(i, [e for e in experts[i] if e >= 0], [v for v in victims[i] if v >= 0])
+                for i in (*range(start, len(experts)), *range(start))
+                if experts[i][0] >= 0][:MAX_COPIES_PER_STEP // COPIES_PER_LAYER]
+        if not plan:
             return
-        if victims:
-            layer.free += layer.slot_of[victims].tolist()
-            layer.slot_of[victims] = -1
-            layer.slot_table.copy_(layer.slot_of, non_blocking=self.gpu)   # the victims leave the table first
-        slots = [layer.free.pop() for _ in experts]
-        rows = torch.tensor(experts, dtype=torch.long)
+        gone = [(i, v) for i, _, vs in plan for v in vs]
+        if gone:
+            rows, cols = torch.tensor(gone).T
+            freed_slots = self.slot_of[rows, cols].tolist()
+            for (i, _), slot in zip(gone, freed_slots):
+                self.layers[i].free.append(slot)
+            self.slot_of[rows, cols] = -1
+            self.tables.copy_(self.slot_of, non_blocking=self.gpu)   # the victims leave the tables first
+        copies = [(i, e, self.layers[i].free.pop()) for i, es, _ in plan for e in es]
         done = None
         if self.gpu:
             freed = torch.cuda.Event()
             freed.record(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(layer.copy_stream):
-                layer.copy_stream.wait_event(freed)   # steps queued before still read the victims' slots
-                layer.copy_rows(rows, slots)
+            stream = self.layers[0].copy_stream
+            with torch.cuda.stream(stream):
+                stream.wait_event(freed)   # the steps queued before still read the victims' slots
+                for i, expert, slot in copies:
+                    self.layers[i].copy_rows(torch.tensor([expert]), [slot])
                 done = torch.cuda.Event()
-                done.record(layer.copy_stream)
+                done.record(stream)
         else:
-            layer.copy_rows(rows, slots)
-        layer.stats.bytes_copied += len(experts) * layer.bytes_per_expert
-        self.pending.append(PendingCopy(layer, experts, slots, done))
+            for i, expert, slot in copies:
+                self.layers[i].copy_rows(torch.tensor([expert]), [slot])
+        layers, experts_, slots = (torch.tensor(column) for column in zip(*copies))
+        self.copying[layers, experts_] = True
+        stats = self.layers[0].stats
+        stats.bytes_copied += sum(self.layers[i].bytes_per_expert for i, _, _ in copies)
+        self.pending.append(PendingCopy(layers, experts_, slots, done))

@@ -1,9 +1,7 @@
 """Which cached expert to evict: plain LRU, or an exponentially decayed hit count (LFU with decay).
 
 A policy keeps one record per expert of a layer (resident or not, so an expert evicted by a scan comes back
-with its history) and answers `victims(candidates, n)`: the n candidates to evict, and `value(experts)`: what
-keeping each is worth (the pools of a decode graph take a missed expert in only when it is worth more than its
-victim: it can be read from host memory meanwhile, cache/expert_graph_pool.py). Candidates exclude the
+with its history) and answers `victims(candidates, n)`: the n candidates to evict. Candidates exclude the
 experts the current step needs (pinned). The clock ticks once per `access` call, i.e. once per layer forward.
 """
 from __future__ import annotations
@@ -21,10 +19,6 @@ class LruPolicy:
     def access(self, experts: torch.Tensor) -> None:
         self.clock += 1
         self.last[experts] = self.clock
-
-    def value(self, experts: torch.Tensor) -> torch.Tensor:
-        """What keeping each of `experts` is worth (victims have the least): its last access."""
-        return self.last[experts].double()
 
     def victims(self, candidates: torch.Tensor, n: int) -> list[int]:
         """The n least recently used experts among `candidates` (a bool mask [E])."""
@@ -46,10 +40,6 @@ class LfuDecayPolicy:
 
     def _current(self, ids: torch.Tensor) -> torch.Tensor:
         return self.score[ids] * self.decay ** (self.clock - self.stamp[ids]).double()
-
-    def value(self, experts: torch.Tensor) -> torch.Tensor:
-        """What keeping each of `experts` is worth (victims have the least): its decayed count."""
-        return self._current(experts)
 
     def access(self, experts: torch.Tensor) -> None:
         self.clock += 1
