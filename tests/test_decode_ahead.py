@@ -11,6 +11,7 @@ from flashnext.engine.args import EngineArgs
 from flashnext.engine.cuda_graph import DecodeGraphs
 from flashnext.engine.llm_engine import LLMEngine
 from flashnext.engine.sampling_params import SamplingParams
+from test_engine import hooked_steps
 
 
 def engine_with_graphs(model="tiny-flash-next", decode_ahead=True, **args):
@@ -157,12 +158,7 @@ def test_launched_hook_comes_after_the_step_ahead_is_queued():
     runner = engine.runner
     run_ahead = runner.run_ahead
     runner.run_ahead = lambda *a: (events.append("ahead"), run_ahead(*a))[1]
-    engine.add_request("hook", [3, 4, 5, 6, 7], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-    steps = []
-    while engine.has_work():
-        events.clear()
-        engine.step(launched=lambda: events.append("launched"))
-        steps.append(list(events))
+    steps = hooked_steps(engine, events, max_tokens=6)
     assert steps[0] == ["launched"]              # the prompt: eager (no decode step of its width exists yet)
     assert steps[1] == ["launched", "ahead"]     # the first decode: the hook after the graph, then the step ahead
     assert steps[2] == ["ahead", "launched"]     # from the step in flight: the next one ahead first, then the hook

@@ -235,6 +235,18 @@ def test_refusals_name_the_limit(engine):
     pools_idle(engine)
 
 
+def hooked_steps(engine, events: list, max_tokens: int) -> list[list[str]]:
+    """Run one greedy request of 5 prompt tokens to its end; → per step, what `events` recorded (the spies the
+    caller installed, and "launched" when the step calls the server's hook)."""
+    engine.add_request("hook", [3, 4, 5, 6, 7], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    steps = []
+    while engine.has_work():
+        events.clear()
+        engine.step(launched=lambda: events.append("launched"))
+        steps.append(list(events))
+    return steps
+
+
 def test_launched_hook_runs_after_the_decode_graph_and_before_an_eager_forward():
     """The server delivers a step's outputs while the next step computes (AsyncLLM._loop): the runner calls the hook
     right after replaying a decode graph that runs the whole step, before an eager forward (a prefill chunk), and
@@ -252,12 +264,7 @@ def test_launched_hook_runs_after_the_decode_graph_and_before_an_eager_forward()
         setattr(runner, name, lambda *a, _name=name, _f=original: (events.append(_name), _f(*a))[1])
     graph_run = runner.graphs.run
     runner.graphs.run = lambda *a: (events.append("graph"), graph_run(*a))[1]
-    engine.add_request("hook", [3, 4, 5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-    steps = []
-    while engine.has_work():
-        events.clear()
-        engine.step(launched=lambda: events.append("launched"))
-        steps.append(list(events))
+    steps = hooked_steps(engine, events, max_tokens=3)
     assert steps[0] == ["launched", "_forward_eager", "_sample"]       # the prompt: eager, the hook first
     assert steps[-1] == ["graph", "launched", "_sample"]               # a decode: the hook once the graph is queued
     events.clear()
