@@ -110,13 +110,13 @@ class LayerExpertCache:
         self.slot_of = torch.full((self.num_experts,), -1, dtype=torch.long)        # expert → slot (host copy)
         self.slot_table = torch.full((self.num_experts,), -1, dtype=torch.long, device=device)
         self.free = list(range(num_slots))
-        # Inside a captured decode step (cache/expert_graph_pool.py): the kernels read the pool through slot_table
-        # and a missing expert from its host row; the step's routed ids go to `observed` for the GraphPool.
-        self.cached = moe_ops.CachedExperts(self.slot_table, self._host_weight("gate_up"), self._host_weight("down"))
-        self.graph_pool, self.observed = None, None
+        # Set by a GraphPool (cache/expert_graph_pool.py) for captured decode steps: the kernels read the pool through
+        # the slot table and a missing expert from its host row (`cached`); the step's routed ids go to `observed`.
+        self.graph_pool, self.observed, self.cached = None, None, None
         module.expert_cache = self
 
-    def _host_weight(self, prefix: str) -> Int4Weight:
+    def host_weight(self, prefix: str) -> Int4Weight:
+        """The host store's stacked Int4Weight of "gate_up" or "down"."""
         get = lambda name: self.host.get(f"{prefix}_{name}")  # noqa: E731
         return Int4Weight(get("qweight"), get("scales"), get("zeros"), get("perm"),
                           self.module.group_sizes[prefix == "down"])
@@ -131,12 +131,6 @@ class LayerExpertCache:
         return moe_ops.moe_int4(x, ids, weights, self.module.weight_int4("gate_up"), self.module.weight_int4("down"),
                                 cached=self.cached)
 
-    def copy_rows(self, experts: torch.Tensor, slots: list[int]) -> None:
-        """Host rows `experts` into pool slots `slots` on the current stream (page-locked rows: DMA)."""
-        for name in self.names:
-            pool, host = getattr(self.module, name), self.host[name]
-            for expert, slot in zip(experts.tolist(), slots):
-                pool[slot].copy_(host[expert], non_blocking=True)
 
     def load(self, experts: list[int]) -> list[int]:
         """Make `experts` (distinct, ≤ num_slots) resident; → their slots. Only other experts are evicted."""
@@ -169,14 +163,14 @@ class LayerExpertCache:
         self.stats.prefetched += len(missing)
         self.stats.bytes_copied += len(missing) * self.bytes_per_expert
         if self.copy_stream is None:
-            self._copy_rows(missing, slots, None)
+            self.copy_rows(missing, slots, None)
             self.slot_table.copy_(self.slot_of)
             return
         lane = self.prefetch_staging
         if lane.event is not None:
             lane.event.synchronize()            # the last prefetch's staging rows are free again
         with torch.cuda.stream(self.copy_stream):
-            self._copy_rows(missing, slots, lane)
+            self.copy_rows(missing, slots, lane)
             self.slot_table.copy_(self.slot_of, non_blocking=False)
             self.prefetch_event = lane.event = torch.cuda.Event()
             self.prefetch_event.record(self.copy_stream)
@@ -195,9 +189,16 @@ class LayerExpertCache:
         self.slot_of[missing] = slots
         return slots
 
-    def _copy_rows(self, experts: torch.Tensor, slots: torch.Tensor, staging: PinnedRows | None) -> None:
+    def copy_rows(self, experts: torch.Tensor, slots: torch.Tensor, staging: PinnedRows | None) -> None:
         """Host rows `experts` → device slots `slots`: straight on the CPU, through pinned `staging` rows with
-        asynchronous copies on the current stream on the GPU."""
+        asynchronous copies on the current stream on the GPU — or without staging on the GPU, each page-locked
+        store row straight to its slot (a GraphPool's copies, which nothing waits for)."""
+        if staging is None and self.device.type == "cuda":
+            for name in self.names:
+                pool, host = getattr(self.module, name), self.host[name]
+                for expert, slot in zip(experts.tolist(), slots.tolist()):
+                    pool[slot].copy_(host[expert], non_blocking=True)
+            return
         dst = slots.to(self.device, non_blocking=staging is not None)
         for name in self.names:
             host = self.host[name]
@@ -211,12 +212,12 @@ class LayerExpertCache:
     def _copy_in(self, experts: torch.Tensor, slots: torch.Tensor) -> None:
         start = time.perf_counter()
         if self.copy_stream is None:
-            self._copy_rows(experts, slots, None)
+            self.copy_rows(experts, slots, None)
         else:
             # the kernels queued before (an earlier round of this layer) may still read the slots being refilled
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
-                self._copy_rows(experts, slots, self.staging)
+                self.copy_rows(experts, slots, self.staging)
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
             self.copy_stream.synchronize()  # the staging rows are reused next call; also makes the stall measurable
         self.stats.stall_seconds += time.perf_counter() - start
@@ -286,10 +287,10 @@ class ExpertCache:
         steps (after_step)."""
         from flashnext.cache.expert_graph_pool import GraphPool
 
-        GraphPool(self.layers, max_rows, top_k, self.layers[0].device)
+        GraphPool(self.layers, max_rows, top_k)
 
-    def after_step(self, rows: int | None) -> None:
-        """After a decode step of `rows` rows, or None (no decode graph ran): GraphPool.after_step."""
+    def after_step(self, rows: int) -> None:
+        """After a decode step of `rows` rows: GraphPool.after_step."""
         if self.graph_pool is not None:
             self.graph_pool.after_step(rows)
 

@@ -18,9 +18,11 @@ On a CPU there is no graph and no stream: the same bookkeeping runs with plain c
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
+
+from flashnext.ops.moe_int4 import CachedExperts
 
 # Experts copied in per layer and per learning step at most (the copies share PCIe with the kernels' reads of
 # missing experts, and each costs a few host calls), MAX_COPIES_PER_STEP in all, the layers taking turns.
@@ -41,10 +43,10 @@ class PendingCopy:
 
 
 class GraphPool:
-    def __init__(self, layers: list, max_rows: int, top_k: int, device: torch.device):
-        self.layers, self.top_k, self.device = layers, top_k, device
-        self.gpu = device.type == "cuda"
-        self.observed = torch.full((len(layers), max_rows * top_k), -1, dtype=torch.long, device=device)
+    def __init__(self, layers: list, max_rows: int, top_k: int):
+        self.layers, self.top_k, self.device = layers, top_k, layers[0].device
+        self.gpu = self.device.type == "cuda"
+        self.observed = torch.full((len(layers), max_rows * top_k), -1, dtype=torch.long, device=self.device)
         self.observed_host = torch.empty(self.observed.shape, dtype=torch.long, pin_memory=self.gpu)
         self.reading: tuple[torch.cuda.Event | None, int] | None = None   # (copy done, rows) of observed_host
         self.pending: list[PendingCopy] = []
@@ -60,18 +62,19 @@ class GraphPool:
         for i, layer in enumerate(layers):
             layer.graph_pool, layer.observed = self, self.observed[i]
             layer.slot_of, layer.slot_table = self.slot_of[i], self.tables[i]
-            layer.cached = replace(layer.cached, table=layer.slot_table)
+            layer.cached = CachedExperts(layer.slot_table, layer.host_weight("gate_up"), layer.host_weight("down"))
 
-    def after_step(self, rows: int | None) -> None:
-        """After a decode step of `rows` rows (None: no decode graph ran since the last call)."""
+    def after_step(self, rows: int) -> None:
+        """After a decode step of `rows` rows (ModelRunner's after_decode)."""
         self._publish(wait=False)
         if self.reading is not None:
             done, read_rows = self.reading
             if done is None or done.query():
                 self.reading = None
                 self._learn(self.observed_host[:, :read_rows * self.top_k])
-        if rows and self.reading is None:    # the next observation once the last is read: one in flight
-            self.observed_host.copy_(self.observed, non_blocking=self.gpu)
+        if self.reading is None:    # the next observation once the last is read: one in flight
+            columns = rows * self.top_k
+            self.observed_host[:, :columns].copy_(self.observed[:, :columns], non_blocking=self.gpu)
             done = None
             if self.gpu:
                 done = torch.cuda.Event()
@@ -92,6 +95,7 @@ class GraphPool:
                 copy.done.synchronize()
             self.slot_of[copy.layers, copy.experts] = copy.slots
             self.copying[copy.layers, copy.experts] = False
+        if len(still) < len(self.pending):
             self.tables.copy_(self.slot_of, non_blocking=self.gpu)
         self.pending = still
 
@@ -147,7 +151,7 @@ class GraphPool:
                 self.layers[i].free.append(slot)
             self.slot_of[rows, cols] = -1
             self.tables.copy_(self.slot_of, non_blocking=self.gpu)   # the victims leave the tables first
-        copies = [(i, e, self.layers[i].free.pop()) for i, es, _ in plan for e in es]
+        per_layer = [(i, es, [self.layers[i].free.pop() for _ in es]) for i, es, _ in plan]
         done = None
         if self.gpu:
             freed = torch.cuda.Event()
@@ -155,15 +159,18 @@ class GraphPool:
             stream = self.layers[0].copy_stream
             with torch.cuda.stream(stream):
                 stream.wait_event(freed)   # the steps queued before still read the victims' slots
-                for i, expert, slot in copies:
-                    self.layers[i].copy_rows(torch.tensor([expert]), [slot])
+                self._copy_rows(per_layer)
                 done = torch.cuda.Event()
                 done.record(stream)
         else:
-            for i, expert, slot in copies:
-                self.layers[i].copy_rows(torch.tensor([expert]), [slot])
+            self._copy_rows(per_layer)
+        copies = [(i, e, slot) for i, es, slots in per_layer for e, slot in zip(es, slots)]
         layers, experts_, slots = (torch.tensor(column) for column in zip(*copies))
         self.copying[layers, experts_] = True
         stats = self.layers[0].stats
         stats.bytes_copied += sum(self.layers[i].bytes_per_expert for i, _, _ in copies)
         self.pending.append(PendingCopy(layers, experts_, slots, done))
+
+    def _copy_rows(self, per_layer: list[tuple[int, list[int], list[int]]]) -> None:
+        for i, experts, slots in per_layer:
+            self.layers[i].copy_rows(torch.tensor(experts), torch.tensor(slots), None)

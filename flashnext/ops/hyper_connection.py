@@ -10,8 +10,8 @@ Shapes (N rows, hc streams of H = hidden, R = lowrank):
 normed streams to h's dtype (ZeroCenteredRMSNorm's .type_as), every F.linear output, each elementwise op
 of a 16-bit tensor, and the mean over streams once (fp32 sum). `hc_mix` dispatches CUDA tensors of up to
 decode_max_rows() rows (16; FLASHNEXT_HC_DECODE_MAX_ROWS, read when a step is traced or captured, to A/B the
-paths for decode batches: on the H200 the Triton mix costs ~5 µs more per row, 53 µs at 8 rows, because its
-GEMVs multiply each row apart) to the Triton kernels (ops/hyper_connection_triton.py); more rows (prefill) take the
+paths for decode batches: on the H200 the Triton mix costs ~5 µs more per row, 53 µs at 8 rows, cause not yet
+profiled: BENCHMARKS.md session 9) to the Triton kernels (ops/hyper_connection_triton.py); more rows (prefill) take the
 reference's math with cuBLAS for the GEMMs (each weight read once for all rows; the GEMV kernels would not),
 the RMSNorm kernel for the streams' norm (one pass over [T, hc·H] instead of ~8 fp32 passes; on the H200 the
 pow and mean kernels of these norms and GatedDeltaNet's alone were ~3% of a 10K Flash-Next prefill) and one
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from flashnext.ops.rms_norm import rms_norm, rms_norm_reference
 
-DECODE_MAX_ROWS = 16
+DECODE_MAX_ROWS = 16   # decode_max_rows()'s default
 
 
 def decode_max_rows() -> int:
