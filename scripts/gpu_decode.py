@@ -111,7 +111,7 @@ def timing(model_name: str, quantize: str | None, variants: list[dict[str, str]]
     replay_ms_without_pdl = replay_without_pdl(graphs)
     for variant in variants:   # the same step captured again under other switches (one model build for all)
         with environment(variant):
-            print(f"  variant {' '.join(f'{k}={v}' for k, v in variant.items())}: "
+            print(f"  variant {label(variant)}: "
                   f"{recaptured_ms(graphs):.3f} ms per replay back to back")
     recaptured_ms(graphs)      # the default step again, for the eager timing below
     batch = graphs.batch(1, 16)
@@ -162,8 +162,7 @@ def batch_timing(model_name: str, quantize: str | None, sizes: list[int], contex
             with environment(variant):
                 del graphs.graphs[(size, width)]
                 variant_ms = step_ms()
-            print(f"{'':5} {variant_ms:13.3f} {1e3 / variant_ms:16.1f} {n * 1e3 / variant_ms:15.1f}  "
-                  + " ".join(f"{k}={v}" for k, v in variant.items()))
+            print(f"{'':5} {variant_ms:13.3f} {1e3 / variant_ms:16.1f} {n * 1e3 / variant_ms:15.1f}  {label(variant)}")
         del graphs.graphs[(size, width)]
         step_ms()   # the default step again, for the profile below
         with torch.inference_mode():
@@ -171,6 +170,10 @@ def batch_timing(model_name: str, quantize: str | None, sizes: list[int], contex
         for slot, table in zip(slots, tables):
             states.release(slot)
             kv.release(table)
+
+
+def label(variant: dict[str, str]) -> str:
+    return " ".join(f"{k}={v}" for k, v in variant.items())
 
 
 def replayed_ms(graph, steps: int = 50) -> float:

@@ -119,9 +119,9 @@ def test_prompt_tail_fed_one_token_a_step_through_the_decode_graph():
     replayed_prompt_tokens = []
     original = runner._replay
 
-    def spy(decoding):
-        replayed_prompt_tokens.extend(c for c in decoding if not c.samples)
-        return original(decoding)
+    def spy(requests, *rest):   # rows that feed a prompt token, not the last: they do not sample
+        replayed_prompt_tokens.extend(r for r in requests if r.num_computed + 1 < r.num_tokens)
+        return original(requests, *rest)
 
     runner._replay = spy
     got = conversation(engine)

@@ -63,7 +63,7 @@ class ModelRunner:
             launched()
         parts = []
         if decoding:
-            logits = self._replay(decoding)
+            logits = self._replay([c.request for c in decoding])
             sampled = [c.request for c in decoding if c.samples]   # the first rows (_graph_chunks' order)
             if sampled:   # prompt tokens fed one a step come last: their logits are not wanted
                 parts.append((sampled, logits[:len(sampled)]))
@@ -102,23 +102,19 @@ class ModelRunner:
     def run_ahead(self, requests, sampled: SamplerOutput) -> SamplerOutput:
         """The decode step of `requests` fed the tokens in `sampled` straight from the device (can_run_ahead
         said yes; each request's num_computed is the position of its token in `sampled`, its blocks hold it)."""
-        ids, lengths, batch, tokens = self._last_batch
-        batch.append(tokens)
-        # the batch samples once the tokens in `sampled` are the requests' outputs: one longer than recorded
-        self._last_batch = (ids, [m + 1 for m in lengths], batch, None)
-        logits = self.graphs.run(tokens, [r.num_computed for r in requests], [r.slot for r in requests],
+        batch = self._sampling_batch(requests, appendable=True)
+        logits = self._replay(requests, sampled.token_ids)
+        return self._sample(logits.float(), requests, batch)
+
+    def _replay(self, requests, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per request through the decode graph → logits [len(requests), V]; the tokens at their
+        num_computed, or `input_ids` on the device (a step ahead)."""
+        if input_ids is None:
+            input_ids = [r.all_ids[r.num_computed] for r in requests]
+        logits = self.graphs.run(input_ids, [r.num_computed for r in requests], [r.slot for r in requests],
                                  [r.blocks for r in requests])
         if self.after_decode is not None:
             self.after_decode(len(requests))
-        return self._sample(logits.float(), requests, batch)
-
-    def _replay(self, decoding: list[ScheduledChunk]) -> torch.Tensor:
-        """One token per request through the decode graph → logits [len(decoding), V]."""
-        rs = [c.request for c in decoding]
-        logits = self.graphs.run([r.all_ids[r.num_computed] for r in rs], [r.num_computed for r in rs],
-                                 [r.slot for r in rs], [r.blocks for r in rs])
-        if self.after_decode is not None:
-            self.after_decode(len(rs))
         return logits
 
     def _graph_chunks(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
@@ -159,10 +155,10 @@ class ModelRunner:
         """The last batch advanced by its tokens when `appendable` (see _appendable), else a new one."""
         ids, lengths = [id(r) for r in requests], [len(r.output_ids) for r in requests]
         last = self._last_batch
-        if appendable:
+        if appendable:   # a step ahead records the lengths its tokens will give (_appendable's m + 1)
             batch = last[2]
             batch.append(last[3])
-            self._last_batch = (ids, lengths, batch, last[3])
+            self._last_batch = (ids, [m + 1 for m in last[1]], batch, last[3])
             return batch
         batch = SamplingBatch.build([r.params for r in requests], [r.output_ids for r in requests],
                                     [r.prompt_ids for r in requests], self.vocab_size, self.device,
