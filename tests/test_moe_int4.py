@@ -43,7 +43,7 @@ def case(m, e, k, h, i, g_up, g_down, asym=False, act_order=False, seed=0):
 
 
 # (M, k, H, I, g for gate_up (divides H), g for down (divides I), asym, act_order, block_m)
-# block_m >= M: decode blocks (one per expert run); block_m < M: prefill blocks (runs cut into block_m rows).
+# block_m >= M·k: decode blocks (one per expert run); block_m < M·k: prefill blocks (runs cut into block_m rows).
 CASES = [
     (1, 2, 64, 32, 32, 32, False, False, 16),
     (2, 3, 96, 48, 32, 48, True, False, 16),
@@ -51,7 +51,7 @@ CASES = [
     (5, 3, 96, 32, 96, 32, True, True, 16),
     (33, 3, 64, 48, 32, 16, True, False, 16),
     (33, 2, 96, 32, 32, 32, False, False, 16),
-    (33, 3, 64, 32, 64, 32, False, True, 64),
+    (33, 3, 64, 32, 64, 32, False, True, 128),
 ]
 PARAMS = "m,k,h,i,g_up,g_down,asym,act_order,block_m"
 
@@ -125,3 +125,24 @@ def test_triton_default_configs(m):
     x, ids, weights, w_gate_up, w_down = case(m, 8, 3, 128, 64, 64, 64, asym=True)
     got = moe_int4_triton(x, ids, weights, w_gate_up, w_down)
     assert rel_err(got, moe_int4_reference(x, ids, weights, w_gate_up, w_down)) < 1e-5
+
+
+@pytest.mark.parametrize("m", [3, 40])
+def test_terms_in_rounds_sum_to_one_call(m):
+    """An expert cache runs the grouped kernels a round of experts at a time, the other choices pointed at a
+    resident stand-in (so a token may choose it twice, and one expert's run of rows may pass BLOCK_M), keeps each
+    round's own terms and sums once: one call's result. Bit for bit on the GPU (scripts/gpu_expert_cache.py); here
+    to rounding, as the interpreter's numpy dot rounds a row by its place in the tile."""
+    from flashnext.ops.moe_int4_triton import moe_int4_triton, moe_int4_triton_pairs
+
+    x, ids, weights, w_gate_up, w_down = case(m, 8, 3, 128, 64, 64, 64, asym=True)
+    terms = None
+    for chunk in ([0, 1, 2], [3, 4, 5], [6, 7]):
+        mask = torch.isin(ids, torch.tensor(chunk))
+        part = moe_int4_triton_pairs(x, torch.where(mask, ids, chunk[0]), weights, w_gate_up, w_down)
+        terms = part if terms is None else torch.where(mask[..., None], part, terms)
+    want = moe_int4_triton(x, ids, weights, w_gate_up, w_down)
+    assert rel_err(terms.sum(1).to(x.dtype), want) < 1e-6
+    assert rel_err(terms.sum(1), moe_int4_reference(x, ids, weights, w_gate_up, w_down)) < 1e-5
+    assert not torch.equal(moe_int4_triton_pairs(x, torch.where(ids < 3, ids, 0), weights, w_gate_up,
+                                                 w_down).sum(1), want)   # the rounds matter

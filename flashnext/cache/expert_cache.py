@@ -121,16 +121,15 @@ class LayerExpertCache:
         return Int4Weight(get("qweight"), get("scales"), get("zeros"), get("perm"),
                           self.module.group_sizes[prefix == "down"])
 
-    def decode(self, x, weights, ids):
+    def decode(self, x, weights, ids, shared: moe_ops.SharedExpert | None = None):
         """The graph-safe forward of a decode step (a GraphPool is installed): no host sync, no copy. Batches the
         decode kernels do not take (above DECODE_MAX_M rows) go through `forward` (the engine captures no such
         step: LLMEngine)."""
-        if not moe_ops.runs_cached_experts(x):
-            return self.forward(x, weights, ids)
+        if self.graph_pool is None or not moe_ops.runs_cached_experts(x):
+            return self.forward(x, weights, ids, shared)
         self.observed[:ids.numel()].copy_(ids.reshape(-1))
         return moe_ops.moe_int4(x, ids, weights, self.module.weight_int4("gate_up"), self.module.weight_int4("down"),
-                                cached=self.cached)
-
+                                shared=shared, cached=self.cached)
 
     def load(self, experts: list[int]) -> list[int]:
         """Make `experts` (distinct, ≤ num_slots) resident; → their slots. Only other experts are evicted."""
@@ -235,8 +234,9 @@ class LayerExpertCache:
         if guess:
             self.next_cache.prefetch(guess)
 
-    def forward(self, x, weights, ids):
-        """Int4Experts.forward through the slot pool (same maths as ops.moe_int4)."""
+    def forward(self, x, weights, ids, shared: moe_ops.SharedExpert | None = None):
+        """Int4Experts.forward through the slot pool, with the all-resident result bit for bit: the same kernels
+        over the same words, in the same order of additions. `shared` where moe_ops.runs_shared_expert(x)."""
         routed = ids.unique()
         guess = self._guess_next(x)
         both = (routed if guess is None else torch.cat([routed, guess])).tolist()   # the layer's one host sync
@@ -244,18 +244,25 @@ class LayerExpertCache:
         rounds = [experts[i:i + self.num_slots] for i in range(0, len(experts), self.num_slots)]
         gate_up, down = self.module.weight_int4("gate_up"), self.module.weight_int4("down")
         if x.is_cuda and moe_ops._BACKEND != "reference":
-            if len(rounds) == 1:
-                self.load(experts)
-                out = moe_ops.moe_int4(x, self.slot_table[ids], weights, gate_up, down)
-                self._start_prefetch(guess_ids)    # after this layer's kernels are queued: they run meanwhile
-                return out
-            out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-            for chunk in rounds:
-                slots = self.load(chunk)
-                mask = torch.isin(ids, torch.tensor(chunk, device=ids.device))
-                sid = torch.where(mask, self.slot_table[ids], slots[0])
-                out += moe_ops.moe_int4(x, sid, torch.where(mask, weights, 0), gate_up, down).float()
-            return out.to(x.dtype)
+            if moe_ops.runs_cached_experts(x):
+                # the decode kernels: the first round resident, the experts beyond the pool read from host memory
+                self.load(rounds[0])
+                self.stats.misses += len(experts) - len(rounds[0])
+                cached = moe_ops.CachedExperts(self.slot_table, self.host_weight("gate_up"), self.host_weight("down"))
+                out = moe_ops.moe_int4(x, ids, weights, gate_up, down, shared=shared, cached=cached)
+            else:
+                # the grouped kernels' per-(token, choice) terms, a round's experts at a time, summed once at the end
+                terms = None
+                for chunk in rounds:
+                    slots = self.load(chunk)
+                    mask = torch.isin(ids, torch.tensor(chunk, device=ids.device))
+                    sid = torch.where(mask, self.slot_table[ids], slots[0])
+                    part = moe_ops.routed_pairs(x, sid, weights, gate_up, down)
+                    terms = part if terms is None else torch.where(mask[..., None], part, terms)
+                out = terms.sum(1).to(x.dtype)
+            self._start_prefetch(guess_ids)    # after this layer's kernels are queued: they run meanwhile
+            return out
+        # the reference's order: experts ascending, each added to one fp32 sum, then the shared expert
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         xf = x.float()
         for chunk in rounds:
@@ -264,6 +271,7 @@ class LayerExpertCache:
                 gate, up = F.linear(xf[token], dequantize(_one(gate_up, s))).chunk(2, dim=-1)
                 y = F.linear(F.silu(gate) * up, dequantize(_one(down, s)))
                 out.index_add_(0, token, y * weights[token, k, None].float())
+        moe_ops.add_shared_reference(out, xf, shared)
         self._start_prefetch(guess_ids)
         return out.to(x.dtype)
 

@@ -18,6 +18,7 @@ On a CPU there is no graph and no stream: the same bookkeeping runs with plain c
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,8 +27,9 @@ from flashnext.ops.moe_int4 import CachedExperts
 
 # Experts copied in per layer and per learning step at most (the copies share PCIe with the kernels' reads of
 # missing experts, and each costs a few host calls), MAX_COPIES_PER_STEP in all, the layers taking turns.
-COPIES_PER_LAYER = 2
-MAX_COPIES_PER_STEP = 16
+# FLASHNEXT_EXPERT_COPIES_PER_LAYER / FLASHNEXT_EXPERT_COPIES_PER_STEP (docs/expert_cache.md) for measuring.
+COPIES_PER_LAYER = int(os.environ.get("FLASHNEXT_EXPERT_COPIES_PER_LAYER", "2"))
+MAX_COPIES_PER_STEP = int(os.environ.get("FLASHNEXT_EXPERT_COPIES_PER_STEP", "16"))
 # A learning step is ~30 tensor ops over [layers, experts] plus the copies it starts: 1.6 ms of host time for all 48
 # layers of Flash-Next's shapes (512 experts, top-10, 196 slots) with 16 copies on the 2-core dev machine (copies
 # not issued there); done per layer it had been 0.8-0.9 ms a layer.

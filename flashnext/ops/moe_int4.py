@@ -80,9 +80,14 @@ def moe_int4_reference(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down:
         token, slot = torch.where(topk_ids == e)
         y = _expert_fp32(xf[token], _expert(w_gate_up, e), _expert(w_down, e))
         out.index_add_(0, token, y * topk_weights[token, slot, None].float())
+    add_shared_reference(out, xf, shared)
+    return out.to(x.dtype)
+
+
+def add_shared_reference(out: torch.Tensor, xf: torch.Tensor, shared: SharedExpert | None) -> None:
+    """The reference's last term: the gated shared expert added to the fp32 sum `out` (x in fp32: xf)."""
     if shared is not None:
         out += torch.sigmoid(shared.logit.float()) * _expert_fp32(xf, shared.gate_up, shared.down)
-    return out.to(x.dtype)
 
 
 def runs_shared_expert(x) -> bool:
@@ -110,7 +115,7 @@ def moe_int4(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weigh
             from flashnext.ops.moe_int4_decode_triton import moe_int4_decode
 
             return moe_int4_decode(x, topk_ids, topk_weights, w_gate_up, w_down, shared=shared, cached=cached)
-        return _routed_grouped(x, topk_ids, topk_weights, w_gate_up, w_down)
+        return routed_pairs(x, topk_ids, topk_weights, w_gate_up, w_down).sum(1).to(x.dtype)
     if cached is not None:   # what the kernels read: residents from their pool slots, the others from the host
         w_gate_up, w_down = (through_table(pool, host, cached.table)
                              for pool, host in ((w_gate_up, cached.gate_up), (w_down, cached.down)))
@@ -141,12 +146,16 @@ def runs_cached_experts(x) -> bool:
     return x.is_cuda and _BACKEND == "auto" and x.shape[0] <= DECODE_MAX_M
 
 
-def _routed_grouped(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weight) -> torch.Tensor:
+def routed_pairs(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weight) -> torch.Tensor:
+    """The grouped kernels' (CUDA, any M) terms before their sum over the k choices: [M, k, H] fp32, each
+    topk_weights[m, j] * down_e(silu(gate_e(x[m])) * up_e(x[m])). A (token, choice)'s term depends on its own row
+    only, so a caller may compute the terms in several calls (an expert cache's rounds) and sum once: the same
+    result as one call."""
     if _PREFILL == "dequant" and _BACKEND == "auto":
-        from flashnext.ops.moe_int4_dequant import DEQUANT_MIN_M, moe_int4_dequant
+        from flashnext.ops.moe_int4_dequant import DEQUANT_MIN_M, moe_int4_dequant_pairs
 
         if x.shape[0] >= DEQUANT_MIN_M:
-            return moe_int4_dequant(x, topk_ids, topk_weights, w_gate_up, w_down)
-    from flashnext.ops.moe_int4_triton import moe_int4_triton
+            return moe_int4_dequant_pairs(x, topk_ids, topk_weights, w_gate_up, w_down)
+    from flashnext.ops.moe_int4_triton import moe_int4_triton_pairs
 
-    return moe_int4_triton(x, topk_ids, topk_weights, w_gate_up, w_down)
+    return moe_int4_triton_pairs(x, topk_ids, topk_weights, w_gate_up, w_down)

@@ -28,6 +28,12 @@ DEQUANT_MIN_M = 256
 def moe_int4_dequant(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: Int4Weight,
                      w_down: Int4Weight) -> torch.Tensor:
     """Same contract as ops.moe_int4.moe_int4_reference."""
+    return moe_int4_dequant_pairs(x, topk_ids, topk_weights, w_gate_up, w_down).sum(1).to(x.dtype)
+
+
+def moe_int4_dequant_pairs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                           w_gate_up: Int4Weight, w_down: Int4Weight) -> torch.Tensor:
+    """The weighted terms [M, k, H] fp32 that moe_int4_dequant sums over k (ops.moe_int4.routed_pairs)."""
     m, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts = w_gate_up.qweight.shape[0]
@@ -42,5 +48,4 @@ def moe_int4_dequant(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     y = torch._grouped_mm(h, dequantize_triton(w_down, x.dtype), offs=ends)
     by_choice = torch.empty_like(y)
     by_choice[order] = y                                                        # back to (token, choice) order
-    weighted = by_choice.view(m, top_k, hidden).float() * topk_weights[..., None].float()
-    return weighted.sum(1).to(x.dtype)
+    return by_choice.view(m, top_k, hidden).float() * topk_weights[..., None].float()

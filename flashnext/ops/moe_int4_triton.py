@@ -13,7 +13,7 @@ Act-order weights (perm) gather the activation columns inside the K loop. Dequan
 small integers (q - zero), exact in bf16, and the group scale is applied to the fp32 partial product.
 
 Two ways to cut blocks, both without a host sync (CUDA-graph safe):
-  decode (M <= BLOCK_M): a block starts at every sorted position whose expert differs from the previous
+  decode (M·k <= BLOCK_M): a block starts at every sorted position whose expert differs from the previous
     one; the other positions are idle programs. One torch.sort and three tiny ops.
   prefill: per-expert counts -> blocks of BLOCK_M rows (a grouped GEMM, tl.dot tensor cores, dequant in
     the K loop), the block table built with cumsum/searchsorted on the device.
@@ -198,6 +198,12 @@ def block_k_for_group(config_k: int, group_size: int) -> int:
 def moe_int4_triton(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weight,
                     config: MoeConfig | None = None) -> torch.Tensor:
     """Same contract as ops.moe_int4.moe_int4_reference; x [M, H] bf16/fp16/fp32 on CUDA (or interpreted)."""
+    return moe_int4_triton_pairs(x, topk_ids, topk_weights, w_gate_up, w_down, config).sum(1).to(x.dtype)
+
+
+def moe_int4_triton_pairs(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weight,
+                          config: MoeConfig | None = None) -> torch.Tensor:
+    """The weighted terms [M, k, H] fp32 that moe_int4_triton sums over k (ops.moe_int4.routed_pairs)."""
     m, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, _, two_i = w_gate_up.qweight.shape
@@ -207,7 +213,7 @@ def moe_int4_triton(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: In
     flat = topk_ids.reshape(-1)
     sorted_ids, order = torch.sort(flat, stable=True)
     sorted_ids, order = sorted_ids.to(torch.int32), order.to(torch.int32)
-    if m <= config.block_m:
+    if flat.numel() <= config.block_m:   # no run can pass BLOCK_M, even with an expert chosen twice by a token
         block_start = _decode_blocks(sorted_ids)
     else:
         block_start = _prefill_blocks(sorted_ids, num_experts, config.block_m)
@@ -235,4 +241,4 @@ def moe_int4_triton(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: In
         h, y, topk_weights.reshape(-1).contiguous(), sorted_ids, order, block_start,
         w_down.qweight, w_down.scales, zeros, perm, n_pairs, hidden, inter, w_down.group_size,
         BLOCK_K=block_k_for_group(config.block_k, w_down.group_size), **flags, **common)
-    return y.view(m, top_k, hidden).sum(1).to(x.dtype)
+    return y.view(m, top_k, hidden)

@@ -66,29 +66,26 @@ class Int4Experts(nn.Module):
         get = lambda name: getattr(self, f"{prefix}_{name}")  # noqa: E731
         return Int4Weight(get("qweight"), get("scales"), get("zeros"), get("perm"), g)
 
-    def forward(self, x, weights, ids):
+    def forward(self, x, weights, ids, shared: SharedExpert | None = None):
+        """`shared` (from `shared_int4`): the kernels run it as one more expert per token."""
         if self.expert_cache is not None:  # routed ids → slots of the device pool, misses copied in first
-            return self.expert_cache.forward(x, weights, ids)
-        return moe_int4(x, ids, weights, self.weight_int4("gate_up"), self.weight_int4("down"))
+            return self.expert_cache.forward(x, weights, ids, shared)
+        return moe_int4(x, ids, weights, self.weight_int4("gate_up"), self.weight_int4("down"), shared)
 
     def decode(self, x, weights, ids, shared: SharedExpert | None = None):
-        """The fused kernels need no host sync, so a captured decode step runs `forward` as it is (with `shared`,
-        from `shared_int4`, as one more expert per token). With an expert cache whose pools adapt between graph
-        steps (ExpertCache.enable_graphs), through its slot tables; without, the cache runs eagerly."""
+        """The fused kernels need no host sync, so a captured decode step runs `forward` as it is. With an expert
+        cache whose pools adapt between graph steps (ExpertCache.enable_graphs), through its slot tables; without,
+        the cache runs eagerly."""
         if self.expert_cache is not None and self.expert_cache.graph_pool is not None:
-            assert shared is None, "the expert cache's slots hold routed experts only"
-            return self.expert_cache.decode(x, weights, ids)
-        if shared is None:
-            return self.forward(x, weights, ids)
-        assert self.expert_cache is None, "the expert cache's slots hold routed experts only"
-        return moe_int4(x, ids, weights, self.weight_int4("gate_up"), self.weight_int4("down"), shared)
+            return self.expert_cache.decode(x, weights, ids, shared)
+        return self.forward(x, weights, ids, shared=shared)
 
     def shared_int4(self, shared_expert, x: torch.Tensor) -> tuple[Int4Weight, Int4Weight] | None:
         """The shared expert's INT4 gate|up and down when the kernels can run it beside these experts for x
         (ops.moe_int4: runs_shared_expert, shared_fits; its gate and up stacked, models/stacked.py); None
-        otherwise, or with an expert cache (its slots are the routed experts' only)."""
+        otherwise. With an expert cache too: the shared expert's own weights stay where they are."""
         gate_up, down = getattr(shared_expert, "gate_up", None), getattr(shared_expert, "down_proj", None)
-        if (self.expert_cache is not None or not runs_shared_expert(x) or not isinstance(gate_up, StackedProjection)
+        if (not runs_shared_expert(x) or not isinstance(gate_up, StackedProjection)
                 or gate_up.int4 is None or not isinstance(down, Int4Linear) or down.bias is not None):
             return None
         routed = (self.weight_int4("gate_up"), self.weight_int4("down"))
