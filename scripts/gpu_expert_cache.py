@@ -24,12 +24,56 @@ def greedy(model, n=24):
     return torch.cat(logits)
 
 
-def main() -> int:
+def kernels() -> bool:
+    """The two ways the cache reaches the all-resident bits, on one MoE layer of tiny-flash-next: the decode kernels
+    reading half the experts from pinned host memory through a table (shared expert fused) against reading them all
+    from the stacks, and the grouped kernels' terms computed a round of experts at a time against one call."""
+    from flashnext.models.layers.moe import SparseMoe
+    from flashnext.ops import moe_int4 as moe_ops
+
     ok = True
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_model("tiny-flash-next", "cuda", dtype, quantize="int4").model
+        moe = next(m for m in model.modules() if isinstance(m, SparseMoe))
+        experts = moe.experts
+        gate_up, down = experts.weight_int4("gate_up"), experts.weight_int4("down")
+        host = [moe_ops.Int4Weight(*(None if t is None else t.cpu().pin_memory() for t in
+                                     (w.qweight, w.scales, w.zeros, w.perm)), w.group_size) for w in (gate_up, down)]
+        table = torch.arange(experts.num_experts, device="cuda")
+        table[1::2] = -1                      # odd experts from host memory
+        g = torch.Generator(device="cuda").manual_seed(0)
+        for m in (1, 3, 8, 41):
+            x = torch.randn(m, model.cfg.hidden_size, device="cuda", generator=g).to(dtype)
+            weights, ids, logit = moe._route(x, decode=m <= 8)
+            if m <= 8:
+                fused = experts.shared_int4(moe.shared_expert, x)
+                shared = None if fused is None else moe_ops.SharedExpert(*fused, logit)
+                want = moe_ops.moe_int4(x, ids, weights, gate_up, down, shared=shared)
+                got = moe_ops.moe_int4(x, ids, weights, gate_up, down, shared=shared,
+                                       cached=moe_ops.CachedExperts(table, *host))
+                what = "decode kernels, odd experts from host"
+            else:
+                want = moe_ops.moe_int4(x, ids, weights, gate_up, down)
+                terms = None
+                for chunk in ([0, 1, 2], [3, 4, 5], [6, 7]):
+                    mask = torch.isin(ids, torch.tensor(chunk, device="cuda"))
+                    part = moe_ops.routed_pairs(x, torch.where(mask, ids, chunk[0]), weights, gate_up, down)
+                    terms = part if terms is None else torch.where(mask[..., None], part, terms)
+                got = terms.sum(1).to(dtype)
+                what = "grouped kernels in 3 rounds"
+            same = torch.equal(got, want)
+            ok &= same
+            print(f"kernels {str(dtype):15} M={m:2} {what}: {'equal' if same else 'MISMATCH'} "
+                  f"(max diff {(got.float() - want.float()).abs().max().item():.3g})")
+    return ok
+
+
+def main() -> int:
+    ok = kernels()
     for name in ("tiny-flash-next", "tiny-qwen3-next"):
         for dtype in (torch.float32, torch.bfloat16):
             want = greedy(load_model(name, "cuda", dtype, quantize="int4").model)
-            for slots in (2, 3, 5):
+            for slots in (2, 5):
                 for prefetch in (False, True):
                     model = load_model(name, "cuda", dtype, quantize="int4").model
                     cache = install_expert_cache(model, slots_per_layer=slots, prefetch=prefetch)
