@@ -73,6 +73,9 @@ def main() -> int:
     for name in ("tiny-flash-next", "tiny-qwen3-next"):
         for dtype in (torch.float32, torch.bfloat16):
             want = greedy(load_model(name, "cuda", dtype, quantize="int4").model)
+            again = greedy(load_model(name, "cuda", dtype, quantize="int4").model)
+            print(f"{name:16} {str(dtype):15} all-resident run to run: "
+                  f"{'equal' if torch.equal(again, want) else 'DIFFERENT (not deterministic)'}")
             for slots in (2, 5):
                 for prefetch in (False, True):
                     model = load_model(name, "cuda", dtype, quantize="int4").model

@@ -126,7 +126,7 @@ class GraphPool:
         """Per layer, (the experts to copy in, the residents they evict; -1 pads): up to COPIES_PER_LAYER of the
         most valuable candidates, into free slots first, then each over the least valuable resident left while it
         is worth more — in order, stopping at the first that is not (a hot resident is not traded for a one-off)."""
-        n = COPIES_PER_LAYER
+        n = min(COPIES_PER_LAYER, candidates.shape[1])
         worth, wanted = self.value.masked_fill(~candidates, -float("inf")).topk(n, dim=1)
         kept, victims = self.value.masked_fill(~resident, float("inf")).topk(n, dim=1, largest=False)
         free = torch.tensor([len(layer.free) for layer in self.layers])
