@@ -73,9 +73,13 @@ def main() -> int:
     for name in ("tiny-flash-next", "tiny-qwen3-next"):
         for dtype in (torch.float32, torch.bfloat16):
             want = greedy(load_model(name, "cuda", dtype, quantize="int4").model)
+            # session 10 at ce1bc18: fp32 differed run to run (the W4A16 GEMM's split-K fp32 atomics, now per-split
+            # buffers), which made every fp32 comparison below meaningless; bf16 was the same bits
             again = greedy(load_model(name, "cuda", dtype, quantize="int4").model)
+            deterministic = torch.equal(again, want)
+            ok &= deterministic
             print(f"{name:16} {str(dtype):15} all-resident run to run: "
-                  f"{'equal' if torch.equal(again, want) else 'DIFFERENT (not deterministic)'}")
+                  f"{'equal' if deterministic else 'DIFFERENT (not deterministic)'}")
             for slots in (2, 5):
                 for prefetch in (False, True):
                     model = load_model(name, "cuda", dtype, quantize="int4").model

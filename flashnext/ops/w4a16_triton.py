@@ -25,7 +25,8 @@ kernel instead), the M between to the second.
 
 `_w4a16_kernel` (GEMM): `tl.dot` of x with the (q − z) tile in x's dtype — exact, those are integers in
 [−16, 15] — (or, LaunchConfig.scale_in_tile, with the scaled tile, accumulating in the dot) accumulated in fp32 over a grid of (N blocks, K splits, M blocks), split-K partials added with
-fp32 atomics into a zeroed buffer. A LaunchConfig with block_m < 16 selects its older decode mode (fp32
+one fp32 buffer per split, summed after in split order (same bits run to run: with fp32 atomics, H200 runs of one
+fp32 prefill differed). A LaunchConfig with block_m < 16 selects its older decode mode (fp32
 multiply-and-sum, no dot), kept as the baseline scripts/gpu_w4a16.py times the GEMV kernel against.
 Both kernels multiply each K tile's fp32 partial by its group's scale and gather x's columns through `perm`
 for act-order weights, so the result differs from dequantise-then-matmul only by fp32 summation order.
@@ -51,7 +52,7 @@ from flashnext.weights.int4_layout import Int4Weight
 def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr,
                   M, N, K, stride_xm, stride_om, k_per_split,
                   GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
-                  USE_DOT: tl.constexpr, ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  USE_DOT: tl.constexpr, SPLIT_PARTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   SCALE_IN_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -94,8 +95,8 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr,
             acc += part * scale[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
-    if ATOMIC:
-        tl.atomic_add(out_ptrs, acc, mask=mask)
+    if SPLIT_PARTS:   # this K split's fp32 partial, its own [M, N] of the [split, M, N] buffer
+        tl.store(out_ptrs + pid_k * M * stride_om, acc, mask=mask)
     else:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -397,15 +398,15 @@ def w4a16_matmul(x: torch.Tensor, w: Int4Weight, config: LaunchConfig | GemvConf
     steps = k // cfg.block_k
     k_per_split = triton.cdiv(steps, cfg.split_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
-    atomic = split > 1
-    out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic else torch.empty(m, n, dtype=x.dtype, device=x.device)
+    parts = split > 1
+    out = torch.empty((split, m, n) if parts else (m, n), dtype=torch.float32 if parts else x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
     zeros, perm = optional_tensors(w)
     _w4a16_kernel[grid](
         x, w.qweight, w.scales, zeros, perm, out,
-        m, n, k, x.stride(0), out.stride(0), k_per_split,
+        m, n, k, x.stride(0), out.stride(-2), k_per_split,
         GROUP=w.group_size, HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None,
-        USE_DOT=cfg.use_dot, ATOMIC=atomic, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
+        USE_DOT=cfg.use_dot, SPLIT_PARTS=parts, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         SCALE_IN_TILE=cfg.scale_in_tile and cfg.use_dot, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out.to(x.dtype) if atomic else out
+    return out.sum(0).to(x.dtype) if parts else out
