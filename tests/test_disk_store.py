@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashnext.cache import disk_tier
-from flashnext.cache.disk_tier import HEADER_BYTES, DiskStore
+from flashnext.cache.disk_tier import HASH_BYTES, HEADER_BYTES, DiskStore
 from flashnext.cache.tier_index import SnapshotMeta
 
 
@@ -39,7 +39,7 @@ def test_writes_run_on_the_writer_thread_and_loads_see_them(tmp_path, monkeypatc
     store = DiskStore(tmp_path, "model-a")
     block, snap = _block(0), _snapshot(1)
     size = store.store_block(b"\x01" * 8, block)
-    assert size == sum(t.numel() * t.element_size() for t in block.values()) + HEADER_BYTES
+    assert size == sum(t.numel() * t.element_size() for t in block.values()) + HEADER_BYTES + HASH_BYTES
     store.store_snapshot(b"\x02" * 8, snap, SnapshotMeta([b"\x01" * 8], (5, 6), 18, 0))
     # a load right away waits for the writes before it, and checks them (cache_file hashes the bytes it read)
     got = store.load_block(b"\x01" * 8)
@@ -75,8 +75,8 @@ def test_drops_follow_writes_in_order(tmp_path):
     for i in range(0, 20, 2):
         store.drop_block(bytes([i]) * 8)
     store.flush()
-    names = sorted(p.name for p in (tmp_path / "blocks").iterdir())
-    assert names == sorted(f"{bytes([i]).hex() * 8}.safetensors" for i in range(1, 20, 2))
+    assert len(list((tmp_path / "batches").iterdir())) == 10
+    assert set(DiskStore(tmp_path, "model-a").rows) == {bytes([i]) * 8 for i in range(1, 20, 2)}   # from the headers
 
 
 def test_a_failed_write_is_logged_and_its_entry_fails_to_load(tmp_path, monkeypatch, caplog):
@@ -92,7 +92,7 @@ def test_a_failed_write_is_logged_and_its_entry_fails_to_load(tmp_path, monkeypa
     assert "could not write" in caplog.text and "No space left" in caplog.text
     with pytest.raises(OSError):          # TierIndex.load drops such an entry and the request is computed
         store.load_block(b"\x03" * 8)
-    assert not list((tmp_path / "blocks").iterdir())
+    assert not list((tmp_path / "batches").iterdir())
 
 
 def _entry(tier, hashes, key, seed):
@@ -122,18 +122,19 @@ def test_restart_deletes_what_no_entry_needs_and_keeps_foreign_files(tmp_path, c
     foreign.flush()
     store.flush()
     store.snapshot_path(b"\xbb" * 16).unlink()
-    store.block_path(bytes([4]) * 16).unlink()
-    (store.block_dir / f"0f.safetensors.tmp{_dead_pid()}").write_bytes(b"partial")
+    store.batch_path(store.rows[bytes([4]) * 16][0]).unlink()
+    (store.batch_dir / f"0f.safetensors.tmp{_dead_pid()}").write_bytes(b"partial")
     with caplog.at_level(logging.INFO, logger="flashnext.cache"):
         again = DiskTier(DiskStore(tmp_path, "model-a"), 1 << 30, 16)
     assert list(again.snaps) == [b"\xaa" * 16]
-    blocks = sorted(p.name for p in store.block_dir.iterdir())
-    assert blocks == sorted(f"{h.hex()}.safetensors" for h in (a, b, bytes([5]) * 16)), blocks
+    assert set(DiskStore(tmp_path, "model-a").rows) == {a, b}           # c's batch file is gone
+    assert set(DiskStore(tmp_path, "model-b").rows) == {bytes([5]) * 16}
+    assert len(list(store.batch_dir.iterdir())) == 2                     # a + b in one, the foreign one
     assert sorted(p.name for p in store.snapshot_dir.iterdir()) == [f"{'aa' * 16}.safetensors"]
-    assert "deleted 3 files that no cached conversation needs" in caplog.text
+    assert "deleted 3 files that no cached conversation needs" in caplog.text   # c's batch, cc's snapshot, tmp
     # a budget that holds nothing: the entry is dropped at the scan, and its files with it
     DiskTier(DiskStore(tmp_path, "model-a"), 1, 16)
-    assert sorted(p.name for p in store.block_dir.iterdir()) == [f"{(bytes([5]) * 16).hex()}.safetensors"]
+    assert [p.name for p in store.batch_dir.iterdir()] == [foreign.batch_path(foreign.rows[bytes([5]) * 16][0]).name]
 
 
 def test_cache_file_reader_equals_safetensors(tmp_path):
@@ -165,9 +166,9 @@ def test_cache_file_reader_equals_safetensors(tmp_path):
         read_cache_file(tmp_path / "short")
 
 
-def test_a_batch_of_blocks_is_split_into_files_by_the_writer_and_read_back_by_the_readers(tmp_path, monkeypatch):
-    """The engine hands a batch (rows = blocks) over in one piece; the writer thread writes one file per block; a
-    conversation's blocks come back through the reader threads, in order."""
+def test_a_batch_of_blocks_is_one_file_and_batches_come_back_through_the_readers(tmp_path, monkeypatch):
+    """The engine hands a batch (rows = blocks) over in one piece; the writer thread writes it as one file; a
+    conversation's blocks come back as runs of rows, each batch file read once by a reader thread, in order."""
     monkeypatch.setattr(disk_tier, "READERS", 4)
     threads = []
     original = disk_tier.checksum
@@ -177,18 +178,27 @@ def test_a_batch_of_blocks_is_split_into_files_by_the_writer_and_read_back_by_th
     submit, read = store._submit, store._read_written
     store._submit = lambda fn, *a, **k: submitted.append(fn.__name__) or submit(fn, *a, **k)
     store._read_written = lambda path: readers.append(threading.current_thread().name) or read(path)
-    blocks = [_block(i) for i in range(5)]
-    batch = {name: torch.stack([b[name] for b in blocks]) for name in blocks[0]}
-    hashes = [bytes([i]) * 8 for i in range(5)]
-    sizes = store.store_blocks(hashes, batch)
-    assert submitted == ["_write_blocks"]                      # the batch goes over in one task
-    assert sizes == [sum(t.numel() * t.element_size() for t in blocks[0].values()) + HEADER_BYTES] * 5
-    runs = store.load_blocks(hashes)
+    blocks = [_block(i) for i in range(7)]
+    hashes = [bytes([i]) * 8 for i in range(7)]
+    stack = lambda rows: {name: torch.stack([blocks[r][name] for r in rows]) for name in blocks[0]}  # noqa: E731
+    sizes = store.store_blocks(hashes[:5], stack(range(5)))
+    store.store_blocks(hashes[5:], stack(range(5, 7)))
+    assert submitted == ["_write_file", "_write_file"]          # a batch goes over in one task, as one file
+    payload = sum(t.numel() * t.element_size() for t in blocks[0].values())
+    assert sizes == [(5 * payload + HEADER_BYTES) // 5 + HASH_BYTES] * 5
+    order = [0, 1, 2, 5, 6, 3]
+    runs = store.load_blocks([hashes[i] for i in order])
+    assert [next(iter(run.values())).shape[0] for run in runs] == [3, 2, 1]   # rows 0-2 | 5-6 | 3
     rows = [{name: t[i] for name, t in run.items()} for run in runs for i in range(next(iter(run.values())).shape[0])]
-    assert len(rows) == 5 and all(torch.equal(r[k], b[k]) for r, b in zip(rows, blocks) for k in b)
-    assert len(threads) == 5 and all(name.startswith("flashnext-disk-writer") for name in threads), threads
-    assert store._readers is not None
-    assert len(readers) == 5 and all(name.startswith("flashnext-disk-reader") for name in readers), readers
+    assert all(torch.equal(r[k], blocks[i][k]) for r, i in zip(rows, order) for k in blocks[0])
+    assert len(threads) == 2 and all(name.startswith("flashnext-disk-writer") for name in threads), threads
+    assert len(readers) == 2 and all(name.startswith("flashnext-disk-reader") for name in readers), readers
+    store.drop_block(hashes[5])
+    store.flush()
+    assert len(list((tmp_path / "batches").iterdir())) == 2              # the second batch keeps its other block
+    store.drop_block(hashes[6])
+    store.flush()
+    assert len(list((tmp_path / "batches").iterdir())) == 1              # and goes with its last
 
 
 def test_writer_gets_host_copies_of_its_own():

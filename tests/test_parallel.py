@@ -421,8 +421,10 @@ def test_engine_disk_tier_across_ranks_survives_restart(tmp_path, caplog):
     finally:
         shutdown()
     names = [sorted(p.name for p in (two / f"rank{r}" / sub).iterdir()) for r in range(2)
-             for sub in ("blocks", "snapshots")]
+             for sub in ("batches", "snapshots")]
     assert names[0] and names[1] and names[:2] == names[2:], "rank 1 must hold a share of every entry of rank 0"
+    held = [set(store.rows) for store in disk_stores(two, identity, 2, 1)]
+    assert held[0] and held[0] == held[1]
 
     # Rank 0 checks every rank's share at start: another layout's files, or one rank's missing file, are ignored.
     copy = tmp_path / "copy"

@@ -1,11 +1,18 @@
 """The disk tier of the prefix cache: conversations survive a restart.
 
-Layout under --kv-disk-dir: `blocks/<hash>.safetensors` (one KV block of every attention layer, shared
-by every snapshot whose prefix contains it) and `snapshots/<key>.safetensors` (state + partial block).
-Each file's safetensors header carries the format version, the model identity (a hash of config.json,
-the weights index or first shard header, dtype and block size) and a sha256 of its tensors. At start the
-snapshot headers are indexed; a foreign or unreadable file is skipped with a warning, and a payload whose
-checksum fails is never loaded (its entry is dropped, the request is computed from scratch).
+Layout under --kv-disk-dir: `batches/<name>.safetensors` (KV blocks that came down together, as the host tier
+keeps them: each tensor [rows, …], a row per block, the blocks' hashes in the header; a block is shared by every
+snapshot whose prefix contains it) and `snapshots/<key>.safetensors` (state + partial block). Each file's
+safetensors header carries the format version, the model identity (a hash of config.json, the weights index or
+first shard header, dtype and block size) and a sha256 of its tensors. At start the batch and snapshot headers are
+indexed; a foreign or unreadable file is skipped with a warning, and a payload whose checksum fails is never loaded
+(its entry is dropped, the request is computed from scratch). A batch file is deleted with its last block; until
+then the tier's byte count (its blocks') can be below what the file holds, as in the host tier.
+
+Why batches: with a file per block a 58K-token Flash-Next conversation was 3,625 files of 36 tensors, and reading
+one back cost ~3 ms of CPU a file (open, read, parse, hash, 36 tensor views): 11 s on the dev machine from the page
+cache or from disk alike, 9–13 s on the H200 host, longer than computing the conversation again (5.8 s); the disk
+itself reads 1.8 GB/s there. A batch of up to WRITE_PIECE blocks is one file read, one hash and 36 views.
 
 Files are written (and deleted) in the background, by one writer thread per store in the order they were
 issued: the engine loop pays only for getting the payload into host memory (one copy per tensor of a batch of
@@ -39,12 +46,11 @@ from flashnext.weights.shared_table import process_alive
 
 log = logging.getLogger("flashnext.cache")
 
-FORMAT = "flashnext-prefix-cache-v1"
+FORMAT = "flashnext-prefix-cache-v2"   # v1 kept a file per block
 HEADER_BYTES = 1024   # what a file's safetensors header adds to its payload, about (the tier counts it)
-# Threads that read a conversation's block files back: the reads and the hashing release the GIL, the tensor views
-# do not; on 2 cores two readers were slower than one (1.9 s against 1.4 s for 1,000 Flash-Next blocks).
+HASH_BYTES = 70       # and what each block's hash adds to a batch file's header (JSON hex)
+# Threads that read a conversation's batch files back: the reads and the hashing release the GIL.
 READERS = min(8, (os.cpu_count() or 1) // 2)
-BLOCK_EXTRA = {"kind": "block"}
 
 
 def model_identity(model_path, dtype: torch.dtype, block_size: int) -> str:
@@ -75,14 +81,37 @@ class DiskStore(TierStore):
     def __init__(self, directory, identity: str):
         self.dir = Path(directory)
         self.identity = identity
-        self.block_dir = self.dir / "blocks"
+        self.batch_dir = self.dir / "batches"
         self.snapshot_dir = self.dir / "snapshots"
-        self.block_dir.mkdir(parents=True, exist_ok=True)
+        self.batch_dir.mkdir(parents=True, exist_ok=True)
         self.snapshot_dir.mkdir(parents=True, exist_ok=True)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="flashnext-disk-writer")
         self._last = None      # the writer's last task: first in first out, so when it is done all before are
-        # threads reading a conversation's block files back (they start on first use)
+        # threads reading a conversation's batch files back (they start on first use)
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="flashnext-disk-reader") if READERS > 1 else None
+        self.rows: dict[bytes, tuple[str, int]] = {}   # block hash → (batch name, row)
+        self.live_rows: dict[str, int] = {}             # batch name → rows still stored
+        self.row_bytes: dict[str, int] = {}             # batch name → bytes a row takes, header share included
+        self._index_batches()
+
+    def _index_batches(self) -> None:
+        """The batch files of ours already on disk (a restart; another rank's store that rank 0 checks)."""
+        for path in sorted(self.batch_dir.glob("*.safetensors")):
+            try:
+                meta = read_header(path)
+                if not self.ours(meta):
+                    continue
+                hashes = [bytes.fromhex(h) for h in json.loads(meta["blocks"])]
+            except Exception as e:   # noqa: BLE001 - an unreadable header: not ours to read (nor to delete)
+                log.warning("disk cache: ignoring unreadable %s: %s", path, e)
+                continue
+            name = path.stem
+            self.live_rows[name] = 0
+            self.row_bytes[name] = path.stat().st_size // max(1, len(hashes))
+            for row, h in enumerate(hashes):
+                if h not in self.rows:    # a block stored again after its first batch lost it: one of them
+                    self.rows[h] = (name, row)
+                    self.live_rows[name] += 1
 
     def stored_bytes(self, payload_bytes: int) -> int:
         return payload_bytes + HEADER_BYTES
@@ -94,8 +123,8 @@ class DiskStore(TierStore):
         if self._last is not None:
             self._last.result()
 
-    def block_path(self, h: bytes) -> Path:
-        return self.block_dir / f"{h.hex()}.safetensors"
+    def batch_path(self, name: str) -> Path:
+        return self.batch_dir / f"{name}.safetensors"
 
     def snapshot_path(self, key: bytes) -> Path:
         return self.snapshot_dir / f"{key.hex()}.safetensors"
@@ -103,17 +132,21 @@ class DiskStore(TierStore):
     def ours(self, meta: dict) -> bool:
         return meta.get("format") == FORMAT and meta.get("model") == self.identity
 
+    def block_bytes(self, h: bytes) -> int:
+        """What a stored block takes on disk (its batch file's size over its rows)."""
+        return self.row_bytes[self.rows[h][0]]
+
     def missing(self, key: bytes, blocks: list[bytes]) -> str | None:
-        """Why this store cannot serve an entry from its headers and file names alone (None: it can). Rank 0
-        asks it of the other ranks' stores at start, before any rank writes."""
+        """Why this store cannot serve an entry from its headers alone (None: it can). Rank 0 asks it of the other
+        ranks' stores at start, before any rank writes."""
         path = self.snapshot_path(key)
         try:
             if not self.ours(read_header(path)):
                 return f"{path} was written by another model, layout or format version"
         except Exception as e:   # noqa: BLE001 - a missing or unreadable header alike: not there to load
             return f"{path} is unreadable: {e}"
-        absent = sum(not self.block_path(h).exists() for h in blocks)
-        return f"{absent} of its KV block files are missing in {self.dir}" if absent else None
+        absent = sum(h not in self.rows for h in blocks)
+        return f"{absent} of its KV blocks are missing in {self.dir}" if absent else None
 
     def _write(self, path: Path, tensors: dict[str, torch.Tensor], extra: dict[str, str]) -> int:
         """Hand the file to the writer; returns its bytes as the tier counts them. The payload is a copy of its own
@@ -148,31 +181,58 @@ class DiskStore(TierStore):
             raise CorruptEntry(f"{path} fails its checksum")
         return tensors
 
-    def load_blocks(self, hashes: list[bytes]) -> list[BlockData]:
-        """The blocks, read by READERS threads; one run per block."""
-        self.flush()
-        paths = [self.block_path(h) for h in hashes]
-        if self._readers is not None and len(paths) > 1:
-            blocks = list(self._readers.map(self._read_written, paths))
-        else:
-            blocks = [self._read_written(p) for p in paths]
-        return [{name: t.unsqueeze(0) for name, t in block.items()} for block in blocks]
+    def store_blocks(self, hashes: list[bytes], batch: BlockData) -> list[int]:
+        """One batch file: the batch comes to the host in one copy per tensor (see _write), the writer writes it.
+        Its name is a hash of its blocks' hashes, so every rank names its share of a batch alike."""
+        name = hashlib.sha256(b"".join(hashes)).hexdigest()[:32]
+        extra = {"kind": "batch", "blocks": json.dumps([h.hex() for h in hashes])}
+        nbytes = self._write(self.batch_path(name), batch, extra) + HASH_BYTES * len(hashes)
+        self.live_rows[name] = len(hashes)
+        self.row_bytes[name] = nbytes // len(hashes)
+        for row, h in enumerate(hashes):
+            self.rows[h] = (name, row)
+        return [self.row_bytes[name]] * len(hashes)
 
     def store_block(self, h: bytes, data: BlockData) -> int:
-        # Always written: the index stores only blocks it lacks (TierIndex.put), and a block dropped and stored
-        # again must not be skipped while its deletion still waits in the writer's queue.
-        return self._write(self.block_path(h), data, BLOCK_EXTRA)
+        return self.store_blocks([h], {name: t.unsqueeze(0) for name, t in data.items()})[0]
 
-    def store_blocks(self, hashes: list[bytes], batch: BlockData) -> list[int]:
-        """One file per block as always: the batch comes to the host in one copy per tensor (see _write), and the
-        writer splits it into files."""
-        host = copy_tensors(batch, "cpu")
-        self._submit(self._write_blocks, [self.block_path(h) for h in hashes], host)
-        return [self.stored_bytes(tensor_bytes(host) // len(hashes))] * len(hashes)
+    def load_blocks(self, hashes: list[bytes]) -> list[BlockData]:
+        """The blocks as runs of consecutive rows of one batch; each batch file read once, by the reader threads."""
+        self.flush()
+        runs: list[tuple[str, int, int]] = []    # (batch name, first row, rows)
+        for h in hashes:
+            name, row = self.rows[h]
+            if runs and runs[-1][0] == name and runs[-1][1] + runs[-1][2] == row:
+                runs[-1] = (name, runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((name, row, 1))
+        names = list(dict.fromkeys(name for name, _, _ in runs))
+        paths = [self.batch_path(name) for name in names]
+        if self._readers is not None and len(paths) > 1:
+            files = dict(zip(names, self._readers.map(self._read_written, paths)))
+        else:
+            files = {name: self._read_written(path) for name, path in zip(names, paths)}
+        return [{key: t[first: first + n] for key, t in files[name].items()} for name, first, n in runs]
 
-    def _write_blocks(self, paths: list[Path], batch: BlockData) -> None:
-        for row, path in enumerate(paths):
-            self._write_file(path, {name: t[row] for name, t in batch.items()}, BLOCK_EXTRA)
+    def load_block(self, h: bytes) -> BlockData:
+        return {name: t[0] for name, t in self.load_blocks([h])[0].items()}
+
+    def drop_block(self, h: bytes) -> None:
+        """Forget a block; its batch file goes with its last block (after the writes queued before)."""
+        name, _ = self.rows.pop(h)
+        self.live_rows[name] -= 1
+        if self.live_rows[name] == 0:
+            del self.live_rows[name], self.row_bytes[name]
+            self._submit(self.batch_path(name).unlink, missing_ok=True)
+
+    def keep_only(self, blocks) -> None:
+        """Drop every stored block not in `blocks` (a restart's index: what no entry needs), and the batch files
+        left holding none (also those whose every block another file holds)."""
+        for h in [h for h in self.rows if h not in blocks]:
+            self.drop_block(h)
+        for name in [name for name, live in self.live_rows.items() if live == 0]:
+            del self.live_rows[name], self.row_bytes[name]
+            self._submit(self.batch_path(name).unlink, missing_ok=True)
 
     def store_snapshot(self, key: bytes, snap: SnapshotData, meta: SnapshotMeta | None) -> int:
         state, tail_kv = snap
@@ -184,9 +244,6 @@ class DiskStore(TierStore):
                          num_tokens=str(meta.num_tokens))
         return self._write(self.snapshot_path(key), tensors, extra)
 
-    def load_block(self, h: bytes) -> BlockData:
-        return self._read(self.block_path(h))
-
     def load_snapshot(self, key: bytes) -> SnapshotData:
         path = self.snapshot_path(key)
         tensors = self._read(path)
@@ -197,9 +254,6 @@ class DiskStore(TierStore):
 
     def touch(self, key: bytes) -> None:
         self._submit(_touch_file, self.snapshot_path(key))   # after a pending write of it
-
-    def drop_block(self, h: bytes) -> None:
-        self._submit(self.block_path(h).unlink, missing_ok=True)   # after a pending write of it
 
     def drop_snapshot(self, key: bytes) -> None:
         self._submit(self.snapshot_path(key).unlink, missing_ok=True)
@@ -240,7 +294,7 @@ class DiskTier(TierIndex):
                     log.warning("disk cache: ignoring %s: written by another model, layout or format version", path)
                     continue
                 blocks = [bytes.fromhex(h) for h in json.loads(meta["blocks"])]
-                missing = [h for h in blocks if not store.block_path(h).exists()]
+                missing = [h for h in blocks if h not in store.rows]
                 if missing:
                     log.warning("disk cache: ignoring %s: %d of its KV block files are missing", path, len(missing))
                     continue
@@ -254,7 +308,7 @@ class DiskTier(TierIndex):
                 continue
             for h in blocks:
                 if h not in self.block_refs:
-                    self.block_refs[h], self.block_bytes[h] = 0, store.block_path(h).stat().st_size
+                    self.block_refs[h], self.block_bytes[h] = 0, store.block_bytes(h)
                     self.bytes += self.block_bytes[h]
                 self.block_refs[h] += 1
             self._index(key, SnapshotMeta(blocks, tail, num_tokens, path.stat().st_size))
@@ -264,28 +318,30 @@ class DiskTier(TierIndex):
         self._collect()
 
     def _collect(self) -> None:
-        """Delete the files of ours that no indexed entry needs, in this store and the other ranks': blocks
-        whose snapshots are gone (a crash between the writes, a file deleted by hand, an entry dropped to fit
+        """Delete the files of ours that no indexed entry needs, in this store and the other ranks': batches none of
+        whose blocks an entry names (a crash between the writes, a snapshot deleted by hand, entries dropped to fit
         --kv-disk-gb), snapshots the index dropped, and temporary files of interrupted writes. Otherwise they
         would fill the disk past --kv-disk-gb, since only indexed entries are counted. Files of another model or
         layout stay (their own server may use them)."""
         removed = 0
         self.store.flush()   # the deletions of the entries _fit dropped
         for store in [self.store, *self.peers]:
-            for path in [*store.block_dir.glob("*.tmp*"), *store.snapshot_dir.glob("*.tmp*")]:
+            for path in [*store.batch_dir.glob("*.tmp*"), *store.snapshot_dir.glob("*.tmp*")]:
                 pid = path.suffix[len(".tmp"):]
                 if pid.isdigit() and not process_alive(int(pid)):   # a write its process did not finish
                     path.unlink(missing_ok=True)
                     removed += 1
-            kept = [(store.block_dir, self.block_refs), (store.snapshot_dir, self.snaps)]
-            for directory, index in kept:
-                for path in directory.glob("*.safetensors"):
-                    try:
-                        if bytes.fromhex(path.stem) in index or not store.ours(read_header(path)):
-                            continue
-                    except Exception:   # noqa: BLE001 - a name or header that is not ours: not ours to delete
+            batches = len(store.live_rows)
+            store.keep_only(self.block_refs)
+            store.flush()
+            removed += batches - len(store.live_rows)
+            for path in store.snapshot_dir.glob("*.safetensors"):
+                try:
+                    if bytes.fromhex(path.stem) in self.snaps or not store.ours(read_header(path)):
                         continue
-                    path.unlink(missing_ok=True)
-                    removed += 1
+                except Exception:   # noqa: BLE001 - a name or header that is not ours: not ours to delete
+                    continue
+                path.unlink(missing_ok=True)
+                removed += 1
         if removed:
             log.info("disk cache: deleted %d files that no cached conversation needs", removed)
