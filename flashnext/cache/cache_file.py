@@ -1,9 +1,8 @@
 """Read a prefix-cache file (safetensors) in one read, verifying its checksum from the raw bytes.
 
-The disk tier keeps one file per KV block: a 58K-token Flash-Next conversation is 3,625 files of 36 tensors
-(K, V and the indexer's keys of 12 layers). safetensors' `safe_open(...).get_tensor` costs ~60 µs a tensor on
-the 2-core dev machine: 1.9–2.6 s for 1,000 blocks of 24 tensors (K and V only), most of it per-tensor
-overhead, so restoring that conversation from disk took well over 9 s, near the ~14 s of computing it again. This reads the file with one `readinto`, parses the documented header (8-byte
+safetensors' `safe_open(...).get_tensor` costs ~60 µs a tensor on the 2-core dev machine, which added up when
+the disk tier kept a file per KV block (1.9–2.6 s per 1,000 blocks of 24 tensors); it now keeps batches of blocks
+(cache/disk_tier.py), still read this way. This reads the file with one `readinto`, parses the documented header (8-byte
 little-endian length, JSON {name: {dtype, shape, data_offsets}, "__metadata__": {...}}), hashes the tensors'
 bytes straight from the buffer (`tensors_digest`, which the writer uses too), and returns tensors
 that are views of that buffer (`torch.frombuffer`: no copy). Writing stays with safetensors' `save_file`.
