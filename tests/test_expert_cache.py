@@ -177,7 +177,7 @@ def test_pools_adapting_between_graph_steps_keep_outputs_exact(model, copies, mo
     runner.graphs = DecodeGraphs(runner.model, engine.kv, engine.states, max_batch=4,
                                  max_blocks_per_seq=engine.kv.blocks_for(engine.max_model_len))
     cache.enable_graphs(runner.graphs.max_batch, engine.config.num_experts_per_tok)
-    runner.after_decode = cache.after_step
+    runner.before_decode, runner.after_decode = cache.before_step, cache.after_step
     pool = cache.graph_pool
     learned, copied = [], []
     learn, admitted = pool._learn, pool.admitted

@@ -178,3 +178,24 @@ def test_decode_through_an_expert_cache_pool_equals_reference(asym, act_order):
     table.fill_(-1)                         # nothing resident: every expert read from the host store
     cached = CachedExperts(table, w_gate_up, w_down)
     assert torch.equal(moe_int4_decode(x, ids, weights, gate_up_pool, down_pool, config, cached=cached), want)
+
+
+def test_padding_rows_of_a_cached_step_are_skipped():
+    """A captured decode step runs a bucket of rows, the last ones padding: with CachedExperts.live_rows the kernels
+    skip them (zeros out, their experts never read from the host store), the live rows keep their bits, and the
+    arrival counters stay clean for the next call; the CPU reference zeroes them alike."""
+    from flashnext.ops.moe_int4 import CachedExperts, moe_int4
+    from flashnext.ops.moe_int4_decode_triton import DecodeConfig, moe_int4_decode
+
+    x, ids, weights, w_gate_up, w_down = case(5, 3, 32, 16, asym=True, seed=11)
+    config = DecodeConfig(block_n=32, block_k=32, split_k=2, split_down=2)
+    table = torch.full((E,), -1, dtype=torch.long)       # nothing resident: every expert from the host store
+    want = moe_int4_decode(x, ids, weights, w_gate_up, w_down, config)
+    live = torch.tensor([3], dtype=torch.int32)
+    for n in (3, 5):
+        live.fill_(n)
+        got = moe_int4_decode(x, ids, weights, w_gate_up, w_down, config,
+                              cached=CachedExperts(table, w_gate_up, w_down, live))
+        assert torch.equal(got[:n], want[:n]) and not got[n:].any()
+        ref = moe_int4(x, ids, weights, w_gate_up, w_down, cached=CachedExperts(table, w_gate_up, w_down, live))
+        assert rel_err(ref[:n], want[:n]) < 1e-5 and not ref[n:].any()

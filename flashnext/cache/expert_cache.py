@@ -297,6 +297,11 @@ class ExpertCache:
 
         GraphPool(self.layers, max_rows, top_k)
 
+    def before_step(self, rows: int) -> None:
+        """Before a decode step of `rows` rows: GraphPool.before_step."""
+        if self.graph_pool is not None:
+            self.graph_pool.before_step(rows)
+
     def after_step(self, rows: int) -> None:
         """After a decode step of `rows` rows: GraphPool.after_step."""
         if self.graph_pool is not None:

@@ -68,10 +68,18 @@ class GraphPool:
         self.decay = getattr(policy, "decay", None)     # lfu-decay: counts decayed per learned step; lru: None
         self.value = torch.zeros(self.slot_of.shape, dtype=torch.float64)
         self.clock = 0
+        # the real rows of the next captured step (the rest of its bucket is padding, which the kernels skip): all of
+        # them until before_step says otherwise (worker ranks never do)
+        self.live_rows = torch.full((1,), max_rows, dtype=torch.int32, device=self.device)
         for i, layer in enumerate(layers):
             layer.graph_pool, layer.observed = self, self.observed[i]
             layer.slot_of, layer.slot_table = self.slot_of[i], self.tables[i]
-            layer.cached = CachedExperts(layer.slot_table, layer.host_weight("gate_up"), layer.host_weight("down"))
+            layer.cached = CachedExperts(layer.slot_table, layer.host_weight("gate_up"), layer.host_weight("down"),
+                                         self.live_rows)
+
+    def before_step(self, rows: int) -> None:
+        """Before a decode step of `rows` real rows is queued (ModelRunner's before_decode)."""
+        self.live_rows.fill_(rows)
 
     def after_step(self, rows: int) -> None:
         """After a decode step of `rows` rows (ModelRunner's after_decode)."""

@@ -133,8 +133,10 @@ class LLMEngine:
                                   self.kv.blocks_for(self.max_model_len))
             if experts is not None:
                 experts.enable_graphs(graphs.max_batch, cfg.num_experts_per_tok)
+        hooked = use_graphs and experts is not None
         self.runner = ModelRunner(self.loaded.model, self.kv, self.states, self.eos_token_ids, self.device, args.seed,
-                                  graphs, after_decode=experts.after_step if use_graphs and experts else None)
+                                  graphs, before_decode=experts.before_step if hooked else None,
+                                  after_decode=experts.after_step if hooked else None)
         self.requests: dict[str, Request] = {}
         self._in_flight: tuple[list[Request], SamplerOutput] | None = None   # a decode step launched ahead (step)
         self._tokens_read_at = 0.0   # when the last sampled tokens reached the host (the pacer's decode step time)

@@ -22,12 +22,14 @@ from flashnext.models.context import ForwardContext, Segment
 
 class ModelRunner:
     def __init__(self, model, kv: KVPool, states: StatePool, eos_token_ids, device, seed: int = 0,
-                 graphs: DecodeGraphs | None = None, after_decode: Callable[[int], None] | None = None):
-        """`after_decode(rows)`: called once a decode graph step of `rows` rows is queued (the expert cache adapts
-        its pools between steps: ExpertCache.after_step)."""
+                 graphs: DecodeGraphs | None = None, before_decode: Callable[[int], None] | None = None,
+                 after_decode: Callable[[int], None] | None = None):
+        """`before_decode(rows)` / `after_decode(rows)`: called before / once a decode graph step of `rows` rows is
+        queued (the expert cache's kernels skip the bucket's padding rows, and its pools adapt between steps:
+        ExpertCache.before_step, after_step)."""
         self.model = model
         self.graphs = graphs
-        self.after_decode = after_decode
+        self.before_decode, self.after_decode = before_decode, after_decode
         self.kv = kv
         self.states = states
         self.eos_token_ids = sorted(eos_token_ids)
@@ -111,6 +113,8 @@ class ModelRunner:
         num_computed, or `input_ids` on the device (a step ahead)."""
         if input_ids is None:
             input_ids = [r.all_ids[r.num_computed] for r in requests]
+        if self.before_decode is not None:
+            self.before_decode(len(requests))
         logits = self.graphs.run(input_ids, [r.num_computed for r in requests], [r.slot for r in requests],
                                  [r.blocks for r in requests])
         if self.after_decode is not None:

@@ -43,10 +43,13 @@ class CachedExperts:
     `moe_int4` are its device pool of slots, `table` [E] int64 on the device each expert's slot or -1, `gate_up` and
     `down` the stacked host store of every expert (page-locked on a GPU machine), from which the kernels read a
     missing expert's row straight over PCIe. The pool rows are copies of host rows, so the result is the
-    reference's over the host store."""
+    reference's over the host store. `live_rows` (int32 [1] on the device, or None: every row): the rows of a
+    captured decode step that are real; the kernels skip the padding rows past them (their outputs are zero), which
+    would otherwise read their experts — routed from a padding token, never learned by the pools — over PCIe."""
     table: torch.Tensor
     gate_up: Int4Weight
     down: Int4Weight
+    live_rows: torch.Tensor | None = None
 
 
 def shared_fits(w_gate_up: Int4Weight, w_down: Int4Weight, shared_gate_up: Int4Weight, shared_down: Int4Weight) -> bool:
@@ -116,10 +119,16 @@ def moe_int4(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weigh
 
             return moe_int4_decode(x, topk_ids, topk_weights, w_gate_up, w_down, shared=shared, cached=cached)
         return routed_pairs(x, topk_ids, topk_weights, w_gate_up, w_down).sum(1).to(x.dtype)
-    if cached is not None:   # what the kernels read: residents from their pool slots, the others from the host
-        w_gate_up, w_down = (through_table(pool, host, cached.table)
-                             for pool, host in ((w_gate_up, cached.gate_up), (w_down, cached.down)))
-    return moe_int4_reference(x, topk_ids, topk_weights, w_gate_up, w_down, shared)
+    if cached is None:
+        return moe_int4_reference(x, topk_ids, topk_weights, w_gate_up, w_down, shared)
+    # what the kernels read: residents from their pool slots, the others from the host; padding rows zero
+    w_gate_up, w_down = (through_table(pool, host, cached.table)
+                         for pool, host in ((w_gate_up, cached.gate_up), (w_down, cached.down)))
+    out = moe_int4_reference(x, topk_ids, topk_weights, w_gate_up, w_down, shared)
+    if cached.live_rows is None:
+        return out
+    live = torch.arange(x.shape[0], device=x.device) < cached.live_rows.to(x.device)
+    return torch.where(live[:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
 def through_table(pool: Int4Weight, host: Int4Weight, table: torch.Tensor) -> Int4Weight:

@@ -149,14 +149,17 @@ def _slot_weights(ids_ptr, token, slot, qweight_ptr, scales_ptr, zeros_ptr, perm
 
 @triton.jit
 def _gate_up_kernel(x_ptr, ids_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, shared_q_ptr, shared_s_ptr,
-                    shared_z_ptr, table_ptr, host_q_ptr, host_s_ptr, host_z_ptr, host_perm_ptr, h_ptr, part_ptr,
-                    counter_ptr, H, I, k_per_split, GROUP: tl.constexpr,
+                    shared_z_ptr, table_ptr, host_q_ptr, host_s_ptr, host_z_ptr, host_perm_ptr, live_rows_ptr, h_ptr,
+                    part_ptr, counter_ptr, H, I, k_per_split, GROUP: tl.constexpr,
                     TOP_K: tl.constexpr, SLOTS: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
-                    HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, CACHED: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+                    HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, CACHED: tl.constexpr, LIVE_ROWS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
     pair, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     token, slot = pair // SLOTS, pair % SLOTS
+    if LIVE_ROWS:
+        if token >= tl.load(live_rows_ptr):   # a padding row: h unused (down skips it too), no counter touched
+            return
     N = 2 * I
     qweight, scales, zeros, perm_ptr = _slot_weights(
         ids_ptr, token, slot, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, shared_q_ptr, shared_s_ptr, shared_z_ptr,
@@ -190,13 +193,21 @@ def _gate_up_kernel(x_ptr, ids_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr
 @triton.jit
 def _down_kernel(h_ptr, ids_ptr, topk_weights_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, shared_q_ptr,
                  shared_s_ptr, shared_z_ptr, table_ptr, host_q_ptr, host_s_ptr, host_z_ptr, host_perm_ptr,
-                 shared_logit_ptr, stride_logit, out_ptr, part_ptr, counter_ptr, H, I,
+                 live_rows_ptr, shared_logit_ptr, stride_logit, out_ptr, part_ptr, counter_ptr, H, I,
                  k_per_split, GROUP: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, SPLIT: tl.constexpr,
                  PARTS_P2: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, CACHED: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+                 LIVE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                 PDL: tl.constexpr):
     wait_for_inputs(PDL)
     pair, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     token, slot = pair // SLOTS, pair % SLOTS
+    if LIVE_ROWS:
+        if token >= tl.load(live_rows_ptr):   # a padding row: zeros, written by one program a tile
+            if slot == 0 and split == 0:
+                offs = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+                tl.store(out_ptr + token * H + offs, tl.zeros((BLOCK_N,), tl.float32).to(out_ptr.dtype.element_ty),
+                         mask=offs < H)
+            return
     qweight, scales, zeros, perm_ptr = _slot_weights(
         ids_ptr, token, slot, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, shared_q_ptr, shared_s_ptr, shared_z_ptr,
         table_ptr, host_q_ptr, host_s_ptr, host_z_ptr, host_perm_ptr, I, H, GROUP, TOP_K, CACHED)
@@ -237,7 +248,8 @@ def moe_int4_decode(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: In
                     cached: CachedExperts | None = None) -> torch.Tensor:
     """Same contract as ops.moe_int4.moe_int4_reference; x [M, H] bf16/fp16/fp32 on CUDA (or interpreted).
     `shared` runs as slot k of every token (its weights in the experts' forms: see shared_fits). `cached`: the
-    stacks are an expert cache's pool of slots (ops.moe_int4.CachedExperts)."""
+    stacks are an expert cache's pool of slots (ops.moe_int4.CachedExperts; with live_rows, the rows past it are
+    skipped and come out zero)."""
     cfg = config or DEFAULT
     m, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -281,19 +293,21 @@ def moe_int4_decode(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: In
 
     if shared is not None:
         assert shared_fits(w_gate_up, w_down, shared.gate_up, shared.down), "see shared_fits"
+    skip_padding = cached is not None and cached.live_rows is not None
+    live_rows = cached.live_rows if skip_padding else ids    # a dummy pointer, never read without LIVE_ROWS
     zeros, perm, flags = optional(w_gate_up)
     _gate_up_kernel[(pairs, tiles_up, split_up)](
         x, ids, w_gate_up.qweight, w_gate_up.scales, zeros, perm, *shared_pointers(w_gate_up),
-        *cache_pointers(w_gate_up), h, part_up, counters, hidden, inter, per_up, GROUP=w_gate_up.group_size,
+        *cache_pointers(w_gate_up), live_rows, h, part_up, counters, hidden, inter, per_up, GROUP=w_gate_up.group_size,
         TOP_K=top_k, SLOTS=slots, SPLIT=split_up, SPLIT_P2=triton.next_power_of_2(split_up), CACHED=cached is not None,
-        BLOCK_N=cfg.block_n, BLOCK_K=bk_up, **flags, **launch)
+        LIVE_ROWS=skip_padding, BLOCK_N=cfg.block_n, BLOCK_K=bk_up, **flags, **launch)
     zeros, perm, flags = optional(w_down)
     logit = shared.logit if shared is not None else topk_weights
     _down_kernel[(pairs, tiles_down, split_down)](
         h, ids, topk_weights.reshape(-1).contiguous(), w_down.qweight, w_down.scales, zeros, perm,
-        *shared_pointers(w_down), *cache_pointers(w_down), logit, logit.stride(0), out, part_down, counters, hidden,
-        inter, per_down, GROUP=w_down.group_size, TOP_K=top_k, SLOTS=slots, SPLIT=split_down,
-        PARTS_P2=triton.next_power_of_2(parts_down), CACHED=cached is not None, BLOCK_N=down_block_n,
-        BLOCK_K=bk_down, **flags, **launch)
+        *shared_pointers(w_down), *cache_pointers(w_down), live_rows, logit, logit.stride(0), out, part_down, counters,
+        hidden, inter, per_down, GROUP=w_down.group_size, TOP_K=top_k, SLOTS=slots, SPLIT=split_down,
+        PARTS_P2=triton.next_power_of_2(parts_down), CACHED=cached is not None, LIVE_ROWS=skip_padding,
+        BLOCK_N=down_block_n, BLOCK_K=bk_down, **flags, **launch)
     return out
 
