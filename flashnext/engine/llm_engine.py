@@ -367,27 +367,20 @@ class LLMEngine:
     def _launch_ahead(self, requests: list[Request], sampled) -> tuple[list[Request], SamplerOutput] | None:
         """Queue the decode step of `requests` that follows the one which sampled `sampled`, its input tokens taken
         from `sampled` on the device → (requests, its sampled tokens), or None where it would not be the step the
-        scheduler picks next: a waiting request could be admitted (Scheduler.may_admit; not one held by a disk read,
-        nor while every sequence slot is taken), a request was left out of this step, a KV block is missing and
-        none is free (no eviction here), or the runner cannot (ModelRunner.can_run_ahead). A request that then
+        scheduler picks next (Scheduler.schedule_ahead) or the runner cannot (ModelRunner.can_run_ahead). A request
+        that then
         finishes with this step's token (a stop, or its length limit) had its last token computed by the step ahead:
         num_computed counts it, so the prefix cache's snapshot at its end covers the whole reply; the step's sample
         for it is dropped. Greedy and seeded requests get the tokens they get one step at a time; unseeded ones draw
         from the engine's shared generator, whose draws shift when a dropped row took some."""
-        if not (self.args.decode_ahead and requests) or self.scheduler.may_admit():
+        if not (self.args.decode_ahead and requests):
             return None
-        if len(requests) != len(self.scheduler.running) or any(
-                r.finished or r.num_computed != r.num_tokens or r.num_tokens >= self.max_model_len for r in requests):
+        chunks = self.scheduler.schedule_ahead(requests, self.max_model_len,
+                                               lambda widest: self.runner.can_run_ahead(requests, sampled, widest))
+        if chunks is None:
             return None
-        needs = [self.kv.blocks_for(r.num_computed + 1) - len(r.blocks) for r in requests]
-        widest = max(len(r.blocks) + need for r, need in zip(requests, needs))
-        if sum(needs) > self.kv.num_free or not self.runner.can_run_ahead(requests, sampled, widest):
-            return None
-        for r, need in zip(requests, needs):
-            if need > 0:
-                r.blocks.extend(self.kv.allocate(need))
         ahead = self.runner.run_ahead(requests, sampled)
-        self.scheduler.computed([ScheduledChunk(r, 1) for r in requests])
+        self.scheduler.computed(chunks)
         return requests, ahead
 
     def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:

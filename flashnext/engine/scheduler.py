@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from flashnext.cache.kv_pool import KVPool
 from flashnext.cache.prefix_cache import LOADING, PrefixCache
@@ -148,6 +149,28 @@ class Scheduler:
             self._decode_only_steps = self.decode_steps_between_prefill
         return chunks
 
+    def schedule_ahead(self, requests: list[Request], max_model_len: int,
+                       can_run: Callable[[int], bool]) -> list[ScheduledChunk] | None:
+        """The decode step after the one now sampling `requests`' next tokens (every running request, in that step's
+        order), as schedule() would pick it once those tokens are appended: one token each, their KV blocks reserved
+        — or None where schedule() might pick another: a waiting request could be admitted (may_admit), a running
+        request is not in that step or has prompt left, one is finished or at `max_model_len`, or a KV block is
+        missing and none is free (nothing is evicted ahead). `can_run(widest)`: whether the runner can queue it, its
+        block tables that many blocks wide at most."""
+        if self.may_admit():
+            return None
+        if len(requests) != len(self.running) or any(
+                r.finished or r.num_computed != r.num_tokens or r.num_tokens >= max_model_len for r in requests):
+            return None
+        needs = [self._blocks_needed(r, 1) for r in requests]
+        if sum(needs) > self.kv.num_free or not can_run(max(len(r.blocks) + n for r, n in zip(requests, needs))):
+            return None
+        for r, need in zip(requests, needs):
+            r.blocks.extend(self.kv.allocate(need))
+        if self._decode_only_steps > 0:   # a decode-only step like schedule()'s
+            self._decode_only_steps -= 1
+        return [ScheduledChunk(r, 1) for r in requests]
+
     def may_admit(self) -> bool:
         """Whether the next schedule() may admit a waiting request: one waits that is not held by a disk read, and a
         sequence slot is free."""
@@ -177,8 +200,12 @@ class Scheduler:
         # — unless it starts the sequence: the decode step continues a slot's states and never clears them.
         return 1 if 0 < start and n <= self.graph_tail and (cut or n == remaining) else n
 
+    def _blocks_needed(self, request: Request, n: int) -> int:
+        """KV blocks `request` lacks for its next `n` tokens."""
+        return self.kv.blocks_for(request.num_computed + n) - len(request.blocks)
+
     def _reserve_blocks(self, request: Request, n: int, chunks: list[ScheduledChunk]) -> bool:
-        need = self.kv.blocks_for(request.num_computed + n) - len(request.blocks)
+        need = self._blocks_needed(request, n)
         while need > self.kv.num_free:
             if self.prefix_cache is not None and self.prefix_cache.free_blocks(need):
                 break
