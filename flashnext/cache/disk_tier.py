@@ -34,6 +34,7 @@ import json
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,7 +49,7 @@ log = logging.getLogger("flashnext.cache")
 
 FORMAT = "flashnext-prefix-cache-v2"   # v1 kept a file per block
 HEADER_BYTES = 1024   # what a file's safetensors header adds to its payload, about (the tier counts it)
-HASH_BYTES = 70       # and what each block's hash adds to a batch file's header (JSON hex)
+HASH_BYTES = 36       # and what each block's hash adds to a batch file's header (16 bytes as JSON hex)
 # Threads that read a conversation's batch files back: the reads and the hashing release the GIL.
 READERS = min(8, (os.cpu_count() or 1) // 2)
 
@@ -75,6 +76,18 @@ def checksum(tensors: dict[str, torch.Tensor]) -> str:
     return tensors_digest((name, t.contiguous().view(-1).view(torch.uint8).numpy()) for name, t in tensors.items())
 
 
+@dataclass
+class BatchFile:
+    """A batch file's bookkeeping: its rows (blocks), those still stored, and the bytes a row takes on disk."""
+    rows: int
+    live: int
+    row_bytes: int
+
+    @property
+    def dead_bytes(self) -> int:
+        return (self.rows - self.live) * self.row_bytes
+
+
 class DiskStore(TierStore):
     name = "disk"
 
@@ -90,8 +103,10 @@ class DiskStore(TierStore):
         # threads reading a conversation's batch files back (they start on first use)
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="flashnext-disk-reader") if READERS > 1 else None
         self.rows: dict[bytes, tuple[str, int]] = {}   # block hash → (batch name, row)
-        self.live_rows: dict[str, int] = {}             # batch name → rows still stored
-        self.row_bytes: dict[str, int] = {}             # batch name → bytes a row takes, header share included
+        self.batches: dict[str, BatchFile] = {}
+        # Rows of batch files that no block needs any more, still on disk until their file goes (a batch is written
+        # and deleted whole): the tier counts them against its budget (TierIndex.fit).
+        self.dead_bytes = 0
         self._index_batches()
 
     def _index_batches(self) -> None:
@@ -102,16 +117,16 @@ class DiskStore(TierStore):
                 if not self.ours(meta):
                     continue
                 hashes = [bytes.fromhex(h) for h in json.loads(meta["blocks"])]
-            except Exception as e:   # noqa: BLE001 - an unreadable header: not ours to read (nor to delete)
+                size = path.stat().st_size
+            except Exception as e:   # noqa: BLE001 - an unreadable header (or a file gone meanwhile): not ours to use
                 log.warning("disk cache: ignoring unreadable %s: %s", path, e)
                 continue
-            name = path.stem
-            self.live_rows[name] = 0
-            self.row_bytes[name] = path.stat().st_size // max(1, len(hashes))
+            batch = self.batches[path.stem] = BatchFile(len(hashes), 0, size // max(1, len(hashes)))
             for row, h in enumerate(hashes):
                 if h not in self.rows:    # a block stored again after its first batch lost it: one of them
-                    self.rows[h] = (name, row)
-                    self.live_rows[name] += 1
+                    self.rows[h] = (path.stem, row)
+                    batch.live += 1
+            self.dead_bytes += batch.dead_bytes
 
     def stored_bytes(self, payload_bytes: int) -> int:
         return payload_bytes + HEADER_BYTES
@@ -134,7 +149,7 @@ class DiskStore(TierStore):
 
     def block_bytes(self, h: bytes) -> int:
         """What a stored block takes on disk (its batch file's size over its rows)."""
-        return self.row_bytes[self.rows[h][0]]
+        return self.batches[self.rows[h][0]].row_bytes
 
     def missing(self, key: bytes, blocks: list[bytes]) -> str | None:
         """Why this store cannot serve an entry from its headers alone (None: it can). Rank 0 asks it of the other
@@ -185,13 +200,15 @@ class DiskStore(TierStore):
         """One batch file: the batch comes to the host in one copy per tensor (see _write), the writer writes it.
         Its name is a hash of its blocks' hashes, so every rank names its share of a batch alike."""
         name = hashlib.sha256(b"".join(hashes)).hexdigest()[:32]
+        for h in hashes:
+            if h in self.rows:     # a dead row of an older file (a restart's duplicate): this file supersedes it
+                self.drop_block(h)
         extra = {"kind": "batch", "blocks": json.dumps([h.hex() for h in hashes])}
         nbytes = self._write(self.batch_path(name), batch, extra) + HASH_BYTES * len(hashes)
-        self.live_rows[name] = len(hashes)
-        self.row_bytes[name] = nbytes // len(hashes)
+        self.batches[name] = BatchFile(len(hashes), len(hashes), nbytes // len(hashes))
         for row, h in enumerate(hashes):
             self.rows[h] = (name, row)
-        return [self.row_bytes[name]] * len(hashes)
+        return [nbytes // len(hashes)] * len(hashes)
 
     def store_block(self, h: bytes, data: BlockData) -> int:
         return self.store_blocks([h], {name: t.unsqueeze(0) for name, t in data.items()})[0]
@@ -201,6 +218,8 @@ class DiskStore(TierStore):
         self.flush()
         runs: list[tuple[str, int, int]] = []    # (batch name, first row, rows)
         for h in hashes:
+            if h not in self.rows:
+                raise CorruptEntry(f"KV block {h.hex()} is not in {self.batch_dir}")
             name, row = self.rows[h]
             if runs and runs[-1][0] == name and runs[-1][1] + runs[-1][2] == row:
                 runs[-1] = (name, runs[-1][1], runs[-1][2] + 1)
@@ -212,6 +231,9 @@ class DiskStore(TierStore):
             files = dict(zip(names, self._readers.map(self._read_written, paths)))
         else:
             files = {name: self._read_written(path) for name, path in zip(names, paths)}
+        for name, tensors in files.items():
+            if any(t.shape[0] != self.batches[name].rows for t in tensors.values()):
+                raise CorruptEntry(f"{self.batch_path(name)} holds another number of blocks than its header names")
         return [{key: t[first: first + n] for key, t in files[name].items()} for name, first, n in runs]
 
     def load_block(self, h: bytes) -> BlockData:
@@ -220,19 +242,23 @@ class DiskStore(TierStore):
     def drop_block(self, h: bytes) -> None:
         """Forget a block; its batch file goes with its last block (after the writes queued before)."""
         name, _ = self.rows.pop(h)
-        self.live_rows[name] -= 1
-        if self.live_rows[name] == 0:
-            del self.live_rows[name], self.row_bytes[name]
-            self._submit(self.batch_path(name).unlink, missing_ok=True)
+        batch = self.batches[name]
+        batch.live -= 1
+        self.dead_bytes += batch.row_bytes
+        if batch.live == 0:
+            self._delete_batch(name)
+
+    def _delete_batch(self, name: str) -> None:
+        self.dead_bytes -= self.batches.pop(name).dead_bytes
+        self._submit(self.batch_path(name).unlink, missing_ok=True)
 
     def keep_only(self, blocks) -> None:
         """Drop every stored block not in `blocks` (a restart's index: what no entry needs), and the batch files
         left holding none (also those whose every block another file holds)."""
         for h in [h for h in self.rows if h not in blocks]:
             self.drop_block(h)
-        for name in [name for name, live in self.live_rows.items() if live == 0]:
-            del self.live_rows[name], self.row_bytes[name]
-            self._submit(self.batch_path(name).unlink, missing_ok=True)
+        for name in [name for name, batch in self.batches.items() if batch.live == 0]:
+            self._delete_batch(name)
 
     def store_snapshot(self, key: bytes, snap: SnapshotData, meta: SnapshotMeta | None) -> int:
         state, tail_kv = snap
@@ -296,7 +322,7 @@ class DiskTier(TierIndex):
                 blocks = [bytes.fromhex(h) for h in json.loads(meta["blocks"])]
                 missing = [h for h in blocks if h not in store.rows]
                 if missing:
-                    log.warning("disk cache: ignoring %s: %d of its KV block files are missing", path, len(missing))
+                    log.warning("disk cache: ignoring %s: %d of its KV blocks are missing", path, len(missing))
                     continue
                 tail, num_tokens = tuple(json.loads(meta["tail"])), int(meta["num_tokens"])
             except Exception as e:   # noqa: BLE001 - any unreadable header means: not ours to load
@@ -316,6 +342,7 @@ class DiskTier(TierIndex):
             log.info("disk cache: %d snapshots (%.2f GiB) in %s", len(self.snaps), self.bytes / (1 << 30), store.dir)
         self.fit()
         self._collect()
+        self.fit()   # the rows of partly needed batch files that _collect found dead count too
 
     def _collect(self) -> None:
         """Delete the files of ours that no indexed entry needs, in this store and the other ranks': batches none of
@@ -331,10 +358,10 @@ class DiskTier(TierIndex):
                 if pid.isdigit() and not process_alive(int(pid)):   # a write its process did not finish
                     path.unlink(missing_ok=True)
                     removed += 1
-            batches = len(store.live_rows)
+            batches = len(store.batches)
             store.keep_only(self.block_refs)
             store.flush()
-            removed += batches - len(store.live_rows)
+            removed += batches - len(store.batches)
             for path in store.snapshot_dir.glob("*.safetensors"):
                 try:
                     if bytes.fromhex(path.stem) in self.snaps or not store.ours(read_header(path)):

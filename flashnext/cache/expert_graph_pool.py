@@ -28,13 +28,10 @@ from flashnext.ops.moe_int4 import CachedExperts
 # Experts copied in per layer and per learning step at most (the copies share PCIe with the kernels' reads of
 # missing experts, and each costs a few host calls), MAX_COPIES_PER_STEP in all, the layers taking turns.
 # FLASHNEXT_EXPERT_COPIES_PER_LAYER / FLASHNEXT_EXPERT_COPIES_PER_STEP (docs/expert_cache.md) for measuring. At 2 and
-# 16 Flash-Next's pools (24 GiB, calibrated trace) hit 53% on the H200, far below LRU's 87% in replay: ~8 copies a
-# token against ~220 misses; at 10 and 480 (a layer's top-k, no cap for 48 layers) 83%, 44.6 → 77 tok/s.
+# 16 Flash-Next's pools (24 GiB, calibrated trace) hit 53% on the H200, far below LRU's 87% in replay: 16 copies a
+# token (the cap) against ~220 misses; at 10 and 480 (a layer's top-k, no cap for 48 layers) 83%, 44.6 → 70 tok/s.
 COPIES_PER_LAYER = int(os.environ.get("FLASHNEXT_EXPERT_COPIES_PER_LAYER", "10"))
 MAX_COPIES_PER_STEP = int(os.environ.get("FLASHNEXT_EXPERT_COPIES_PER_STEP", "480"))
-# Observations (a step's routed ids on their way to page-locked memory) in flight at once: decode ahead keeps two
-# steps queued, so with one the pools learned from about every other step; with three, from every step.
-OBSERVATIONS_IN_FLIGHT = 3
 # A learning step is ~30 tensor ops over [layers, experts] plus the copies it starts: 1.6 ms of host time for all 48
 # layers of Flash-Next's shapes (512 experts, top-10, 196 slots) with 16 copies on the 2-core dev machine (copies
 # not issued there); done per layer it had been 0.8-0.9 ms a layer.
@@ -54,10 +51,8 @@ class GraphPool:
         self.layers, self.top_k, self.device = layers, top_k, layers[0].device
         self.gpu = self.device.type == "cuda"
         self.observed = torch.full((len(layers), max_rows * top_k), -1, dtype=torch.long, device=self.device)
-        self.observed_host = torch.empty((OBSERVATIONS_IN_FLIGHT, *self.observed.shape), dtype=torch.long,
-                                         pin_memory=self.gpu)
-        # the observations in flight, oldest first: (copy done, rows, which of observed_host)
-        self.reading: list[tuple[torch.cuda.Event | None, int, int]] = []
+        self.observed_host = torch.empty(self.observed.shape, dtype=torch.long, pin_memory=self.gpu)
+        self.reading: tuple[torch.cuda.Event | None, int] | None = None   # (copy done, rows) of observed_host
         self.pending: list[PendingCopy] = []
         # every layer's slot_of and device slot table become rows of one [layers, experts] tensor each, so learning is
         # a few whole-tensor ops and the tables take one host-to-device copy
@@ -84,18 +79,19 @@ class GraphPool:
     def after_step(self, rows: int) -> None:
         """After a decode step of `rows` rows (ModelRunner's after_decode)."""
         self._publish(wait=False)
-        while self.reading and (self.reading[0][0] is None or self.reading[0][0].query()):
-            _, read_rows, buffer = self.reading.pop(0)
-            self._learn(self.observed_host[buffer, :, :read_rows * self.top_k])
-        if len(self.reading) < OBSERVATIONS_IN_FLIGHT:
-            buffer = min(set(range(OBSERVATIONS_IN_FLIGHT)) - {b for _, _, b in self.reading})
+        if self.reading is not None:
+            done, read_rows = self.reading
+            if done is None or done.query():
+                self.reading = None
+                self._learn(self.observed_host[:, :read_rows * self.top_k])
+        if self.reading is None:    # the next observation once the last is read: one in flight
             columns = rows * self.top_k
-            self.observed_host[buffer, :, :columns].copy_(self.observed[:, :columns], non_blocking=self.gpu)
+            self.observed_host[:, :columns].copy_(self.observed[:, :columns], non_blocking=self.gpu)
             done = None
             if self.gpu:
                 done = torch.cuda.Event()
                 done.record(torch.cuda.current_stream(self.device))
-            self.reading.append((done, rows, buffer))
+            self.reading = (done, rows)
 
     def settle(self) -> None:
         """Wait for the pending copies and publish them (before the eager path touches the pools)."""

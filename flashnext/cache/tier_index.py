@@ -42,6 +42,9 @@ class SnapshotMeta:
 class TierStore:
     """Payloads of one tier by name; returns the bytes each stored payload takes."""
     name = "tier"
+    # Bytes the store holds for blocks no longer stored (a disk batch file's dropped rows, until the file goes): the
+    # index counts them against its budget too.
+    dead_bytes = 0
 
     def stored_bytes(self, payload_bytes: int) -> int:
         """What a payload of this many tensor bytes takes here, as the store_* methods count it."""
@@ -207,8 +210,9 @@ class TierIndex:
         return None
 
     def fit(self) -> None:
-        """Evict least recently used entries (down a tier, when there is one) until the bytes fit."""
-        while self.bytes > self.capacity:
+        """Evict least recently used entries (down a tier, when there is one) until the bytes fit, the store's dead
+        bytes included."""
+        while self.bytes + self.store.dead_bytes > self.capacity:
             key = next((k for k in self.snaps if k not in self.installing), None)
             if key is None:
                 return

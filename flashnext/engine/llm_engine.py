@@ -368,10 +368,9 @@ class LLMEngine:
         """Queue the decode step of `requests` that follows the one which sampled `sampled`, its input tokens taken
         from `sampled` on the device → (requests, its sampled tokens), or None where it would not be the step the
         scheduler picks next (Scheduler.schedule_ahead) or the runner cannot (ModelRunner.can_run_ahead). A request
-        that then
-        finishes with this step's token (a stop, or its length limit) had its last token computed by the step ahead:
-        num_computed counts it, so the prefix cache's snapshot at its end covers the whole reply; the step's sample
-        for it is dropped. Greedy and seeded requests get the tokens they get one step at a time; unseeded ones draw
+        that then finishes with this step's token (a stop, or its length limit) had its last token computed by the
+        step ahead: num_computed counts it, so the prefix cache's snapshot at its end covers the whole reply; the
+        step's sample for it is dropped. Greedy and seeded requests get the tokens they get one step at a time; unseeded ones draw
         from the engine's shared generator, whose draws shift when a dropped row took some."""
         if not (self.args.decode_ahead and requests):
             return None

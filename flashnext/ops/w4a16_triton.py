@@ -25,8 +25,8 @@ kernel instead), the M between to the second.
 
 `_w4a16_kernel` (GEMM): `tl.dot` of x with the (q − z) tile in x's dtype — exact, those are integers in
 [−16, 15] — (or, LaunchConfig.scale_in_tile, with the scaled tile, accumulating in the dot) accumulated in fp32 over a grid of (N blocks, K splits, M blocks), split-K partials added with
-one fp32 buffer per split, summed after in split order (same bits run to run: with fp32 atomics, H200 runs of one
-fp32 prefill differed). A LaunchConfig with block_m < 16 selects its older decode mode (fp32
+an fp32 buffer per split, summed afterwards by one torch.sum (deterministic: the same bits run to run; with fp32
+atomics, H200 runs of one fp32 prefill differed). A LaunchConfig with block_m < 16 selects its older decode mode (fp32
 multiply-and-sum, no dot), kept as the baseline scripts/gpu_w4a16.py times the GEMV kernel against.
 Both kernels multiply each K tile's fp32 partial by its group's scale and gather x's columns through `perm`
 for act-order weights, so the result differs from dequantise-then-matmul only by fp32 summation order.
