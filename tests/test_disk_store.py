@@ -116,7 +116,7 @@ def test_restart_deletes_what_no_entry_needs_and_keeps_foreign_files(tmp_path, c
     a, b, c = [bytes([i]) * 16 for i in (1, 2, 3)]
     _entry(tier, [a, b], b"\xaa" * 16, 0)         # kept
     _entry(tier, [a, c], b"\xbb" * 16, 10)        # its snapshot file will be deleted by hand: c is orphaned
-    _entry(tier, [bytes([4]) * 16], b"\xcc" * 16, 20)   # its block file will be deleted: the snapshot is useless
+    _entry(tier, [bytes([4]) * 16], b"\xcc" * 16, 20)   # its batch file will be deleted: the snapshot is useless
     foreign = DiskStore(tmp_path, "model-b")
     foreign.store_block(bytes([5]) * 16, _block(5))
     foreign.flush()
@@ -211,3 +211,54 @@ def test_writer_gets_host_copies_of_its_own():
     buf.zero_()
     assert torch.equal(out["a"], torch.arange(16, dtype=torch.float32)) and out["b"].shape == (4, 8)
     assert out["b"][0, 0] == 16
+
+
+def test_dropped_rows_of_a_live_batch_count_until_its_file_goes(tmp_path):
+    """A batch file goes with its last block; its dropped rows stay on disk meanwhile and count against the budget
+    (dead_bytes): the tier evicts to stay under it, and after a restart the file is still there for the entry that
+    needs it."""
+    from flashnext.cache.disk_tier import DiskTier
+
+    store = DiskStore(tmp_path, "model-a")
+    tier = DiskTier(store, 1 << 30, 16)
+    a, b = bytes([1]) * 16, bytes([2]) * 16
+    _entry(tier, [a, b], b"\xaa" * 16, 0)          # one batch file [a, b]
+    _entry(tier, [a], b"\xbb" * 16, 10)            # needs a only (stored already)
+    tier.remove(b"\xaa" * 16)                      # b dropped: its row is dead, the file stays for a
+    store.flush()
+    row = store.block_bytes(a)
+    assert store.dead_bytes == row and len(list(store.batch_dir.iterdir())) == 1
+    again = DiskTier(DiskStore(tmp_path, "model-a"), 1 << 30, 16)     # a restart: b is dead there too
+    assert list(again.snaps) == [b"\xbb" * 16] and again.store.dead_bytes == again.store.block_bytes(a)
+    runs, _ = again.load(b"\xbb" * 16)
+    assert torch.equal(runs[0]["k.3"][0], _block(0)["k.3"])   # a as entry aa stored it
+    tier.capacity = tier.bytes + store.dead_bytes - 1   # the dead row tips it over: the last entry goes, its file too
+    tier.fit()
+    store.flush()
+    assert not tier.snaps and store.dead_bytes == 0 and not list(store.batch_dir.iterdir())
+
+
+def test_a_block_in_two_batch_files_is_read_from_one_and_the_other_file_goes(tmp_path):
+    """A block dropped from a batch that lives on, then stored again, is in two files: after a restart one of
+    them serves it and a file left with no block of its own is deleted; a block no file holds, or a file whose
+    rows disagree with its header, fails as a damaged entry (the request is computed)."""
+    from flashnext.cache.tier_index import CorruptEntry
+
+    store = DiskStore(tmp_path, "model-a")
+    a, b = bytes([1]) * 16, bytes([2]) * 16
+    store.store_blocks([a, b], {k: torch.stack([_block(0)[k], _block(1)[k]]) for k in _block(0)})
+    store.drop_block(a)
+    store.store_block(a, _block(0))
+    store.flush()
+    assert len(list(store.batch_dir.iterdir())) == 2
+    again = DiskStore(tmp_path, "model-a")
+    assert set(again.rows) == {a, b}
+    again.keep_only({a})       # whichever file serves a, the other goes: b was the other's only block, or none
+    again.flush()
+    assert len(list(store.batch_dir.iterdir())) == 1
+    assert torch.equal(again.load_block(a)["k.3"], _block(0)["k.3"])
+    with pytest.raises(CorruptEntry, match="not in"):
+        again.load_blocks([bytes([9]) * 16])
+    again.batches[again.rows[a][0]].rows = 3       # as if the header named a block more than the file holds
+    with pytest.raises(CorruptEntry, match="number of blocks"):
+        again.load_blocks([a])
