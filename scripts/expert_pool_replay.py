@@ -4,8 +4,8 @@ with every miss admitted (expert_trace.replay). Experts are a few bytes each her
 experts and converted with Flash-Next's 2.53 MB an expert.
 
 A step reads its routed experts through the table as it stands when the step runs (a miss: read from host memory
-over PCIe), then the pool gets the step's ids and learns as after a captured step on a CPU: from each step, the
-copies it starts published at the next (on the GPU they land a step or two later). So this is the pools' best case
+over PCIe), then the pool gets the step's ids and learns as after a captured step on a CPU: a step's ids learned
+at the next step's end, the copies that starts published at the one after (on the GPU a step or two later still). So this is the pools' best case
 for lag; what it compares is admission: copies a layer and a step, policy.
 Session 10 (12 layers, 1,000 tokens, 211 slots): LRU 86.6%, 163 MB a token; the pools at 10 copies a layer and
 480 a step 82.1%, ~380 MB a token (each admitted miss crosses PCIe twice: read by the kernel, then copied); admitting

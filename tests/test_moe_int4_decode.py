@@ -180,12 +180,19 @@ def test_decode_through_an_expert_cache_pool_equals_reference(asym, act_order):
     assert torch.equal(moe_int4_decode(x, ids, weights, gate_up_pool, down_pool, config, cached=cached), want)
 
 
-def test_padding_rows_of_a_cached_step_are_skipped():
+def test_padding_rows_of_a_cached_step_are_skipped(monkeypatch):
     """A captured decode step runs a bucket of rows, the last ones padding: with CachedExperts.live_rows the kernels
     skip them (zeros out, their experts never read from the host store), the live rows keep their bits, and the
     arrival counters stay clean for the next call; the CPU reference zeroes them alike."""
     from flashnext.ops.moe_int4 import CachedExperts, moe_int4
     from flashnext.ops.moe_int4_decode_triton import DecodeConfig, moe_int4_decode
+
+    empty = torch.empty
+
+    def dirty(*args, **kwargs):   # scratch and outputs full of NaN, so a row nobody wrote cannot pass for zeros
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", dirty)
 
     x, ids, weights, w_gate_up, w_down = case(5, 3, 32, 16, asym=True, seed=11)
     config = DecodeConfig(block_n=32, block_k=32, split_k=2, split_down=2)

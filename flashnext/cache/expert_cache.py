@@ -3,9 +3,9 @@
 Each `Int4Experts` of the model keeps its stacked INT4 tensors (docs/int4.md's kernel layout) in a host store
 — pinned when CUDA is present, so host→device copies are DMA — and its buffers become a device pool of S
 expert slots in the same layout. A forward maps the routed expert ids to slots through a slot table; the
-experts missing from the pool are copied in first, one batched copy per tensor of the layout per layer (on a
-dedicated CUDA stream on the GPU, a plain copy on the CPU). The experts a step needs are pinned while it runs;
-the rest are evicted by the policy (flashnext/cache/expert_policy.py).
+experts missing from the pool are copied in first (as many as the pool holds), one batched copy per tensor of the
+layout per layer (on a dedicated CUDA stream on the GPU, a plain copy on the CPU). The experts a step needs are
+pinned while it runs; the rest are evicted by the policy (flashnext/cache/expert_policy.py).
 
 Prefetch (`--expert-prefetch`, on by default): while layer L's MoE runs, the next cached layer's router is
 applied to L's MoE input — the next layer's input is that plus two residual updates, so its top-k is a good
@@ -14,9 +14,12 @@ without waiting (their own pinned staging rows, an event the next layer's comput
 on the host sync the layer takes anyway. Only for decode-sized batches (at most half a pool of guesses), so a
 prefill never thrashes the next pool. Outputs do not depend on it: an expert is resident or copied before use.
 
-A step that routes to more distinct experts than S (a prefill) runs in rounds of at most S experts, in expert
-order. On the CPU every round sums each expert's output into one fp32 accumulator in the same order as
-`moe_int4_reference`, so the result is bit-identical to all-resident at any budget.
+A step that routes to more distinct experts than S runs in rounds of at most S experts, in expert order, on the
+CPU and through the GPU's grouped kernels (more than 8 rows): on the CPU every round sums each expert's output into
+one fp32 accumulator in the same order as `moe_int4_reference`; on the GPU each round keeps the grouped kernels'
+per-(token, choice) terms, summed once at the end. A decode-sized batch on the GPU needs no rounds: the first S
+experts are loaded and the decode kernels read the others from the host store (CachedExperts). Either way the
+result is all-resident's bit for bit, at any budget.
 Counting: one read per (layer, forward, distinct routed expert): hits + misses = reads.
 
 That is the eager path (prefill; decode without CUDA graphs). A captured decode step reads through the slot table
@@ -247,11 +250,15 @@ class LayerExpertCache:
             if moe_ops.runs_cached_experts(x):
                 # the decode kernels: the first round resident, the experts beyond the pool read from host memory
                 self.load(rounds[0])
-                self.stats.misses += len(experts) - len(rounds[0])
+                beyond = torch.tensor(experts[len(rounds[0]):], dtype=torch.long)
+                missing = int((self.slot_of[beyond] < 0).sum())
+                self.stats.hits += len(beyond) - missing
+                self.stats.misses += missing
                 cached = moe_ops.CachedExperts(self.slot_table, self.host_weight("gate_up"), self.host_weight("down"))
                 out = moe_ops.moe_int4(x, ids, weights, gate_up, down, shared=shared, cached=cached)
             else:
                 # the grouped kernels' per-(token, choice) terms, a round's experts at a time, summed once at the end
+                assert shared is None, "the grouped kernels do not run a shared expert (moe_ops.runs_shared_expert)"
                 terms = None
                 for chunk in rounds:
                     slots = self.load(chunk)

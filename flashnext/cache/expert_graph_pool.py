@@ -30,11 +30,14 @@ from flashnext.ops.moe_int4 import CachedExperts
 # FLASHNEXT_EXPERT_COPIES_PER_LAYER / FLASHNEXT_EXPERT_COPIES_PER_STEP (docs/expert_cache.md) for measuring. At 2 and
 # 16 Flash-Next's pools (24 GiB, calibrated trace) hit 53% on the H200, far below LRU's 87% in replay: 16 copies a
 # token (the cap) against ~220 misses; at 10 and 480 (a layer's top-k, no cap for 48 layers) 83%, 44.6 → 70 tok/s.
-COPIES_PER_LAYER = int(os.environ.get("FLASHNEXT_EXPERT_COPIES_PER_LAYER", "10"))
-MAX_COPIES_PER_STEP = int(os.environ.get("FLASHNEXT_EXPERT_COPIES_PER_STEP", "480"))
+COPIES_PER_LAYER = max(1, int(os.environ.get("FLASHNEXT_EXPERT_COPIES_PER_LAYER", "10")))
+MAX_COPIES_PER_STEP = max(1, int(os.environ.get("FLASHNEXT_EXPERT_COPIES_PER_STEP", "480")))
 # A learning step is ~30 tensor ops over [layers, experts] plus the copies it starts: 1.6 ms of host time for all 48
 # layers of Flash-Next's shapes (512 experts, top-10, 196 slots) with 16 copies on the 2-core dev machine (copies
-# not issued there); done per layer it had been 0.8-0.9 ms a layer.
+# not issued there; each copy is a few torch calls, ~5 a copied expert); done per layer it had been 0.8-0.9 ms a layer.
+# Table uploads go through page-locked staging buffers taken in turn: from pageable memory CUDA synchronises the
+# stream before the copy, which would make the host wait for the steps decode ahead has queued.
+TABLE_STAGING = 6
 
 
 @dataclass
@@ -58,6 +61,10 @@ class GraphPool:
         # a few whole-tensor ops and the tables take one host-to-device copy
         self.slot_of = torch.stack([layer.slot_of for layer in layers])
         self.tables = torch.stack([layer.slot_table for layer in layers])
+        self.staging = [torch.empty(self.slot_of.shape, dtype=torch.long, pin_memory=True)
+                        for _ in range(TABLE_STAGING)] if self.gpu else []
+        self.staged: list[torch.cuda.Event | None] = [None] * len(self.staging)   # each buffer's last upload done
+        self.uploads = 0
         self.copying = torch.zeros(self.slot_of.shape, dtype=torch.bool)   # experts whose copy is under way
         policy = layers[0].policy
         self.decay = getattr(policy, "decay", None)     # lfu-decay: counts decayed per learned step; lru: None
@@ -85,8 +92,9 @@ class GraphPool:
                 self.reading = None
                 self._learn(self.observed_host[:, :read_rows * self.top_k])
         if self.reading is None:    # the next observation once the last is read: one in flight
-            columns = rows * self.top_k
-            self.observed_host[:, :columns].copy_(self.observed[:, :columns], non_blocking=self.gpu)
+            # the whole buffer (~30 KB for Flash-Next): a column slice is not contiguous, and torch would copy it
+            # through a pageable temporary, waiting for the steps queued before
+            self.observed_host.copy_(self.observed, non_blocking=self.gpu)
             done = None
             if self.gpu:
                 done = torch.cuda.Event()
@@ -108,8 +116,22 @@ class GraphPool:
             self.slot_of[copy.layers, copy.experts] = copy.slots
             self.copying[copy.layers, copy.experts] = False
         if len(still) < len(self.pending):
-            self.tables.copy_(self.slot_of, non_blocking=self.gpu)
+            self._upload_tables()
         self.pending = still
+
+    def _upload_tables(self) -> None:
+        """The device tables become slot_of, in stream order after the steps queued so far, without a host wait."""
+        if not self.gpu:
+            self.tables.copy_(self.slot_of)
+            return
+        i = self.uploads % len(self.staging)
+        self.uploads += 1
+        if self.staged[i] is not None:
+            self.staged[i].synchronize()   # its last upload has run (TABLE_STAGING uploads ago: long done)
+        self.staging[i].copy_(self.slot_of)
+        self.tables.copy_(self.staging[i], non_blocking=True)
+        self.staged[i] = torch.cuda.Event()
+        self.staged[i].record(torch.cuda.current_stream(self.device))
 
     def _learn(self, observed: torch.Tensor) -> None:
         """observed [layers, rows·k] (-1: no row) → counters, values, and the copies worth starting."""
@@ -152,7 +174,7 @@ class GraphPool:
         start = self.clock % len(experts)   # the layers take turns at the head of the queue
         plan = [(i, [e for e in experts[i] if e >= 0], [v for v in victims[i] if v >= 0])
                 for i in (*range(start, len(experts)), *range(start))
-                if experts[i][0] >= 0][:MAX_COPIES_PER_STEP // COPIES_PER_LAYER]
+                if experts[i][0] >= 0][:max(1, MAX_COPIES_PER_STEP // COPIES_PER_LAYER)]
         if not plan:
             return
         gone = [(i, v) for i, _, vs in plan for v in vs]
@@ -162,7 +184,7 @@ class GraphPool:
             for (i, _), slot in zip(gone, freed_slots):
                 self.layers[i].free.append(slot)
             self.slot_of[rows, cols] = -1
-            self.tables.copy_(self.slot_of, non_blocking=self.gpu)   # the victims leave the tables first
+            self._upload_tables()   # the victims leave the tables first
         per_layer = [(i, es, [self.layers[i].free.pop() for _ in es]) for i, es, _ in plan]
         done = None
         if self.gpu:

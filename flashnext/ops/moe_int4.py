@@ -159,7 +159,8 @@ def routed_pairs(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4W
     """The grouped kernels' (CUDA, any M) terms before their sum over the k choices: [M, k, H] fp32, each
     topk_weights[m, j] * down_e(silu(gate_e(x[m])) * up_e(x[m])). A (token, choice)'s term depends on its own row
     only, so a caller may compute the terms in several calls (an expert cache's rounds) and sum once: the same
-    result as one call."""
+    result as one call with the Triton kernels (H200: scripts/gpu_expert_cache.py); not checked with
+    FLASHNEXT_MOE_PREFILL=dequant, whose grouped GEMM sees other group sizes per call."""
     if _PREFILL == "dequant" and _BACKEND == "auto":
         from flashnext.ops.moe_int4_dequant import DEQUANT_MIN_M, moe_int4_dequant_pairs
 

@@ -85,9 +85,12 @@ def _worker(rank: int, args: EngineArgs, port: int) -> None:
     if loaded.expert_cache is not None and device.type == "cuda":
         # decode steps read the pools through their slot tables, as rank 0's (LLMEngine); these pools do not
         # adapt (rank 0 alone sees the steps end), misses are read from host memory
+        from flashnext.engine.cuda_graph import bucket
         from flashnext.ops.moe_int4 import DECODE_MAX_M
 
-        loaded.expert_cache.enable_graphs(min(args.max_num_seqs, DECODE_MAX_M), loaded.config.num_experts_per_tok)
+        # rows as rank 0's graphs take them: a bucket (5 sequences run as 8)
+        loaded.expert_cache.enable_graphs(bucket(min(args.max_num_seqs, DECODE_MAX_M)),
+                                          loaded.config.num_experts_per_tok)
     steps = worker_loop(loaded.model, dtype, device, WorkerCache(_tier_stores(args, loaded, dtype, rank)))
     log.debug("rank %d: %d forwards, stopping", rank, steps)
     dist.destroy_process_group()
