@@ -35,8 +35,8 @@ MAX_COPIES_PER_STEP = max(1, int(os.environ.get("FLASHNEXT_EXPERT_COPIES_PER_STE
 # A learning step is ~30 tensor ops over [layers, experts] plus the copies it starts: 1.6 ms of host time for all 48
 # layers of Flash-Next's shapes (512 experts, top-10, 196 slots) with 16 copies on the 2-core dev machine (copies
 # not issued there; each copy is a few torch calls, ~5 a copied expert); done per layer it had been 0.8-0.9 ms a layer.
-# Table uploads go through page-locked staging buffers taken in turn: from pageable memory CUDA synchronises the
-# stream before the copy, which would make the host wait for the steps decode ahead has queued.
+# Table uploads go through page-locked staging buffers taken in turn: from pageable memory the driver may synchronise
+# the stream before the copy (CUDA's API sync notes), which would make the host wait for the steps queued ahead.
 TABLE_STAGING = 6
 
 
