@@ -7,7 +7,7 @@ safetensors header carries the format version, the model identity (a hash of con
 first shard header, dtype and block size) and a sha256 of its tensors. At start the batch and snapshot headers are
 indexed; a foreign or unreadable file is skipped with a warning, and a payload whose checksum fails is never loaded
 (its entry is dropped, the request is computed from scratch). A batch file is deleted with its last block; until
-then the tier's byte count (its blocks') can be below what the file holds, as in the host tier.
+then its dropped rows stay on disk and count against the budget (`DiskStore.dead_bytes`, which TierIndex.fit adds).
 
 Why batches: with a file per block a 58K-token Flash-Next conversation was 3,625 files of 36 tensors, and reading
 one back cost ~3 ms of CPU a file (open, read, parse, hash, 36 tensor views): 11 s on the dev machine from the page
@@ -201,7 +201,7 @@ class DiskStore(TierStore):
         Its name is a hash of its blocks' hashes, so every rank names its share of a batch alike."""
         name = hashlib.sha256(b"".join(hashes)).hexdigest()[:32]
         for h in hashes:
-            if h in self.rows:     # a dead row of an older file (a restart's duplicate): this file supersedes it
+            if h in self.rows:     # still indexed in an older file (a worker rank's view after a restart): superseded
                 self.drop_block(h)
         extra = {"kind": "batch", "blocks": json.dumps([h.hex() for h in hashes])}
         nbytes = self._write(self.batch_path(name), batch, extra) + HASH_BYTES * len(hashes)
@@ -342,7 +342,8 @@ class DiskTier(TierIndex):
             log.info("disk cache: %d snapshots (%.2f GiB) in %s", len(self.snaps), self.bytes / (1 << 30), store.dir)
         self.fit()
         self._collect()
-        self.fit()   # the rows of partly needed batch files that _collect found dead count too
+        self.fit()       # the rows of partly needed batch files that _collect found dead count too,
+        self._collect()  # and what that fit dropped goes from the other ranks' directories as well
 
     def _collect(self) -> None:
         """Delete the files of ours that no indexed entry needs, in this store and the other ranks': batches none of

@@ -19,7 +19,8 @@ CPU and through the GPU's grouped kernels (more than 8 rows): on the CPU every r
 one fp32 accumulator in the same order as `moe_int4_reference`; on the GPU each round keeps the grouped kernels'
 per-(token, choice) terms, summed once at the end. A decode-sized batch on the GPU needs no rounds: the first S
 experts are loaded and the decode kernels read the others from the host store (CachedExperts). Either way the
-result is all-resident's bit for bit, at any budget.
+result is all-resident's bit for bit, at any budget (on the GPU with the grouped Triton kernels; not checked with
+FLASHNEXT_MOE_PREFILL=dequant).
 Counting: one read per (layer, forward, distinct routed expert): hits + misses = reads.
 
 That is the eager path (prefill; decode without CUDA graphs). A captured decode step reads through the slot table
@@ -250,10 +251,7 @@ class LayerExpertCache:
             if moe_ops.runs_cached_experts(x):
                 # the decode kernels: the first round resident, the experts beyond the pool read from host memory
                 self.load(rounds[0])
-                beyond = torch.tensor(experts[len(rounds[0]):], dtype=torch.long)
-                missing = int((self.slot_of[beyond] < 0).sum())
-                self.stats.hits += len(beyond) - missing
-                self.stats.misses += missing
+                self.stats.misses += len(experts) - len(rounds[0])   # a second round: the first filled the pool
                 cached = moe_ops.CachedExperts(self.slot_table, self.host_weight("gate_up"), self.host_weight("down"))
                 out = moe_ops.moe_int4(x, ids, weights, gate_up, down, shared=shared, cached=cached)
             else:

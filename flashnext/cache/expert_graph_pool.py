@@ -156,7 +156,7 @@ class GraphPool:
         """Per layer, (the experts to copy in, the residents they evict; -1 pads): up to COPIES_PER_LAYER of the
         most valuable candidates, into free slots first, then each over the least valuable resident left while it
         is worth more — in order, stopping at the first that is not (a hot resident is not traded for a one-off)."""
-        n = min(COPIES_PER_LAYER, candidates.shape[1])
+        n = min(COPIES_PER_LAYER, MAX_COPIES_PER_STEP, candidates.shape[1])
         worth, wanted = self.value.masked_fill(~candidates, -float("inf")).topk(n, dim=1)
         kept, victims = self.value.masked_fill(~resident, float("inf")).topk(n, dim=1, largest=False)
         free = torch.tensor([len(layer.free) for layer in self.layers])
@@ -174,7 +174,7 @@ class GraphPool:
         start = self.clock % len(experts)   # the layers take turns at the head of the queue
         plan = [(i, [e for e in experts[i] if e >= 0], [v for v in victims[i] if v >= 0])
                 for i in (*range(start, len(experts)), *range(start))
-                if experts[i][0] >= 0][:max(1, MAX_COPIES_PER_STEP // COPIES_PER_LAYER)]
+                if experts[i][0] >= 0][:max(1, MAX_COPIES_PER_STEP // len(experts[0]))]
         if not plan:
             return
         gone = [(i, v) for i, _, vs in plan for v in vs]

@@ -390,7 +390,7 @@ class PrefixCache:
         whose files the disk's budget holds, newest first and skipping any that would overflow it, each KV block
         counted once however many entries share it; returned least recently used first."""
         block = disk.store.stored_bytes(tensor_bytes(read_block(self.kv, 0)))
-        counted, keys, chosen, total = set(), set(), [], 0
+        counted, keys, chosen, total = set(), set(), [], disk.store.dead_bytes   # dead rows count against it too
         for tier, key in reversed(entries):
             if key in keys:
                 continue
