@@ -118,14 +118,13 @@ class DecodeGraphs:
         graph, logits = self.graphs[key]
         pad = size - n
         on_device = isinstance(input_ids, torch.Tensor)
-        host = torch.tensor([([0] * n if on_device else input_ids) + [0] * pad, positions + [0] * pad,
-                             slots + [self.scratch_slot] * pad], dtype=torch.long)
+        host = self._staged([([0] * n if on_device else input_ids) + [0] * pad, positions + [0] * pad,
+                             slots + [self.scratch_slot] * pad])
         for slot, reset, first, blocks in deltas:
             if reset:
                 self.slot_tables[slot].fill_(self.scratch_block)
             if blocks:
-                self.slot_tables[slot, first: first + len(blocks)].copy_(torch.tensor(blocks, dtype=torch.long),
-                                                                        non_blocking=True)
+                self.slot_tables[slot, first: first + len(blocks)].copy_(self._staged(blocks), non_blocking=True)
         self.inputs[:, :size].copy_(host, non_blocking=True)
         if on_device:
             self.input_ids[:n].copy_(input_ids)
@@ -133,6 +132,13 @@ class DecodeGraphs:
             return self._step(size, width)[:n]
         graph.replay()
         return logits[:n]
+
+    def _staged(self, rows: list) -> torch.Tensor:
+        """`rows` as a host tensor to copy from without a wait: page-locked on a GPU (torch's caching host allocator
+        reuses a buffer only once its copy has run), where from pageable memory the driver may synchronise the
+        stream first — making the host wait for a step queued ahead before it can queue the next."""
+        host = torch.tensor(rows, dtype=torch.long)
+        return host.pin_memory() if self.device.type == "cuda" else host
 
     def _table_delta(self, slot: int, blocks: list[int]) -> TableDelta:
         """The blocks this slot's table lacks. A request's block list is only ever extended, or replaced by a
