@@ -173,6 +173,8 @@ class LayerExpertCache:
         if lane.event is not None:
             lane.event.synchronize()            # the last prefetch's staging rows are free again
         with torch.cuda.stream(self.copy_stream):
+            if self.graph_pool is not None and self.graph_pool.last_upload is not None:
+                self.copy_stream.wait_event(self.graph_pool.last_upload)   # an older table upload must land first
             self.copy_rows(missing, slots, lane)
             self.slot_table.copy_(self.slot_of, non_blocking=False)
             self.prefetch_event = lane.event = torch.cuda.Event()

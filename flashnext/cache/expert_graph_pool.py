@@ -65,6 +65,7 @@ class GraphPool:
                         for _ in range(TABLE_STAGING)] if self.gpu else []
         self.staged: list[torch.cuda.Event | None] = [None] * len(self.staging)   # each buffer's last upload done
         self.uploads = 0
+        self.last_upload: torch.cuda.Event | None = None
         self.copying = torch.zeros(self.slot_of.shape, dtype=torch.bool)   # experts whose copy is under way
         policy = layers[0].policy
         self.decay = getattr(policy, "decay", None)     # lfu-decay: counts decayed per learned step; lru: None
@@ -130,7 +131,7 @@ class GraphPool:
             self.staged[i].synchronize()   # its last upload has run (TABLE_STAGING uploads ago: long done)
         self.staging[i].copy_(self.slot_of)
         self.tables.copy_(self.staging[i], non_blocking=True)
-        self.staged[i] = torch.cuda.Event()
+        self.staged[i] = self.last_upload = torch.cuda.Event()
         self.staged[i].record(torch.cuda.current_stream(self.device))
 
     def _learn(self, observed: torch.Tensor) -> None:
