@@ -115,6 +115,31 @@ def test_decode_only_steps_between_prefill_chunks():
         assert steps[i + 1: i + 4] == [[("first", 1, True)]] * 3  # three decode-only steps after each chunk
 
 
+def test_schedule_ahead_is_the_decode_step_schedule_would_pick():
+    """Scheduler.schedule_ahead (a decode step queued before the last tokens reach the host): every running request
+    one token, its KV block reserved when the token starts one, a decode-only step counted like schedule()'s — and
+    no step ahead while a waiting request could be admitted, a running one is left out, or the runner says no."""
+    engine = LLMEngine(EngineArgs(model="tiny-qwen3-next", device="cpu", dtype="float32", max_num_seqs=2,
+                                  max_num_batched_tokens=64, max_model_len=512))
+    sched = engine.scheduler
+    engine.add_request("a", list(range(3, 34)), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    while not (sched.running and sched.running[0].output_ids):
+        engine.step()
+    request = sched.running[0]
+    request.num_computed += 1             # as the step in flight computed its token, whose sample is not read yet
+    widths = []
+    sched._decode_only_steps = 2
+    blocks = len(request.blocks)
+    chunks = sched.schedule_ahead([request], engine.max_model_len, lambda w: widths.append(w) or True)
+    assert [(c.request, c.num_tokens) for c in chunks] == [(request, 1)] and sched._decode_only_steps == 1
+    assert len(request.blocks) == engine.kv.blocks_for(request.num_computed + 1) >= blocks
+    assert widths == [len(request.blocks)]
+    assert sched.schedule_ahead([request], engine.max_model_len, lambda w: False) is None    # the runner cannot
+    assert sched.schedule_ahead([], engine.max_model_len, lambda w: True) is None             # one left out
+    engine.add_request("b", [7, 8, 9], SamplingParams(max_tokens=2))                          # one could be admitted
+    assert sched.schedule_ahead([request], engine.max_model_len, lambda w: True) is None
+
+
 def test_warm_up_leaves_no_trace():
     """Serving warms up with throwaway requests: afterwards the counters, the prefix cache and the pools are as
     before, and a request gives what it gives alone."""
