@@ -83,7 +83,7 @@ def test_results_say_what_ran_where(run):
     for result in results.values():
         assert result["schema_version"] == 1 and re.fullmatch(r"[0-9a-f]{40}|unknown", result["commit"])
         assert result["gpu"] == "cpu" or result["gpu"][0]["name"]
-        assert result["command"].startswith("flashnext bench all ") and "--max-tokens 6" in result["command"]
+        assert "flashnext bench all " in result["command"] and "--max-tokens 6" in result["command"]
         assert result["started_at"] <= result["finished_at"]
         assert result["server"]["launched"] == (URL is None)
         assert result["model_id"] in [m["id"] for m in result["server"]["models"]["data"]]

@@ -376,3 +376,20 @@ def test_report_refuses_foreign_json(tmp_path):
     p.write_text('{"a": 1}')
     with pytest.raises(ValueError, match="not a flashnext bench results file"):
         report.load(p)
+
+
+def test_command_line_carries_the_flashnext_switches(monkeypatch):
+    """A result's command reproduces the run: the bench's FLASHNEXT_BENCH_* settings and the FLASHNEXT_* switches a
+    server it starts inherits; not FLASHNEXT_COMMIT (the result names its commit apart), FLASHNEXT_CACHE (a place),
+    nor other variables."""
+    from flashnext.bench.results import command_line
+
+    monkeypatch.setenv("FLASHNEXT_EXPERT_COPIES_PER_LAYER", "4")
+    monkeypatch.setenv("FLASHNEXT_BENCH_RUNS", "2")
+    monkeypatch.setenv("FLASHNEXT_COMMIT", "abc1234")
+    monkeypatch.setenv("FLASHNEXT_CACHE", "/tmp/somewhere")
+    monkeypatch.setenv("OTHER_SETTING", "x")
+    got = command_line(["flashnext", "bench", "experts"])
+    assert "FLASHNEXT_EXPERT_COPIES_PER_LAYER=4" in got and "FLASHNEXT_BENCH_RUNS=2" in got
+    assert not any(name in got for name in ("FLASHNEXT_COMMIT", "FLASHNEXT_CACHE", "OTHER_SETTING"))
+    assert got.endswith("flashnext bench experts")

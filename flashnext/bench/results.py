@@ -51,8 +51,12 @@ _LAUNCHERS = {"cli.py": ["python", "-m", "flashnext.cli"]}
 
 
 def command_line(argv: list[str] | None = None) -> str:
-    """The command that reproduces a run, with the FLASHNEXT_BENCH_* settings it read from the environment."""
-    env = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("FLASHNEXT_BENCH_")]
+    """The command that reproduces a run, with the FLASHNEXT_* settings of the environment: the bench's own
+    (FLASHNEXT_BENCH_*) and the switches a server it starts inherits (e.g. FLASHNEXT_EXPERT_COPIES_PER_LAYER, which
+    session 10's expert-cache results could not show). Not FLASHNEXT_COMMIT (the result names its commit apart) nor
+    FLASHNEXT_CACHE (a place on this machine, not a setting)."""
+    env = [f"{k}={v}" for k, v in sorted(os.environ.items())
+           if k.startswith("FLASHNEXT_") and k not in ("FLASHNEXT_COMMIT", "FLASHNEXT_CACHE")]
     if argv is None:
         argv = [*_LAUNCHERS.get(Path(sys.argv[0]).name, [Path(sys.argv[0]).name]), *sys.argv[1:]]
     return shlex.join([*env, *argv])
