@@ -42,7 +42,8 @@ from safetensors.torch import save_file
 
 from flashnext.cache.cache_entry import copy_tensors, tensor_bytes
 from flashnext.cache.cache_file import UnreadableFile, read_cache_file, read_header, tensors_digest
-from flashnext.cache.tier_index import BlockData, CorruptEntry, SnapshotData, SnapshotMeta, TierIndex, TierStore
+from flashnext.cache.tier_index import (BlockData, CorruptEntry, SnapshotData, SnapshotMeta, TierIndex, TierStore,
+                                        row_runs)
 from flashnext.weights.shared_table import process_alive
 
 log = logging.getLogger("flashnext.cache")
@@ -210,21 +211,13 @@ class DiskStore(TierStore):
             self.rows[h] = (name, row)
         return [nbytes // len(hashes)] * len(hashes)
 
-    def store_block(self, h: bytes, data: BlockData) -> int:
-        return self.store_blocks([h], {name: t.unsqueeze(0) for name, t in data.items()})[0]
-
     def load_blocks(self, hashes: list[bytes]) -> list[BlockData]:
         """The blocks as runs of consecutive rows of one batch; each batch file read once, by the reader threads."""
         self.flush()
-        runs: list[tuple[str, int, int]] = []    # (batch name, first row, rows)
-        for h in hashes:
-            if h not in self.rows:
-                raise CorruptEntry(f"KV block {h.hex()} is not in {self.batch_dir}")
-            name, row = self.rows[h]
-            if runs and runs[-1][0] == name and runs[-1][1] + runs[-1][2] == row:
-                runs[-1] = (name, runs[-1][1], runs[-1][2] + 1)
-            else:
-                runs.append((name, row, 1))
+        absent = next((h for h in hashes if h not in self.rows), None)
+        if absent is not None:
+            raise CorruptEntry(f"KV block {absent.hex()} is not in {self.batch_dir}")
+        runs = row_runs([self.rows[h] for h in hashes])
         names = list(dict.fromkeys(name for name, _, _ in runs))
         paths = [self.batch_path(name) for name in names]
         if self._readers is not None and len(paths) > 1:
@@ -235,9 +228,6 @@ class DiskStore(TierStore):
             if any(t.shape[0] != self.batches[name].rows for t in tensors.values()):
                 raise CorruptEntry(f"{self.batch_path(name)} holds another number of blocks than its header names")
         return [{key: t[first: first + n] for key, t in files[name].items()} for name, first, n in runs]
-
-    def load_block(self, h: bytes) -> BlockData:
-        return {name: t[0] for name, t in self.load_blocks([h])[0].items()}
 
     def drop_block(self, h: bytes) -> None:
         """Forget a block; its batch file goes with its last block (after the writes queued before)."""

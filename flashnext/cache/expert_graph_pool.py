@@ -35,9 +35,6 @@ MAX_COPIES_PER_STEP = max(1, int(os.environ.get("FLASHNEXT_EXPERT_COPIES_PER_STE
 # A learning step is ~30 tensor ops over [layers, experts] plus the copies it starts: 1.6 ms of host time for all 48
 # layers of Flash-Next's shapes (512 experts, top-10, 196 slots) with 16 copies on the 2-core dev machine (copies
 # not issued there; each copy is a few torch calls, ~5 a copied expert); done per layer it had been 0.8-0.9 ms a layer.
-# Table uploads go through page-locked staging buffers taken in turn: from pageable memory the driver may synchronise
-# the stream before the copy (CUDA's API sync notes), which would make the host wait for the steps queued ahead.
-TABLE_STAGING = 6
 
 
 @dataclass
@@ -61,11 +58,7 @@ class GraphPool:
         # a few whole-tensor ops and the tables take one host-to-device copy
         self.slot_of = torch.stack([layer.slot_of for layer in layers])
         self.tables = torch.stack([layer.slot_table for layer in layers])
-        self.staging = [torch.empty(self.slot_of.shape, dtype=torch.long, pin_memory=True)
-                        for _ in range(TABLE_STAGING)] if self.gpu else []
-        self.staged: list[torch.cuda.Event | None] = [None] * len(self.staging)   # each buffer's last upload done
-        self.uploads = 0
-        self.last_upload: torch.cuda.Event | None = None
+        self.last_upload: torch.cuda.Event | None = None   # the end of the last table upload (a prefetch waits)
         self.copying = torch.zeros(self.slot_of.shape, dtype=torch.bool)   # experts whose copy is under way
         policy = layers[0].policy
         self.decay = getattr(policy, "decay", None)     # lfu-decay: counts decayed per learned step; lru: None
@@ -121,18 +114,15 @@ class GraphPool:
         self.pending = still
 
     def _upload_tables(self) -> None:
-        """The device tables become slot_of, in stream order after the steps queued so far, without a host wait."""
+        """The device tables become slot_of, in stream order after the steps queued so far, without a host wait: from
+        a page-locked copy (torch's caching host allocator reuses it once the upload has run), where from pageable
+        memory the driver may synchronise the stream first (CUDA's API sync notes), the host behind the queued steps."""
         if not self.gpu:
             self.tables.copy_(self.slot_of)
             return
-        i = self.uploads % len(self.staging)
-        self.uploads += 1
-        if self.staged[i] is not None:
-            self.staged[i].synchronize()   # its last upload has run (TABLE_STAGING uploads ago: long done)
-        self.staging[i].copy_(self.slot_of)
-        self.tables.copy_(self.staging[i], non_blocking=True)
-        self.staged[i] = self.last_upload = torch.cuda.Event()
-        self.staged[i].record(torch.cuda.current_stream(self.device))
+        self.tables.copy_(self.slot_of.pin_memory(), non_blocking=True)
+        self.last_upload = torch.cuda.Event()
+        self.last_upload.record(torch.cuda.current_stream(self.device))
 
     def _learn(self, observed: torch.Tensor) -> None:
         """observed [layers, rows·k] (-1: no row) → counters, values, and the copies worth starting."""

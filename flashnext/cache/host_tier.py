@@ -17,7 +17,7 @@ import torch
 
 from flashnext.cache.cache_entry import copy_tensors, packed_bytes, tensor_bytes
 from flashnext.cache.pinned_arena import PinnedArena
-from flashnext.cache.tier_index import BlockData, SnapshotData, SnapshotMeta, TierStore
+from flashnext.cache.tier_index import BlockData, SnapshotData, SnapshotMeta, TierStore, row_runs
 
 
 class HostStore(TierStore):
@@ -51,9 +51,6 @@ class HostStore(TierStore):
             at += size
         return [tensor_bytes(batch) // len(hashes)] * len(hashes)
 
-    def store_block(self, h: bytes, data: BlockData) -> int:
-        return self.store_blocks([h], {name: t.unsqueeze(0) for name, t in data.items()})[0]
-
     def store_snapshot(self, key: bytes, snap: SnapshotData, meta: SnapshotMeta | None) -> int:
         state, tail_kv = snap
         self.snapshot_data[key] = (self._copy(key, state), self._copy(key, tail_kv) if tail_kv is not None else None)
@@ -72,15 +69,8 @@ class HostStore(TierStore):
             self.arena.give_back(buf)
 
     def load_blocks(self, hashes: list[bytes]) -> list[BlockData]:
-        runs: list[tuple[int, int, int]] = []    # (batch id, first row, rows)
-        for h in hashes:
-            batch_id, row = self.rows[h]
-            if runs and runs[-1][0] == batch_id and runs[-1][1] + runs[-1][2] == row:
-                runs[-1] = (batch_id, runs[-1][1], runs[-1][2] + 1)
-            else:
-                runs.append((batch_id, row, 1))
         return [{name: t[first: first + n] for name, t in self.batches[batch_id].items()}
-                for batch_id, first, n in runs]
+                for batch_id, first, n in row_runs([self.rows[h] for h in hashes])]
 
     def load_block(self, h: bytes) -> BlockData:
         batch_id, row = self.rows[h]

@@ -39,6 +39,18 @@ class SnapshotMeta:
     nbytes: int
 
 
+def row_runs(places: list[tuple[object, int]]) -> list[tuple[object, int, int]]:
+    """(batch, row) of each block, in order → runs (batch, first row, rows) of consecutive rows of one batch: what a
+    store that keeps blocks as rows of batches gives back as few runs (TierStore.load_blocks)."""
+    runs: list[tuple[object, int, int]] = []
+    for batch, row in places:
+        if runs and runs[-1][0] == batch and runs[-1][1] + runs[-1][2] == row:
+            runs[-1] = (batch, runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((batch, row, 1))
+    return runs
+
+
 class TierStore:
     """Payloads of one tier by name; returns the bytes each stored payload takes."""
     name = "tier"
@@ -50,23 +62,23 @@ class TierStore:
         """What a payload of this many tensor bytes takes here, as the store_* methods count it."""
         return payload_bytes
 
-    def store_block(self, h: bytes, data: BlockData) -> int:
-        raise NotImplementedError
-
     def store_blocks(self, hashes: list[bytes], batch: BlockData) -> list[int]:
         """Several blocks at once, `batch` holding them as rows (name → [len(hashes), …])."""
-        return [self.store_block(h, {name: t[i] for name, t in batch.items()}) for i, h in enumerate(hashes)]
+        raise NotImplementedError
+
+    def store_block(self, h: bytes, data: BlockData) -> int:
+        return self.store_blocks([h], {name: t.unsqueeze(0) for name, t in data.items()})[0]
 
     def store_snapshot(self, key: bytes, snap: SnapshotData, meta: SnapshotMeta | None) -> int:
         """`meta` is what the index knows of the entry (the disk keeps it for a restart); None on ranks > 0."""
         raise NotImplementedError
 
-    def load_block(self, h: bytes) -> BlockData:
-        raise NotImplementedError
-
     def load_blocks(self, hashes: list[bytes]) -> list[BlockData]:
         """The blocks in order, as runs: batches whose rows, one run after the other, are the blocks."""
-        return [{name: t.unsqueeze(0) for name, t in self.load_block(h).items()} for h in hashes]
+        raise NotImplementedError
+
+    def load_block(self, h: bytes) -> BlockData:
+        return {name: t[0] for name, t in self.load_blocks([h])[0].items()}
 
     def load_snapshot(self, key: bytes) -> SnapshotData:
         raise NotImplementedError
