@@ -176,9 +176,8 @@ def test_pools_adapting_between_graph_steps_keep_outputs_exact(model, copies, mo
     runner = engine.runner
     runner.graphs = DecodeGraphs(runner.model, engine.kv, engine.states, max_batch=4,
                                  max_blocks_per_seq=engine.kv.blocks_for(engine.max_model_len))
-    cache.enable_graphs(runner.graphs.max_batch, engine.config.num_experts_per_tok)
-    runner.before_decode, runner.after_decode = cache.before_step, cache.after_step
-    pool = cache.graph_pool
+    pool = cache.enable_graphs(runner.graphs.max_batch, engine.config.num_experts_per_tok)
+    runner.before_decode, runner.after_decode = pool.before_step, pool.after_step
     learned, copied = [], []
     learn, admitted = pool._learn, pool.admitted
 

@@ -126,9 +126,9 @@ class LayerExpertCache:
                           self.module.group_sizes[prefix == "down"])
 
     def decode(self, x, weights, ids, shared: moe_ops.SharedExpert | None = None):
-        """The graph-safe forward of a decode step (a GraphPool is installed): no host sync, no copy. Batches the
-        decode kernels do not take (above DECODE_MAX_M rows) go through `forward` (the engine captures no such
-        step: LLMEngine)."""
+        """The graph-safe forward of a decode step when a GraphPool is installed: no host sync, no copy. Without
+        one, and for batches the decode kernels do not take (above DECODE_MAX_M rows; the engine captures no such
+        step: LLMEngine), `forward`."""
         if self.graph_pool is None or not moe_ops.runs_cached_experts(x):
             return self.forward(x, weights, ids, shared)
         self.observed[:ids.numel()].copy_(ids.reshape(-1))
@@ -194,14 +194,16 @@ class LayerExpertCache:
         self.slot_of[missing] = slots
         return slots
 
-    def copy_rows(self, experts: torch.Tensor, slots: torch.Tensor, staging: PinnedRows | None) -> None:
-        """Host rows `experts` → device slots `slots`: straight on the CPU, through pinned `staging` rows with
-        asynchronous copies on the current stream on the GPU — or without staging on the GPU, each page-locked
-        store row straight to its slot (a GraphPool's copies, which nothing waits for)."""
+    def copy_rows(self, experts, slots, staging: PinnedRows | None) -> None:
+        """Host rows `experts` → device slots `slots` (tensors or lists): straight on the CPU, through pinned
+        `staging` rows with asynchronous copies on the current stream on the GPU — or without staging on the GPU,
+        each page-locked store row straight to its slot (a GraphPool's copies, which nothing waits for)."""
+        experts, slots = torch.as_tensor(experts, dtype=torch.long), torch.as_tensor(slots, dtype=torch.long)
         if staging is None and self.device.type == "cuda":
+            pairs = list(zip(experts.tolist(), slots.tolist()))
             for name in self.names:
                 pool, host = getattr(self.module, name), self.host[name]
-                for expert, slot in zip(experts.tolist(), slots.tolist()):
+                for expert, slot in pairs:
                     pool[slot].copy_(host[expert], non_blocking=True)
             return
         dst = slots.to(self.device, non_blocking=staging is not None)
@@ -297,22 +299,12 @@ class ExpertCache:
     def graph_pool(self):
         return self.layers[0].graph_pool
 
-    def enable_graphs(self, max_rows: int, top_k: int) -> None:
-        """Decode steps read the pools through their slot tables (they may be captured); the pools adapt between
-        steps (after_step)."""
+    def enable_graphs(self, max_rows: int, top_k: int):
+        """Decode steps read the pools through their slot tables (they may be captured); → the GraphPool, whose
+        before_step / after_step the engine calls around each such step."""
         from flashnext.cache.expert_graph_pool import GraphPool
 
-        GraphPool(self.layers, max_rows, top_k)
-
-    def before_step(self, rows: int) -> None:
-        """Before a decode step of `rows` rows: GraphPool.before_step."""
-        if self.graph_pool is not None:
-            self.graph_pool.before_step(rows)
-
-    def after_step(self, rows: int) -> None:
-        """After a decode step of `rows` rows: GraphPool.after_step."""
-        if self.graph_pool is not None:
-            self.graph_pool.after_step(rows)
+        return GraphPool(self.layers, max_rows, top_k)
 
     @property
     def device_bytes(self) -> int:

@@ -59,6 +59,7 @@ class GraphPool:
         self.slot_of = torch.stack([layer.slot_of for layer in layers])
         self.tables = torch.stack([layer.slot_table for layer in layers])
         self.last_upload: torch.cuda.Event | None = None   # the end of the last table upload (a prefetch waits)
+        self.tables_stale = False   # slot_of changed since the last upload (published copies): one upload a step
         self.copying = torch.zeros(self.slot_of.shape, dtype=torch.bool)   # experts whose copy is under way
         policy = layers[0].policy
         self.decay = getattr(policy, "decay", None)     # lfu-decay: counts decayed per learned step; lru: None
@@ -94,10 +95,14 @@ class GraphPool:
                 done = torch.cuda.Event()
                 done.record(torch.cuda.current_stream(self.device))
             self.reading = (done, rows)
+        if self.tables_stale:
+            self._upload_tables()
 
     def settle(self) -> None:
         """Wait for the pending copies and publish them (before the eager path touches the pools)."""
         self._publish(wait=True)
+        if self.tables_stale:
+            self._upload_tables()
 
     def _publish(self, wait: bool) -> None:
         still = []
@@ -109,14 +114,14 @@ class GraphPool:
                 copy.done.synchronize()
             self.slot_of[copy.layers, copy.experts] = copy.slots
             self.copying[copy.layers, copy.experts] = False
-        if len(still) < len(self.pending):
-            self._upload_tables()
+        self.tables_stale |= len(still) < len(self.pending)
         self.pending = still
 
     def _upload_tables(self) -> None:
         """The device tables become slot_of, in stream order after the steps queued so far, without a host wait: from
         a page-locked copy (torch's caching host allocator reuses it once the upload has run), where from pageable
         memory the driver may synchronise the stream first (CUDA's API sync notes), the host behind the queued steps."""
+        self.tables_stale = False
         if not self.gpu:
             self.tables.copy_(self.slot_of)
             return
@@ -175,7 +180,7 @@ class GraphPool:
             for (i, _), slot in zip(gone, freed_slots):
                 self.layers[i].free.append(slot)
             self.slot_of[rows, cols] = -1
-            self._upload_tables()   # the victims leave the tables first
+            self._upload_tables()   # the victims leave the tables first (with the copies published this step)
         per_layer = [(i, es, [self.layers[i].free.pop() for _ in es]) for i, es, _ in plan]
         done = None
         if self.gpu:
@@ -198,4 +203,4 @@ class GraphPool:
 
     def _copy_rows(self, per_layer: list[tuple[int, list[int], list[int]]]) -> None:
         for i, experts, slots in per_layer:
-            self.layers[i].copy_rows(torch.tensor(experts), torch.tensor(slots), None)
+            self.layers[i].copy_rows(experts, slots, None)

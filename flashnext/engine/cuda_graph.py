@@ -137,8 +137,7 @@ class DecodeGraphs:
         """`rows` as a host tensor to copy from without a wait: page-locked on a GPU (torch's caching host allocator
         reuses a buffer only once its copy has run), where from pageable memory the driver may synchronise the
         stream first — making the host wait for a step queued ahead before it can queue the next."""
-        host = torch.tensor(rows, dtype=torch.long)
-        return host.pin_memory() if self.device.type == "cuda" else host
+        return torch.tensor(rows, dtype=torch.long, pin_memory=self.device.type == "cuda")
 
     def _table_delta(self, slot: int, blocks: list[int]) -> TableDelta:
         """The blocks this slot's table lacks. A request's block list is only ever extended, or replaced by a

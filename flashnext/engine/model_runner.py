@@ -26,7 +26,7 @@ class ModelRunner:
                  after_decode: Callable[[int], None] | None = None):
         """`before_decode(rows)` / `after_decode(rows)`: called before / once a decode graph step of `rows` rows is
         queued (the expert cache's kernels skip the bucket's padding rows, and its pools adapt between steps:
-        ExpertCache.before_step, after_step)."""
+        GraphPool.before_step, after_step)."""
         self.model = model
         self.graphs = graphs
         self.before_decode, self.after_decode = before_decode, after_decode

@@ -82,9 +82,7 @@ class Scheduler:
         decoding = any(r.num_tokens - r.num_computed == 1 for r in self.running)
         while_decoding = self.pacer.tokens() if self.pacer is not None else self.prefill_budget_while_decoding
         prefill_budget = min(budget, while_decoding) if decoding else budget
-        decode_only = decoding and self._decode_only_steps > 0
-        if decode_only:
-            self._decode_only_steps -= 1
+        decode_only = decoding and self._take_decode_only_step()
         chunks: list[ScheduledChunk] = []
         prefilled = False
         for request in list(self.running):
@@ -166,10 +164,18 @@ class Scheduler:
         if sum(needs) > self.kv.num_free or not can_run(max(len(r.blocks) + n for r, n in zip(requests, needs))):
             return None
         for r, need in zip(requests, needs):
-            r.blocks.extend(self.kv.allocate(need))
-        if self._decode_only_steps > 0:   # a decode-only step like schedule()'s
-            self._decode_only_steps -= 1
+            if need > 0:
+                r.blocks.extend(self.kv.allocate(need))
+        self._take_decode_only_step()   # a decode-only step like schedule()'s
         return [ScheduledChunk(r, 1) for r in requests]
+
+    def _take_decode_only_step(self) -> bool:
+        """Count one of the decode-only steps owed after a prefill chunk (--decode-steps-between-prefill): whether
+        one was owed."""
+        if self._decode_only_steps > 0:
+            self._decode_only_steps -= 1
+            return True
+        return False
 
     def may_admit(self) -> bool:
         """Whether the next schedule() may admit a waiting request: one waits that is not held by a disk read, and a

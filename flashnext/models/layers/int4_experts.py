@@ -76,7 +76,7 @@ class Int4Experts(nn.Module):
         """The fused kernels need no host sync, so a captured decode step runs `forward` as it is. With an expert
         cache whose pools adapt between graph steps (ExpertCache.enable_graphs), through its slot tables; without,
         the cache runs eagerly."""
-        if self.expert_cache is not None and self.expert_cache.graph_pool is not None:
+        if self.expert_cache is not None:   # through the slot tables when its pools adapt between graph steps
             return self.expert_cache.decode(x, weights, ids, shared)
         return self.forward(x, weights, ids, shared=shared)
 
