@@ -7,7 +7,7 @@ safetensors header carries the format version, the model identity (a hash of con
 first shard header, dtype and block size) and a sha256 of its tensors. At start the batch and snapshot headers are
 indexed; a foreign or unreadable file is skipped with a warning, and a payload whose checksum fails is never loaded
 (its entry is dropped, the request is computed from scratch). A batch file is deleted with its last block; until
-then its dropped rows stay on disk and count against the budget (`DiskStore.dead_bytes`, which TierIndex.fit adds).
+then its dropped rows stay on disk and count against the budget (`DiskStore.dead_bytes`, in TierIndex.used_bytes).
 
 Why batches: with a file per block a 58K-token Flash-Next conversation was 3,625 files of 36 tensors, and reading
 one back cost ~3 ms of CPU a file (open, read, parse, hash, 36 tensor views): 11 s on the dev machine from the page
@@ -105,9 +105,6 @@ class DiskStore(TierStore):
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="flashnext-disk-reader") if READERS > 1 else None
         self.rows: dict[bytes, tuple[str, int]] = {}   # block hash → (batch name, row)
         self.batches: dict[str, BatchFile] = {}
-        # Rows of batch files that no block needs any more, still on disk until their file goes (a batch is written
-        # and deleted whole): the tier counts them against its budget (TierIndex.fit).
-        self.dead_bytes = 0
         self._index_batches()
 
     def _index_batches(self) -> None:
@@ -127,7 +124,6 @@ class DiskStore(TierStore):
                 if h not in self.rows:    # a block stored again after its first batch lost it: one of them
                     self.rows[h] = (path.stem, row)
                     batch.live += 1
-            self.dead_bytes += batch.dead_bytes
 
     def stored_bytes(self, payload_bytes: int) -> int:
         return payload_bytes + HEADER_BYTES
@@ -144,6 +140,12 @@ class DiskStore(TierStore):
 
     def snapshot_path(self, key: bytes) -> Path:
         return self.snapshot_dir / f"{key.hex()}.safetensors"
+
+    @property
+    def dead_bytes(self) -> int:
+        """Rows of batch files that no block needs any more, still on disk until their file goes (a batch is written
+        and deleted whole): the tier counts them against its budget (TierIndex.used_bytes)."""
+        return sum(batch.dead_bytes for batch in self.batches.values())
 
     def ours(self, meta: dict) -> bool:
         return meta.get("format") == FORMAT and meta.get("model") == self.identity
@@ -234,21 +236,22 @@ class DiskStore(TierStore):
         name, _ = self.rows.pop(h)
         batch = self.batches[name]
         batch.live -= 1
-        self.dead_bytes += batch.row_bytes
         if batch.live == 0:
             self._delete_batch(name)
 
     def _delete_batch(self, name: str) -> None:
-        self.dead_bytes -= self.batches.pop(name).dead_bytes
+        del self.batches[name]
         self._submit(self.batch_path(name).unlink, missing_ok=True)
 
-    def keep_only(self, blocks) -> None:
+    def keep_only(self, blocks) -> int:
         """Drop every stored block not in `blocks` (a restart's index: what no entry needs), and the batch files
-        left holding none (also those whose every block another file holds)."""
+        left holding none (also those whose every block another file holds) → how many files go."""
+        before = len(self.batches)
         for h in [h for h in self.rows if h not in blocks]:
             self.drop_block(h)
         for name in [name for name, batch in self.batches.items() if batch.live == 0]:
             self._delete_batch(name)
+        return before - len(self.batches)
 
     def store_snapshot(self, key: bytes, snap: SnapshotData, meta: SnapshotMeta | None) -> int:
         state, tail_kv = snap
@@ -330,18 +333,16 @@ class DiskTier(TierIndex):
             self._index(key, SnapshotMeta(blocks, tail, num_tokens, path.stat().st_size))
         if self.snaps:
             log.info("disk cache: %d snapshots (%.2f GiB) in %s", len(self.snaps), self.bytes / (1 << 30), store.dir)
+        deleted = self.store.keep_only(self.block_refs)   # rows no entry names are dead: they count in fit
         self.fit()
-        self._collect()
-        self.fit()       # the rows of partly needed batch files that _collect found dead count too,
-        self._collect()  # and what that fit dropped goes from the other ranks' directories as well
+        self._collect(deleted)
 
-    def _collect(self) -> None:
+    def _collect(self, removed: int = 0) -> None:
         """Delete the files of ours that no indexed entry needs, in this store and the other ranks': batches none of
         whose blocks an entry names (a crash between the writes, a snapshot deleted by hand, entries dropped to fit
         --kv-disk-gb), snapshots the index dropped, and temporary files of interrupted writes. Otherwise they
         would fill the disk past --kv-disk-gb, since only indexed entries are counted. Files of another model or
-        layout stay (their own server may use them)."""
-        removed = 0
+        layout stay (their own server may use them). `removed`: files deleted already (logged with these)."""
         self.store.flush()   # the deletions of the entries _fit dropped
         for store in [self.store, *self.peers]:
             for path in [*store.batch_dir.glob("*.tmp*"), *store.snapshot_dir.glob("*.tmp*")]:
@@ -349,10 +350,8 @@ class DiskTier(TierIndex):
                 if pid.isdigit() and not process_alive(int(pid)):   # a write its process did not finish
                     path.unlink(missing_ok=True)
                     removed += 1
-            batches = len(store.batches)
-            store.keep_only(self.block_refs)
+            removed += store.keep_only(self.block_refs)
             store.flush()
-            removed += batches - len(store.batches)
             for path in store.snapshot_dir.glob("*.safetensors"):
                 try:
                     if bytes.fromhex(path.stem) in self.snaps or not store.ours(read_header(path)):

@@ -221,10 +221,14 @@ class TierIndex:
             self.remove(key)
         return None
 
+    @property
+    def used_bytes(self) -> int:
+        """What counts against the budget: the entries' bytes and the store's dead ones."""
+        return self.bytes + self.store.dead_bytes
+
     def fit(self) -> None:
-        """Evict least recently used entries (down a tier, when there is one) until the bytes fit, the store's dead
-        bytes included."""
-        while self.bytes + self.store.dead_bytes > self.capacity:
+        """Evict least recently used entries (down a tier, when there is one) until used_bytes fit."""
+        while self.used_bytes > self.capacity:
             key = next((k for k in self.snaps if k not in self.installing), None)
             if key is None:
                 return
