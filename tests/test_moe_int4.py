@@ -144,5 +144,4 @@ def test_terms_in_rounds_sum_to_one_call(m):
     want = moe_int4_triton(x, ids, weights, w_gate_up, w_down)
     assert rel_err(terms.sum(1).to(x.dtype), want) < 1e-6
     assert rel_err(terms.sum(1), moe_int4_reference(x, ids, weights, w_gate_up, w_down)) < 1e-5
-    assert not torch.equal(moe_int4_triton_pairs(x, torch.where(ids < 3, ids, 0), weights, w_gate_up,
-                                                 w_down).sum(1), want)   # the rounds matter
+    assert rel_err(part.sum(1), want) > 1e-2       # the last round alone is not it: the merge of the rounds matters
