@@ -160,11 +160,14 @@ def batch_timing(model_name: str, quantize: str | None, sizes: list[int], contex
         print(f"{n:5} {ms:13.3f} {1e3 / ms:16.1f} {n * 1e3 / ms:15.1f}")
         for variant in variants:
             with environment(variant):
-                del graphs.graphs[(size, width)]
+                replaced = graphs.graphs.pop((size, width))   # alive until the new capture (see recaptured_ms)
                 variant_ms = step_ms()
+                del replaced
             print(f"{'':5} {variant_ms:13.3f} {1e3 / variant_ms:16.1f} {n * 1e3 / variant_ms:15.1f}  {label(variant)}")
-        del graphs.graphs[(size, width)]
-        step_ms()   # the default step again, for the profile below
+        if variants:   # the default step again, for the profile below
+            replaced = graphs.graphs.pop((size, width))
+            step_ms()
+            del replaced
         with torch.inference_mode():
             profile_kernels(lambda: graphs._step(size, width), top=15)
         for slot, table in zip(slots, tables):
@@ -190,9 +193,12 @@ def replayed_ms(graph, steps: int = 50) -> float:
 
 def recaptured_ms(graphs) -> float:
     """ms per replay of the batch-1 step captured again (under whatever switches are set now). The capture points
-    the static inputs at the scratch slot, as every capture does; the eager timing after reads those."""
-    del graphs.graphs[(1, 16)]
+    the static inputs at the scratch slot, as every capture does; the eager timing after reads those. The old graph
+    stays alive until the new one is captured: were it the only graph of the shared memory pool, freeing it first
+    frees the pool, and capturing into its handle then fails (CUDACachingAllocator: use_count > 0)."""
+    replaced = graphs.graphs.pop((1, 16))
     graphs._capture(1, 16)
+    del replaced
     return replayed_ms(graphs.graphs[(1, 16)][0])
 
 

@@ -20,6 +20,7 @@ from flashnext.ops.norm_rope import norm_rope
 from flashnext.ops.prefill_attention import QUERY_BLOCK
 from flashnext.ops.qsa_key_append import qsa_key_append
 from flashnext.ops.qsa_scores import qsa_block_scores, qsa_prefill_scores
+from flashnext.ops.qsa_token_lists import qsa_token_lists, qsa_top_blocks
 from flashnext.weights.config import ModelConfig
 
 
@@ -42,19 +43,9 @@ class QSAIndexer(nn.Module):
         self._rope = [rope]   # shared with the model, kept out of the module tree (no duplicate buffers)
 
     def _lists(self, scores: torch.Tensor, pos: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block scores [n, blocks] (blocks not complete before each query at -inf) of queries at positions pos [n]
-        → (token_index, token_valid) [n, top-k · ratio + ratio − 1]: the top blocks' tokens, then the tail tokens
-        of the query's incomplete block. Invalid entries stay below `limit` (a valid position)."""
-        r = self.ratio
-        complete_before = (pos + 1) // r
-        top = scores.topk(min(self.block_topk, scores.shape[1]), dim=-1).indices
-        chosen_valid = top < complete_before[:, None]
-        within = torch.arange(r, device=pos.device)
-        chosen = (top[:, :, None] * r + within).flatten(1)
-        tail = complete_before[:, None] * r + within[None, : r - 1]
-        token_index = torch.cat([chosen, tail.clamp(max=limit - 1)], dim=1)
-        token_valid = torch.cat([chosen_valid[:, :, None].expand(-1, -1, r).flatten(1), tail <= pos[:, None]], dim=1)
-        return token_index, token_valid
+        """Block scores [n, blocks] of queries at positions pos [n] → (token_index, token_valid): the top blocks'
+        tokens in block order, then the tail of each query's incomplete block (ops/qsa_token_lists.py)."""
+        return qsa_token_lists(scores, pos, min(self.block_topk, scores.shape[1]), self.ratio, limit)
 
     def token_lists(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext,
                     seg: Segment) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,9 +110,9 @@ class QSAIndexer(nn.Module):
             k = min(self.block_topk, num_blocks)
             start = 0
             for pos, scores in self._scored_blocks(q, ctx, seg):
-                top = scores.topk(k, dim=-1)
-                # with fewer than k complete blocks top-k also returns some at -inf: those stay unchosen
-                chosen[start: start + len(pos)].scatter_(1, top.indices, top.values > float("-inf"))
+                top = qsa_top_blocks(scores, k)
+                # with fewer than k complete blocks some chosen ones are at -inf: those stay unchosen
+                chosen[start: start + len(pos)].scatter_(1, top, scores.gather(1, top) > float("-inf"))
                 start += len(pos)
         return chosen
 

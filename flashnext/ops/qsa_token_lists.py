@@ -1,0 +1,56 @@
+"""QSA selection as token lists: block scores → the tokens each query attends to (the indexer's decode, and its
+prefill for long prompts).
+
+scores [N, blocks] fp32 (Σ_heads relu(q·key)/√D, −inf for blocks not complete before the query; ops/qsa_scores.py);
+pos [N] (each query's position); k top blocks (≤ blocks); ratio tokens a block; limit (a valid position, > every
+entry written) → token_index [N, k·ratio + ratio − 1] int64, token_valid [N, same] bool:
+- the k blocks of highest score, in ascending block order, each as its `ratio` tokens; valid where the block is
+  complete before the query (with fewer than k complete blocks some chosen ones are not);
+- then the ratio − 1 tail tokens of the query's incomplete block, valid up to the query's position (clamped below
+  `limit`, so an invalid one still indexes memory that exists).
+
+Which blocks tie-break: among equal scores at the k-th place the lower block index wins (−0.0 counts as 0.0). The
+order of the list is fixed (ascending) rather than by score, so the attention over it sums in one order whatever
+selected it — torch's top-k on the GPU and on the CPU, or the kernel.
+
+`qsa_token_lists_reference` is that definition in torch (a stable sort); `qsa_token_lists` sends CUDA tensors to one
+Triton kernel (ops/qsa_token_lists_triton.py: a program a row finds the k-th score by bisecting its bits and writes
+the lists), which replaces torch.topk — 84 µs a call for 512 of 16,384 blocks at 64K context on the H200, plus a
+20 µs sort of the result — and the ~20 small kernels that built the lists. FLASHNEXT_QSA_LISTS=reference forces the
+reference.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def qsa_top_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The k blocks of highest score in each row [N, k], ascending, ties at the k-th score to the lower block (the
+    selection of the lists below; the indexer's mask path for short prompts selects the same)."""
+    by_score = torch.sort(scores + 0.0, dim=-1, descending=True, stable=True).indices[:, :k]
+    return by_score.sort(dim=-1).values
+
+
+def qsa_token_lists_reference(scores: torch.Tensor, pos: torch.Tensor, k: int, ratio: int,
+                              limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    top = qsa_top_blocks(scores, k)
+    complete_before = (pos + 1) // ratio
+    within = torch.arange(ratio, device=scores.device)
+    chosen = (top[:, :, None] * ratio + within).flatten(1)
+    chosen_valid = (top < complete_before[:, None])[:, :, None].expand(-1, -1, ratio).flatten(1)
+    tail = complete_before[:, None] * ratio + within[None, : ratio - 1]
+    token_index = torch.cat([chosen, tail.clamp(max=limit - 1)], dim=1)
+    token_valid = torch.cat([chosen_valid, tail <= pos[:, None]], dim=1)
+    return token_index, token_valid
+
+
+def qsa_token_lists(scores: torch.Tensor, pos: torch.Tensor, k: int, ratio: int,
+                    limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    assert 0 < k <= scores.shape[1], "k blocks of the scored ones"
+    if scores.is_cuda and os.environ.get("FLASHNEXT_QSA_LISTS", "triton") != "reference":
+        from flashnext.ops.qsa_token_lists_triton import qsa_token_lists_triton
+
+        return qsa_token_lists_triton(scores, pos, k, ratio, limit)
+    return qsa_token_lists_reference(scores, pos, k, ratio, limit)

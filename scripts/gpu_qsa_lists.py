@@ -1,0 +1,73 @@
+"""On the GPU machine: the QSA token-list kernel (ops/qsa_token_lists_triton.py) equals its reference bit for bit at
+the indexer's real sizes (Flash-Next: 512 of the context's blocks, 4 tokens a block), with ties and −inf, and what
+a call costs in a CUDA graph against the torch path it replaced (topk, then ~20 small kernels).
+Run: python3 scripts/gpu_qsa_lists.py"""
+import sys
+
+import torch
+
+from flashnext.ops.qsa_token_lists import qsa_token_lists_reference
+from flashnext.ops.qsa_token_lists_triton import qsa_token_lists_triton
+
+K, RATIO = 512, 4
+
+
+def torch_lists(scores, pos, k, r, limit):
+    """The indexer's lists before the kernel (torch.topk and glue; its order by score, not by block)."""
+    complete_before = (pos + 1) // r
+    top = scores.topk(k, dim=-1).indices
+    chosen_valid = top < complete_before[:, None]
+    within = torch.arange(r, device=pos.device)
+    chosen = (top[:, :, None] * r + within).flatten(1)
+    tail = complete_before[:, None] * r + within[None, : r - 1]
+    token_index = torch.cat([chosen, tail.clamp(max=limit - 1)], dim=1)
+    token_valid = torch.cat([chosen_valid[:, :, None].expand(-1, -1, r).flatten(1), tail <= pos[:, None]], dim=1)
+    return token_index, token_valid
+
+
+def graph_us(fn, reps=50):
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps / 10 * 1e3
+
+
+def main() -> int:
+    ok = True
+    g = torch.Generator(device="cuda").manual_seed(0)
+    print(f"{'rows':>4} {'blocks':>6} {'ties':>5} {'equal':>5} {'kernel µs':>9} {'torch µs':>8}")
+    for rows, blocks in [(1, 2500), (1, 16384), (1, 16389), (1, 65536), (8, 16384), (3, 40001), (64, 4000)]:
+        for ties in (False, True):
+            if ties:
+                scores = torch.randint(0, 6, (rows, blocks), device="cuda", generator=g).float()
+            else:
+                scores = torch.rand(rows, blocks, device="cuda", generator=g) * 5
+            pos = torch.full((rows,), blocks * RATIO + 1, device="cuda", dtype=torch.int64)
+            pos[0] = min(pos[0], 700 * RATIO)      # a row with few complete blocks
+            complete_before = (pos + 1) // RATIO
+            scores[torch.arange(blocks, device="cuda")[None, :] >= complete_before[:, None]] = float("-inf")
+            limit = blocks * RATIO
+            got = qsa_token_lists_triton(scores, pos, K, RATIO, limit)
+            want = qsa_token_lists_reference(scores, pos, K, RATIO, limit)
+            same = torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            ok &= same
+            kernel = graph_us(lambda: qsa_token_lists_triton(scores, pos, K, RATIO, limit))
+            before = graph_us(lambda: torch_lists(scores, pos, K, RATIO, limit))
+            print(f"{rows:4} {blocks:6} {ties!s:>5} {same!s:>5} {kernel:9.1f} {before:8.1f}")
+    print("OK" if ok else "MISMATCH")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

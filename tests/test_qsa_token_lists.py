@@ -1,0 +1,83 @@
+"""QSA token lists: the reference selects torch.topk's blocks (as a set, where the k-th score is not tied) and keeps
+the contract of ops/qsa_token_lists.py; the Triton kernel (TRITON_INTERPRET=1 on CPU) equals the reference bit for
+bit — rows longer than the kernel's register chunk, ties at the k-th score (lowest block index wins, −0.0 = 0.0),
+−inf for incomplete blocks, fewer complete blocks than k."""
+import importlib.util
+
+import pytest
+import torch
+
+from flashnext.ops.qsa_token_lists import qsa_token_lists_reference
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+
+def scored(rows: int, blocks: int, ratio: int, seed: int, ties: bool = False):
+    """Scores as the indexer makes them: ≥ 0 (relu sums), −inf from each row's first incomplete block on; with
+    `ties`, few distinct values (many exact ties, 0.0 and −0.0 among them)."""
+    g = torch.Generator().manual_seed(seed)
+    if ties:
+        scores = torch.randint(0, 4, (rows, blocks), generator=g).float()
+        scores[torch.rand(rows, blocks, generator=g) < 0.2] = -0.0
+    else:
+        scores = torch.rand(rows, blocks, generator=g) * 3
+    pos = torch.randint(0, blocks * ratio + ratio, (rows,), generator=g)
+    complete_before = (pos + 1) // ratio
+    scores[torch.arange(blocks)[None, :] >= complete_before[:, None]] = float("-inf")
+    return scores, pos
+
+
+@pytest.mark.parametrize("rows,blocks,k,ratio", [(3, 50, 8, 4), (5, 37, 37, 4), (2, 130, 17, 3)])
+def test_reference_selects_the_top_blocks_in_order(rows, blocks, k, ratio):
+    scores, pos = scored(rows, blocks, ratio, seed=blocks)
+    limit = blocks * ratio
+    index, valid = qsa_token_lists_reference(scores, pos, k, ratio, limit)
+    assert index.shape == valid.shape == (rows, k * ratio + ratio - 1)
+    complete_before = (pos + 1) // ratio
+    for r in range(rows):
+        top = scores[r].topk(k).indices
+        finite = scores[r][top] > float("-inf")    # distinct finite scores: the set is topk's
+        blocks_chosen = index[r, : k * ratio : ratio] // ratio
+        assert torch.equal(blocks_chosen, blocks_chosen.sort().values)
+        assert set(blocks_chosen.tolist()) >= set(top[finite].tolist())
+        assert torch.equal(index[r, : k * ratio].view(k, ratio),
+                           blocks_chosen[:, None] * ratio + torch.arange(ratio))
+        assert torch.equal(valid[r, : k * ratio].view(k, ratio)[:, 0], blocks_chosen < complete_before[r])
+        tail = complete_before[r] * ratio + torch.arange(ratio - 1)
+        assert torch.equal(valid[r, k * ratio:], tail <= pos[r])
+        assert torch.equal(index[r, k * ratio:], tail.clamp(max=limit - 1))
+
+
+def test_reference_breaks_ties_toward_the_lower_block():
+    scores = torch.tensor([[1.0, 2.0, 0.0, 2.0, -0.0, 0.0, float("-inf")]])
+    index, _ = qsa_token_lists_reference(scores, torch.tensor([27]), 4, 4, 28)
+    assert (index[0, :16:4] // 4).tolist() == [0, 1, 2, 3]
+    index, _ = qsa_token_lists_reference(scores, torch.tensor([27]), 3, 4, 28)
+    assert (index[0, :12:4] // 4).tolist() == [0, 1, 3]
+
+
+@needs_triton
+@pytest.mark.parametrize("rows,blocks,k,ratio,ties", [
+    (3, 50, 8, 4, False), (4, 50, 8, 4, True), (2, 37, 37, 4, True), (5, 200, 64, 3, False), (1, 9, 1, 2, True)])
+def test_kernel_equals_reference(rows, blocks, k, ratio, ties):
+    from flashnext.ops.qsa_token_lists_triton import qsa_token_lists_triton
+
+    scores, pos = scored(rows, blocks, ratio, seed=blocks + rows, ties=ties)
+    limit = blocks * ratio
+    got = qsa_token_lists_triton(scores, pos, k, ratio, limit)
+    want = qsa_token_lists_reference(scores, pos, k, ratio, limit)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@needs_triton
+@pytest.mark.parametrize("ties", [False, True])
+def test_kernel_rows_longer_than_its_chunk(monkeypatch, ties):
+    """A row of 3.5 chunks (the kernel reads it again per count) and a strided scores tensor."""
+    import flashnext.ops.qsa_token_lists_triton as kernel
+
+    monkeypatch.setattr(kernel, "CHUNK", 16)
+    scores, pos = scored(3, 56, 4, seed=7, ties=ties)
+    scores = torch.cat([scores, scores], dim=1)[:, :56]
+    got = kernel.qsa_token_lists_triton(scores, pos, 11, 4, 224)
+    want = qsa_token_lists_reference(scores, pos, 11, 4, 224)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
