@@ -6,6 +6,7 @@ import sys
 
 import torch
 
+import flashnext.ops.qsa_token_lists_triton as kernel
 from flashnext.ops.qsa_token_lists import qsa_token_lists_reference
 from flashnext.ops.qsa_token_lists_triton import qsa_token_lists_triton
 
@@ -62,9 +63,20 @@ def main() -> int:
             want = qsa_token_lists_reference(scores, pos, K, RATIO, limit)
             same = torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
             ok &= same
-            kernel = graph_us(lambda: qsa_token_lists_triton(scores, pos, K, RATIO, limit))
+            kernel_us = graph_us(lambda: qsa_token_lists_triton(scores, pos, K, RATIO, limit))
             before = graph_us(lambda: torch_lists(scores, pos, K, RATIO, limit))
-            print(f"{rows:4} {blocks:6} {ties!s:>5} {same!s:>5} {kernel:9.1f} {before:8.1f}")
+            print(f"{rows:4} {blocks:6} {ties!s:>5} {same!s:>5} {kernel_us:9.1f} {before:8.1f}")
+    print("warps a program (kernel._warps) against µs a call:")
+    default = kernel._warps
+    for rows, blocks in [(1, 2500), (1, 16384), (1, 65536)]:
+        scores = torch.rand(rows, blocks, device="cuda", generator=g) * 5
+        pos = torch.full((rows,), blocks * RATIO + 1, device="cuda", dtype=torch.int64)
+        times = {}
+        for warps in (4, 8, 16, 32):
+            kernel._warps = lambda size, w=warps: w
+            times[warps] = graph_us(lambda: qsa_token_lists_triton(scores, pos, K, RATIO, blocks * RATIO))
+        kernel._warps = default
+        print(f"  {rows} x {blocks}: " + ", ".join(f"{w} warps {t:.1f}" for w, t in times.items()))
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 

@@ -71,13 +71,15 @@ def test_kernel_equals_reference(rows, blocks, k, ratio, ties):
 
 @needs_triton
 @pytest.mark.parametrize("ties", [False, True])
-def test_kernel_rows_longer_than_its_chunk(monkeypatch, ties):
-    """A row of 3.5 chunks (the kernel reads it again per count) and a strided scores tensor."""
+@pytest.mark.parametrize("blocks,k", [(56, 11), (56, 5), (40, 11)])
+def test_kernel_rows_longer_than_its_chunk(monkeypatch, ties, blocks, k):
+    """Rows longer than a 32-key chunk: 2 or 4 slices keep their top k (the last of 40 holds fewer than k blocks),
+    the list kernel selects from those; strided scores."""
     import flashnext.ops.qsa_token_lists_triton as kernel
 
-    monkeypatch.setattr(kernel, "CHUNK", 16)
-    scores, pos = scored(3, 56, 4, seed=7, ties=ties)
-    scores = torch.cat([scores, scores], dim=1)[:, :56]
-    got = kernel.qsa_token_lists_triton(scores, pos, 11, 4, 224)
-    want = qsa_token_lists_reference(scores, pos, 11, 4, 224)
+    monkeypatch.setattr(kernel, "CHUNK", 32)
+    scores, pos = scored(3, blocks, 4, seed=blocks + k, ties=ties)
+    scores = torch.cat([scores, scores], dim=1)[:, :blocks]
+    got = kernel.qsa_token_lists_triton(scores, pos, k, 4, 4 * blocks)
+    want = qsa_token_lists_reference(scores, pos, k, 4, 4 * blocks)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

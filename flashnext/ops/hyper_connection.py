@@ -9,10 +9,11 @@ Shapes (N rows, hc streams of H = hidden, R = lowrank):
 `hc_mix_reference` / `hc_inject_reference` are the specification and round where the module rounds: the
 normed streams to h's dtype (ZeroCenteredRMSNorm's .type_as), every F.linear output, each elementwise op
 of a 16-bit tensor, and the mean over streams once (fp32 sum). `hc_mix` dispatches CUDA tensors of up to
-decode_max_rows() rows (16; FLASHNEXT_HC_DECODE_MAX_ROWS, read when a step is traced or captured, to A/B the
-paths for decode batches: on the H200 the Triton mix costs ~5 µs more per row, 53 µs at 8 rows, cause not yet
-profiled: BENCHMARKS.md session 9) to the Triton kernels (ops/hyper_connection_triton.py); more rows (prefill) take the
-reference's math with cuBLAS for the GEMMs (each weight read once for all rows; the GEMV kernels would not),
+decode_max_rows() rows (4; FLASHNEXT_HC_DECODE_MAX_ROWS, read when a step is traced or captured) to the Triton
+kernels (ops/hyper_connection_triton.py), whose fp32 GEMVs cost ~3 µs more a row each (BENCHMARKS.md session 9).
+More rows (bigger decode batches, prefill) take the reference's math with cuBLAS for the GEMMs (each weight read
+once for all rows; the GEMV kernels would not) — on the H200 (session 11, Flash-Next INT4 at 64K) the captured
+step of 8 rows took 14.29 ms this way against 16.33 ms with the kernels, of 4 rows 10.34 against 10.15 ms —,
 the RMSNorm kernel for the streams' norm (one pass over [T, hc·H] instead of ~8 fp32 passes; on the H200 the
 pow and mean kernels of these norms and GatedDeltaNet's alone were ~3% of a 10K Flash-Next prefill) and one
 kernel for the final sigmoid·mean over streams (`hc_combine`). `hc_inject` is elementwise: the Triton kernel for
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 
 from flashnext.ops.rms_norm import rms_norm, rms_norm_reference
 
-DECODE_MAX_ROWS = 16   # decode_max_rows()'s default
+DECODE_MAX_ROWS = 4   # decode_max_rows()'s default (see the module's docstring)
 
 
 def decode_max_rows() -> int:

@@ -1,11 +1,15 @@
-"""QSA token lists in one kernel (reference and contract: ops/qsa_token_lists.py).
+"""QSA token lists in Triton (reference and contract: ops/qsa_token_lists.py).
 
-A program a row. The row's scores become int32 keys whose signed order is the floats' order; the k-th largest key T
-is found by bisecting [min, max] (32 halvings, each one count over the row: the count of keys ≥ the midpoint);
-then one pass in block order selects every key > T and the first k − count(> T) keys equal to T, and writes each
-selected block's tokens at its rank among the selected (a cumulative sum): the lists come out in ascending block
-order with no sort. Rows of up to CHUNK scores stay in registers through the bisection; longer rows (contexts
-beyond 64K on Flash-Next) are read again, CHUNK at a time, by every count.
+The selection works on int32 keys whose signed order is the scores' order. A row of up to CHUNK keys sits in one
+program's registers: its k-th largest key T is found by bisecting [min, max] — a step counts the keys ≥ three
+quarter points at once (one int64 sum of three packed counts), so 16 steps instead of 32 reductions —, then one
+cumulative sum ranks the keys > T and the first k − count(> T) keys equal to T, and each chosen block's tokens are
+written at its rank: the lists come out in ascending block order with no sort.
+
+Rows longer than CHUNK (more than 64K tokens of context on Flash-Next) take two launches: programs over slices of
+the row first keep each slice's top k (as keys and block indices, in block order), then the list kernel selects
+from those candidates. Exact: a block among the row's top k is among its slice's top k (fewer than k of its slice
+rank before it), and the candidates stay in block order, so ties still go to the lower block.
 """
 from __future__ import annotations
 
@@ -16,82 +20,98 @@ import torch
 
 from flashnext.ops.pdl import launch_options, wait_for_inputs
 
-CHUNK = 16384   # scores a program holds in registers (Flash-Next: 64K tokens of context)
+CHUNK = 16384     # keys a program holds (Flash-Next: 64K tokens of context); counts ≤ CHUNK pack in 21 bits
 
 
 @triton.jit
-def _chunk_keys(row_ptr, c, n, CHUNK: tl.constexpr):
-    """Chunk c of the row as (keys, in range): fp32 bits mapped so that signed int32 order is float order."""
-    offs = c * CHUNK + tl.arange(0, CHUNK)
-    ok = offs < n
-    s = tl.load(row_ptr + offs, mask=ok, other=float("-inf")) + 0.0      # + 0.0: −0.0 becomes 0.0
+def _score_keys(scores_ptr, offs, ok):
+    """fp32 scores → int32 keys in the same order (−0.0 as 0.0); lanes not ok get INT32_MIN, which no score maps
+    to (only a NaN would), so they never count above a threshold past the row's minimum."""
+    s = tl.load(scores_ptr + offs, mask=ok, other=0.0) + 0.0
     bits = s.to(tl.int32, bitcast=True)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF), ok
+    return tl.where(ok, bits ^ ((bits >> 31) & 0x7FFFFFFF), -2147483648)
 
 
 @triton.jit
-def _count(row_ptr, n, keys0, ok0, t, STRICT: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr):
-    """How many keys of the row are ≥ t (> t if STRICT); keys0/ok0: chunk 0, already loaded."""
-    hit = (keys0 > t) if STRICT else (keys0 >= t)
-    total = tl.sum((hit & ok0).to(tl.int32), axis=0)
-    for c in range(1, NUM_CHUNKS):
-        keys, ok = _chunk_keys(row_ptr, c, n, CHUNK)
-        hit = (keys > t) if STRICT else (keys >= t)
-        total += tl.sum((hit & ok).to(tl.int32), axis=0)
-    return total
+def _threshold(keys, K):
+    """(T, ties): T is the largest t with count(keys ≥ t) ≥ K, ties how many keys equal to T the top K take."""
+    lo = tl.min(keys, axis=0).to(tl.int64)
+    hi = tl.max(keys, axis=0).to(tl.int64)
+    for _ in range(16):   # [lo, hi] shrinks to a quarter each step: 2^32 keys in 16; once lo = hi nothing moves
+        d = hi - lo
+        m1 = lo + (d + 3) // 4
+        m2 = lo + (2 * d + 3) // 4
+        m3 = lo + (3 * d + 3) // 4
+        # m1 ≤ m2 ≤ m3 lie in [lo, hi], within int32
+        packed = ((keys >= m1.to(tl.int32)).to(tl.int64) + ((keys >= m2.to(tl.int32)).to(tl.int64) << 21)
+                  + ((keys >= m3.to(tl.int32)).to(tl.int64) << 42))
+        total = tl.sum(packed, axis=0)
+        c1 = total & 0x1FFFFF
+        c2 = (total >> 21) & 0x1FFFFF
+        c3 = total >> 42
+        new_lo = tl.where(c3 >= K, m3, tl.where(c2 >= K, m2, tl.where(c1 >= K, m1, lo)))
+        hi = tl.where(c3 >= K, hi, tl.where(c2 >= K, m3 - 1, tl.where(c1 >= K, m2 - 1, m1 - 1)))
+        lo = new_lo
+    threshold = lo.to(tl.int32)
+    return threshold, K - tl.sum((keys > threshold).to(tl.int32), axis=0)
 
 
 @triton.jit
-def _qsa_token_lists_kernel(scores_ptr, pos_ptr, index_ptr, valid_ptr, n, stride_s, K, limit, width,
-                            R: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, PDL: tl.constexpr):
+def _ranks(keys, threshold, ties):
+    """(chosen, rank): the keys > T and the first `ties` keys equal to T, each with its rank among the chosen."""
+    tie = (keys == threshold).to(tl.int32)
+    chosen = ((keys > threshold) | ((tie == 1) & (tl.cumsum(tie, axis=0) - tie < ties))).to(tl.int32)
+    return chosen == 1, tl.cumsum(chosen, axis=0) - chosen
+
+
+@triton.jit
+def _slice_top_kernel(scores_ptr, cand_key_ptr, cand_block_ptr, n, stride_s, K, SLICE: tl.constexpr,
+                      PDL: tl.constexpr):
     wait_for_inputs(PDL)
     row = tl.program_id(0)
-    row_ptr = scores_ptr + row.to(tl.int64) * stride_s
-    keys0, ok0 = _chunk_keys(row_ptr, 0, n, CHUNK)
-    # Lanes past n hold −inf's key, below or equal to every score's: min and max need no mask, and count(≥ min)
-    # over the row is n ≥ K, so T, the largest t with count(keys ≥ t) ≥ K, lies in [min, max].
-    lo = tl.min(keys0, axis=0)
-    hi = tl.max(keys0, axis=0)
-    for c in range(1, NUM_CHUNKS):
-        keys, _ = _chunk_keys(row_ptr, c, n, CHUNK)
-        lo = tl.minimum(lo, tl.min(keys, axis=0))
-        hi = tl.maximum(hi, tl.max(keys, axis=0))
-    lo = lo.to(tl.int64)
-    hi = hi.to(tl.int64)
-    for _ in range(32):   # each halves [lo, hi] (2^32 keys at most); once lo = hi, mid = lo and nothing moves
-        mid = lo + (hi - lo + 1) // 2
-        enough = _count(row_ptr, n, keys0, ok0, mid.to(tl.int32), False, CHUNK, NUM_CHUNKS) >= K
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid - 1)
-    threshold = lo.to(tl.int32)
-    ties_wanted = K - _count(row_ptr, n, keys0, ok0, threshold, True, CHUNK, NUM_CHUNKS)
+    part = tl.program_id(1)
+    block = part * SLICE + tl.arange(0, SLICE)
+    keys = _score_keys(scores_ptr + row.to(tl.int64) * stride_s, block, block < n)
+    threshold, ties = _threshold(keys, K)
+    chosen, rank = _ranks(keys, threshold, ties)
+    out = (row.to(tl.int64) * tl.num_programs(1) + part) * K + rank
+    tl.store(cand_key_ptr + out, keys, mask=chosen)
+    tl.store(cand_block_ptr + out, block, mask=chosen)
 
+
+@triton.jit
+def _lists_kernel(scores_ptr, cand_block_ptr, pos_ptr, index_ptr, valid_ptr, n, stride_s, K, limit, width,
+                  R: tl.constexpr, CHUNK: tl.constexpr, CANDIDATES: tl.constexpr, PDL: tl.constexpr):
+    """scores_ptr: the row's scores, or with CANDIDATES the slices' candidate keys (n of them, block indices at
+    cand_block_ptr)."""
+    wait_for_inputs(PDL)
+    row = tl.program_id(0)
+    offs = tl.arange(0, CHUNK)
+    ok = offs < n
+    if CANDIDATES:
+        keys = tl.load(scores_ptr + row.to(tl.int64) * n + offs, mask=ok, other=-2147483648)
+        block = tl.load(cand_block_ptr + row.to(tl.int64) * n + offs, mask=ok, other=0).to(tl.int64)
+    else:
+        keys = _score_keys(scores_ptr + row.to(tl.int64) * stride_s, offs, ok)
+        block = offs.to(tl.int64)
+    threshold, ties = _threshold(keys, K)
+    chosen, rank = _ranks(keys, threshold, ties)
     pos = tl.load(pos_ptr + row).to(tl.int64)
     complete_before = (pos + 1) // R
     out_index = index_ptr + row.to(tl.int64) * width
     out_valid = valid_ptr + row.to(tl.int64) * width
-    ties_before = 0
-    chosen_before = 0
-    for c in tl.static_range(NUM_CHUNKS):
-        if NUM_CHUNKS == 1:
-            keys, ok = keys0, ok0
-        else:
-            keys, ok = _chunk_keys(row_ptr, c, n, CHUNK)
-        tie = ((keys == threshold) & ok).to(tl.int32)
-        tie_rank = ties_before + tl.cumsum(tie, axis=0) - tie
-        chosen = (((keys > threshold) & ok) | ((tie == 1) & (tie_rank < ties_wanted))).to(tl.int32)
-        rank = chosen_before + tl.cumsum(chosen, axis=0) - chosen
-        block = (c * CHUNK + tl.arange(0, CHUNK)).to(tl.int64)
-        block_valid = (block < complete_before).to(tl.uint8)
-        for j in tl.static_range(R):
-            tl.store(out_index + rank * R + j, block * R + j, mask=chosen == 1)
-            tl.store(out_valid + rank * R + j, block_valid, mask=chosen == 1)
-        ties_before += tl.sum(tie, axis=0)
-        chosen_before += tl.sum(chosen, axis=0)
+    block_valid = (block < complete_before).to(tl.uint8)
+    for j in tl.static_range(R):
+        tl.store(out_index + rank * R + j, block * R + j, mask=chosen)
+        tl.store(out_valid + rank * R + j, block_valid, mask=chosen)
     for j in tl.static_range(R - 1):   # the tail of the query's incomplete block
         tail = complete_before * R + j
         tl.store(out_index + K * R + j, tl.minimum(tail, limit - 1))
         tl.store(out_valid + K * R + j, (tail <= pos).to(tl.uint8))
+
+
+def _warps(size: int) -> int:
+    return 16 if size >= 8192 else 8 if size >= 2048 else 4
 
 
 def qsa_token_lists_triton(scores: torch.Tensor, pos: torch.Tensor, k: int, ratio: int,
@@ -101,10 +121,21 @@ def qsa_token_lists_triton(scores: torch.Tensor, pos: torch.Tensor, k: int, rati
     width = k * ratio + ratio - 1
     token_index = torch.empty(rows, width, dtype=torch.int64, device=scores.device)
     token_valid = torch.empty(rows, width, dtype=torch.bool, device=scores.device)
-    if rows:
-        chunk = min(CHUNK, triton.next_power_of_2(n))
-        _qsa_token_lists_kernel[(rows,)](
-            scores, pos, token_index, token_valid.view(torch.uint8), n, scores.stride(0), k, limit, width,
-            R=ratio, CHUNK=chunk, NUM_CHUNKS=triton.cdiv(n, chunk), num_warps=16 if chunk >= 4096 else 4,
-            **launch_options(scores.device))
+    if not rows:
+        return token_index, token_valid
+    pdl = launch_options(scores.device)
+    source, blocks, count, stride = scores, scores, n, scores.stride(0)
+    if n > CHUNK:
+        slices = CHUNK // k                       # candidates (slices × k) must fit one program
+        size = max(triton.next_power_of_2(triton.cdiv(n, slices)), triton.next_power_of_2(k))
+        assert 2 * k <= CHUNK and size <= CHUNK, f"{n} blocks, top {k}: more than two stages can select"
+        slices = triton.cdiv(n, size)
+        source = torch.empty(rows, slices * k, dtype=torch.int32, device=scores.device)
+        blocks = torch.empty(rows, slices * k, dtype=torch.int32, device=scores.device)
+        _slice_top_kernel[(rows, slices)](scores, source, blocks, n, scores.stride(0), k, SLICE=size,
+                                          num_warps=_warps(size), **pdl)
+        count, stride = slices * k, slices * k
+    chunk = triton.next_power_of_2(count)
+    _lists_kernel[(rows,)](source, blocks, pos, token_index, token_valid.view(torch.uint8), count, stride, k, limit,
+                           width, R=ratio, CHUNK=chunk, CANDIDATES=n > CHUNK, num_warps=_warps(chunk), **pdl)
     return token_index, token_valid
