@@ -5,8 +5,8 @@ row of the host store (ops.moe_int4.CachedExperts): nothing decided on the host 
 each layer's decode writes its routed ids into its row of one device buffer, and after each decode step the engine
 calls `after_step` (LLMEngine), which
  1. publishes the copies that have finished: their experts enter the device slot tables;
- 2. learns from the routing of the last step whose ids have reached page-locked memory (copied behind the step;
-    never waited for), all layers at once in [layers, experts] tensor ops: counts hits and misses, updates each
+ 2. learns from the routing of each step whose ids have reached page-locked memory (copied behind the step, up to
+    OBSERVATIONS_IN_FLIGHT steps at once; never waited for), all layers at once in [layers, experts] tensor ops: counts hits and misses, updates each
     expert's value (--expert-cache-policy: a count decayed per learned step, or the step last seen), and gives up
     to COPIES_PER_LAYER of each layer's most valuable missed experts a slot — a free one, else the least valuable
     resident's when the missed expert is worth more (it can be read from host memory meanwhile);
@@ -32,6 +32,10 @@ from flashnext.ops.moe_int4 import CachedExperts
 # token (the cap) against ~220 misses; at 10 and 480 (a layer's top-k, no cap for 48 layers) 83%, 44.6 → 70 tok/s.
 COPIES_PER_LAYER = max(1, int(os.environ.get("FLASHNEXT_EXPERT_COPIES_PER_LAYER", "10")))
 MAX_COPIES_PER_STEP = max(1, int(os.environ.get("FLASHNEXT_EXPERT_COPIES_PER_STEP", "480")))
+# Observations (a step's routed ids on their way to page-locked memory) in flight at once: with one, the pools
+# learned from every other step on the H200 once the decode inputs came from page-locked memory (session 11: ~240
+# expert reads counted a token of Flash-Next's 480, hit rate 83% → 72%; the host runs two steps ahead now).
+OBSERVATIONS_IN_FLIGHT = 3
 # A learning step is ~30 tensor ops over [layers, experts] plus the copies it starts: 1.6 ms of host time for all 48
 # layers of Flash-Next's shapes (512 experts, top-10, 196 slots) with 16 copies on the 2-core dev machine (copies
 # not issued there; each copy is a few torch calls, ~5 a copied expert); done per layer it had been 0.8-0.9 ms a layer.
@@ -51,8 +55,10 @@ class GraphPool:
         self.layers, self.top_k, self.device = layers, top_k, layers[0].device
         self.gpu = self.device.type == "cuda"
         self.observed = torch.full((len(layers), max_rows * top_k), -1, dtype=torch.long, device=self.device)
-        self.observed_host = torch.empty(self.observed.shape, dtype=torch.long, pin_memory=self.gpu)
-        self.reading: tuple[torch.cuda.Event | None, int] | None = None   # (copy done, rows) of observed_host
+        self.observed_host = torch.empty((OBSERVATIONS_IN_FLIGHT, *self.observed.shape), dtype=torch.long,
+                                         pin_memory=self.gpu)
+        # the observations in flight, oldest first: (copy done, rows, which of observed_host)
+        self.reading: list[tuple[torch.cuda.Event | None, int, int]] = []
         self.pending: list[PendingCopy] = []
         # every layer's slot_of and device slot table become rows of one [layers, experts] tensor each, so learning is
         # a few whole-tensor ops and the tables take one host-to-device copy
@@ -81,20 +87,19 @@ class GraphPool:
     def after_step(self, rows: int) -> None:
         """After a decode step of `rows` rows (ModelRunner's after_decode)."""
         self._publish(wait=False)
-        if self.reading is not None:
-            done, read_rows = self.reading
-            if done is None or done.query():
-                self.reading = None
-                self._learn(self.observed_host[:, :read_rows * self.top_k])
-        if self.reading is None:    # the next observation once the last is read: one in flight
+        while self.reading and (self.reading[0][0] is None or self.reading[0][0].query()):
+            _, read_rows, buffer = self.reading.pop(0)
+            self._learn(self.observed_host[buffer, :, :read_rows * self.top_k])
+        if len(self.reading) < OBSERVATIONS_IN_FLIGHT:
+            buffer = min(set(range(OBSERVATIONS_IN_FLIGHT)) - {b for _, _, b in self.reading})
             # the whole buffer (~30 KB for Flash-Next): a column slice is not contiguous, and torch would copy it
             # through a pageable temporary, waiting for the steps queued before
-            self.observed_host.copy_(self.observed, non_blocking=self.gpu)
+            self.observed_host[buffer].copy_(self.observed, non_blocking=self.gpu)
             done = None
             if self.gpu:
                 done = torch.cuda.Event()
                 done.record(torch.cuda.current_stream(self.device))
-            self.reading = (done, rows)
+            self.reading.append((done, rows, buffer))
         if self.tables_stale:
             self._upload_tables()
 
