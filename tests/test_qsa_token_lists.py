@@ -9,9 +9,6 @@ import torch
 
 from flashnext.ops.qsa_token_lists import qsa_token_lists_reference
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-
-
 def scored(rows: int, blocks: int, ratio: int, seed: int, ties: bool = False):
     """Scores as the indexer makes them: ≥ 0 (relu sums), −inf from each row's first incomplete block on; with
     `ties`, few distinct values (many exact ties, 0.0 and −0.0 among them)."""
@@ -56,27 +53,32 @@ def test_reference_breaks_ties_toward_the_lower_block():
     assert (index[0, :12:4] // 4).tolist() == [0, 1, 3]
 
 
-@needs_triton
+@pytest.fixture(params=[False, True], ids=["bisection", "radix"])
+def kernel(request, monkeypatch):
+    """The Triton module, finding the k-th key by bisection or by radix selection (its RADIX switch)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    import flashnext.ops.qsa_token_lists_triton as module
+
+    monkeypatch.setattr(module, "RADIX", request.param)
+    return module
+
+
 @pytest.mark.parametrize("rows,blocks,k,ratio,ties", [
     (3, 50, 8, 4, False), (4, 50, 8, 4, True), (2, 37, 37, 4, True), (5, 200, 64, 3, False), (1, 9, 1, 2, True)])
-def test_kernel_equals_reference(rows, blocks, k, ratio, ties):
-    from flashnext.ops.qsa_token_lists_triton import qsa_token_lists_triton
-
+def test_kernel_equals_reference(kernel, rows, blocks, k, ratio, ties):
     scores, pos = scored(rows, blocks, ratio, seed=blocks + rows, ties=ties)
     limit = blocks * ratio
-    got = qsa_token_lists_triton(scores, pos, k, ratio, limit)
+    got = kernel.qsa_token_lists_triton(scores, pos, k, ratio, limit)
     want = qsa_token_lists_reference(scores, pos, k, ratio, limit)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-@needs_triton
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("blocks,k", [(56, 11), (56, 5), (40, 11)])
-def test_kernel_rows_longer_than_its_chunk(monkeypatch, ties, blocks, k):
+def test_kernel_rows_longer_than_its_chunk(kernel, monkeypatch, ties, blocks, k):
     """Rows longer than a 32-key chunk: 2 or 4 slices keep their top k (the last of 40 holds fewer than k blocks),
     the list kernel selects from those; strided scores."""
-    import flashnext.ops.qsa_token_lists_triton as kernel
-
     monkeypatch.setattr(kernel, "CHUNK", 32)
     scores, pos = scored(3, blocks, 4, seed=blocks + k, ties=ties)
     scores = torch.cat([scores, scores], dim=1)[:, :blocks]

@@ -21,6 +21,10 @@ import torch
 from flashnext.ops.pdl import launch_options, wait_for_inputs
 
 CHUNK = 16384     # keys a program holds (Flash-Next: 64K tokens of context); counts ≤ CHUNK pack in 21 bits
+# How a program finds the k-th key: False, by bisection (_threshold: 16 steps, each a reduction over the row; ~50 µs
+# for 16,384 keys on the H200, the reductions' latency, it seems); True, by radix selection (_threshold_radix: 4
+# histograms), written after the session 11 measurements and not measured yet (scripts/gpu_qsa_lists.py times both).
+RADIX = False
 
 
 @triton.jit
@@ -57,6 +61,28 @@ def _threshold(keys, K):
 
 
 @triton.jit
+def _threshold_radix(keys, K):
+    """_threshold by radix selection: four passes over the keys' bytes, highest first, each a 256-bin histogram of
+    the keys whose higher bytes are the ones chosen so far; each pass picks the byte at which the K-th key lies."""
+    u = keys ^ -2147483648          # the sign bit flipped: unsigned order of the bits is the keys' order
+    bins = tl.arange(0, 256)
+    remaining = K                    # of the top K, how many lie among the keys matching the prefix
+    prefix = 0
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p
+        digit = (u >> shift) & 0xFF
+        if p == 0:
+            hist = tl.histogram(digit, 256)
+        else:
+            hist = tl.histogram(digit, 256, mask=(u >> (shift + 8)) == (prefix >> (shift + 8)))
+        at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+        byte = tl.sum((at_or_above >= remaining).to(tl.int32), axis=0) - 1
+        remaining = remaining - tl.sum(tl.where(bins > byte, hist, 0), axis=0)
+        prefix = prefix | (byte << shift)
+    return prefix ^ -2147483648, remaining
+
+
+@triton.jit
 def _ranks(keys, threshold, ties):
     """(chosen, rank): the keys > T and the first `ties` keys equal to T, each with its rank among the chosen."""
     tie = (keys == threshold).to(tl.int32)
@@ -66,13 +92,16 @@ def _ranks(keys, threshold, ties):
 
 @triton.jit
 def _slice_top_kernel(scores_ptr, cand_key_ptr, cand_block_ptr, n, stride_s, K, SLICE: tl.constexpr,
-                      PDL: tl.constexpr):
+                      RADIX: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
     row = tl.program_id(0)
     part = tl.program_id(1)
     block = part * SLICE + tl.arange(0, SLICE)
     keys = _score_keys(scores_ptr + row.to(tl.int64) * stride_s, block, block < n)
-    threshold, ties = _threshold(keys, K)
+    if RADIX:
+        threshold, ties = _threshold_radix(keys, K)
+    else:
+        threshold, ties = _threshold(keys, K)
     chosen, rank = _ranks(keys, threshold, ties)
     out = (row.to(tl.int64) * tl.num_programs(1) + part) * K + rank
     tl.store(cand_key_ptr + out, keys, mask=chosen)
@@ -81,7 +110,8 @@ def _slice_top_kernel(scores_ptr, cand_key_ptr, cand_block_ptr, n, stride_s, K, 
 
 @triton.jit
 def _lists_kernel(scores_ptr, cand_block_ptr, pos_ptr, index_ptr, valid_ptr, n, stride_s, K, limit, width,
-                  R: tl.constexpr, CHUNK: tl.constexpr, CANDIDATES: tl.constexpr, PDL: tl.constexpr):
+                  R: tl.constexpr, CHUNK: tl.constexpr, CANDIDATES: tl.constexpr, RADIX: tl.constexpr,
+                  PDL: tl.constexpr):
     """scores_ptr: the row's scores, or with CANDIDATES the slices' candidate keys (n of them, block indices at
     cand_block_ptr)."""
     wait_for_inputs(PDL)
@@ -94,7 +124,10 @@ def _lists_kernel(scores_ptr, cand_block_ptr, pos_ptr, index_ptr, valid_ptr, n, 
     else:
         keys = _score_keys(scores_ptr + row.to(tl.int64) * stride_s, offs, ok)
         block = offs.to(tl.int64)
-    threshold, ties = _threshold(keys, K)
+    if RADIX:
+        threshold, ties = _threshold_radix(keys, K)
+    else:
+        threshold, ties = _threshold(keys, K)
     chosen, rank = _ranks(keys, threshold, ties)
     pos = tl.load(pos_ptr + row).to(tl.int64)
     complete_before = (pos + 1) // R
@@ -134,10 +167,11 @@ def qsa_token_lists_triton(scores: torch.Tensor, pos: torch.Tensor, k: int, rati
         slices = triton.cdiv(n, size)
         source = torch.empty(rows, slices * k, dtype=torch.int32, device=scores.device)
         blocks = torch.empty(rows, slices * k, dtype=torch.int32, device=scores.device)
-        _slice_top_kernel[(rows, slices)](scores, source, blocks, n, scores.stride(0), k, SLICE=size,
+        _slice_top_kernel[(rows, slices)](scores, source, blocks, n, scores.stride(0), k, SLICE=size, RADIX=RADIX,
                                           num_warps=_warps(size), **pdl)
         count, stride = slices * k, slices * k
     chunk = triton.next_power_of_2(count)
     _lists_kernel[(rows,)](source, blocks, pos, token_index, token_valid.view(torch.uint8), count, stride, k, limit,
-                           width, R=ratio, CHUNK=chunk, CANDIDATES=n > CHUNK, num_warps=_warps(chunk), **pdl)
+                           width, R=ratio, CHUNK=chunk, CANDIDATES=n > CHUNK, RADIX=RADIX, num_warps=_warps(chunk),
+                           **pdl)
     return token_index, token_valid
