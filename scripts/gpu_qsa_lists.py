@@ -15,7 +15,8 @@ K, RATIO = 512, 4
 
 
 def torch_lists(scores, pos, k, r, limit):
-    """The indexer's lists before the kernel (torch.topk and glue; its order by score, not by block)."""
+    """The indexer's lists before the kernel, kept as they were for the comparison (torch.topk and glue; its order by
+    score, not by block)."""
     complete_before = (pos + 1) // r
     top = scores.topk(k, dim=-1).indices
     chosen_valid = top < complete_before[:, None]
@@ -53,10 +54,11 @@ def main() -> int:
         for ties in (False, True):
             if ties:
                 scores = torch.randint(0, 6, (rows, blocks), device="cuda", generator=g).float()
+                scores[torch.rand(rows, blocks, device="cuda", generator=g) < 0.1] = -0.0
             else:
                 scores = torch.rand(rows, blocks, device="cuda", generator=g) * 5
             pos = torch.full((rows,), blocks * RATIO + 1, device="cuda", dtype=torch.int64)
-            pos[0] = min(pos[0], 700 * RATIO)      # a row with few complete blocks
+            pos[0] = min(pos[0], 300 * RATIO)      # a row with fewer complete blocks than K
             complete_before = (pos + 1) // RATIO
             scores[torch.arange(blocks, device="cuda")[None, :] >= complete_before[:, None]] = float("-inf")
             limit = blocks * RATIO

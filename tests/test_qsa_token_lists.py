@@ -39,16 +39,17 @@ def test_reference_selects_the_top_blocks_in_order(rows, blocks, k, ratio):
         assert set(blocks_chosen.tolist()) >= set(top[finite].tolist())
         assert torch.equal(index[r, : k * ratio].view(k, ratio),
                            blocks_chosen[:, None] * ratio + torch.arange(ratio))
-        assert torch.equal(valid[r, : k * ratio].view(k, ratio)[:, 0], blocks_chosen < complete_before[r])
+        assert torch.equal(valid[r, : k * ratio].view(k, ratio),
+                           (blocks_chosen < complete_before[r])[:, None].expand(k, ratio))
         tail = complete_before[r] * ratio + torch.arange(ratio - 1)
         assert torch.equal(valid[r, k * ratio:], tail <= pos[r])
         assert torch.equal(index[r, k * ratio:], tail.clamp(max=limit - 1))
 
 
 def test_reference_breaks_ties_toward_the_lower_block():
-    scores = torch.tensor([[1.0, 2.0, 0.0, 2.0, -0.0, 0.0, float("-inf")]])
+    scores = torch.tensor([[1.0, 2.0, -0.0, 2.0, 0.0, 0.0, float("-inf")]])
     index, _ = qsa_token_lists_reference(scores, torch.tensor([27]), 4, 4, 28)
-    assert (index[0, :16:4] // 4).tolist() == [0, 1, 2, 3]
+    assert (index[0, :16:4] // 4).tolist() == [0, 1, 2, 3]       # −0.0 at block 2 ties with the 0.0 after it
     index, _ = qsa_token_lists_reference(scores, torch.tensor([27]), 3, 4, 28)
     assert (index[0, :12:4] // 4).tolist() == [0, 1, 3]
 

@@ -5,10 +5,11 @@ row of the host store (ops.moe_int4.CachedExperts): nothing decided on the host 
 each layer's decode writes its routed ids into its row of one device buffer, and after each decode step the engine
 calls `after_step` (LLMEngine), which
  1. publishes the copies that have finished: their experts enter the device slot tables;
- 2. learns from the routing of each step whose ids have reached page-locked memory (copied behind the step, up to
-    OBSERVATIONS_IN_FLIGHT steps at once; never waited for), all layers at once in [layers, experts] tensor ops: counts hits and misses, updates each
-    expert's value (--expert-cache-policy: a count decayed per learned step, or the step last seen), and gives up
-    to COPIES_PER_LAYER of each layer's most valuable missed experts a slot — a free one, else the least valuable
+ 2. learns from the routing of the steps whose ids have reached page-locked memory (copied behind the step,
+    never waited for; OBSERVATIONS_IN_FLIGHT copies at once, a step finding them all in flight goes unobserved),
+    all layers at once in [layers, experts] tensor ops: counts hits and misses, updates each expert's value
+    (--expert-cache-policy: a count decayed per learned step, or the step last seen), and gives up to
+    COPIES_PER_LAYER of each layer's most valuable missed experts a slot — a free one, else the least valuable
     resident's when the missed expert is worth more (it can be read from host memory meanwhile);
  3. takes a victim out of the table on the compute stream first and overwrites its slot on the copy stream only
     after an event recorded there, so the steps queued before (decode ahead keeps up to two) still read the old
@@ -35,7 +36,7 @@ MAX_COPIES_PER_STEP = max(1, int(os.environ.get("FLASHNEXT_EXPERT_COPIES_PER_STE
 # Observations (a step's routed ids on their way to page-locked memory) in flight at once: with one, the pools
 # learned from every other step on the H200 once the decode inputs came from page-locked memory (session 11: ~240
 # expert reads counted a token of Flash-Next's 480, hit rate 83% → 72%; the host runs two steps ahead now).
-OBSERVATIONS_IN_FLIGHT = 3
+OBSERVATIONS_IN_FLIGHT = max(1, int(os.environ.get("FLASHNEXT_EXPERT_OBSERVATIONS", "3")))
 # A learning step is ~30 tensor ops over [layers, experts] plus the copies it starts: 1.6 ms of host time for all 48
 # layers of Flash-Next's shapes (512 experts, top-10, 196 slots) with 16 copies on the 2-core dev machine (copies
 # not issued there; each copy is a few torch calls, ~5 a copied expert); done per layer it had been 0.8-0.9 ms a layer.
@@ -57,8 +58,10 @@ class GraphPool:
         self.observed = torch.full((len(layers), max_rows * top_k), -1, dtype=torch.long, device=self.device)
         self.observed_host = torch.empty((OBSERVATIONS_IN_FLIGHT, *self.observed.shape), dtype=torch.long,
                                          pin_memory=self.gpu)
-        # the observations in flight, oldest first: (copy done, rows, which of observed_host)
+        # the observations in flight, oldest first: (copy done, rows, which of observed_host); they finish in order,
+        # so the buffers are taken in turn
         self.reading: list[tuple[torch.cuda.Event | None, int, int]] = []
+        self.next_buffer = 0
         self.pending: list[PendingCopy] = []
         # every layer's slot_of and device slot table become rows of one [layers, experts] tensor each, so learning is
         # a few whole-tensor ops and the tables take one host-to-device copy
@@ -91,7 +94,7 @@ class GraphPool:
             _, read_rows, buffer = self.reading.pop(0)
             self._learn(self.observed_host[buffer, :, :read_rows * self.top_k])
         if len(self.reading) < OBSERVATIONS_IN_FLIGHT:
-            buffer = min(set(range(OBSERVATIONS_IN_FLIGHT)) - {b for _, _, b in self.reading})
+            buffer, self.next_buffer = self.next_buffer, (self.next_buffer + 1) % OBSERVATIONS_IN_FLIGHT
             # the whole buffer (~30 KB for Flash-Next): a column slice is not contiguous, and torch would copy it
             # through a pageable temporary, waiting for the steps queued before
             self.observed_host[buffer].copy_(self.observed, non_blocking=self.gpu)

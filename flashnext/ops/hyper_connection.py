@@ -10,7 +10,8 @@ Shapes (N rows, hc streams of H = hidden, R = lowrank):
 normed streams to h's dtype (ZeroCenteredRMSNorm's .type_as), every F.linear output, each elementwise op
 of a 16-bit tensor, and the mean over streams once (fp32 sum). `hc_mix` dispatches CUDA tensors of up to
 decode_max_rows() rows (4; FLASHNEXT_HC_DECODE_MAX_ROWS, read when a step is traced or captured) to the Triton
-kernels (ops/hyper_connection_triton.py), whose fp32 GEMVs cost ~3 µs more a row each (BENCHMARKS.md session 9).
+kernels (ops/hyper_connection_triton.py), whose mix costs ~4.5–6 µs more a row (BENCHMARKS.md session 9; why is
+not profiled yet).
 More rows (bigger decode batches, prefill) take the reference's math with cuBLAS for the GEMMs (each weight read
 once for all rows; the GEMV kernels would not) — on the H200 (session 11, Flash-Next INT4 at 64K) the captured
 step of 8 rows took 14.29 ms this way against 16.33 ms with the kernels, of 4 rows 10.34 against 10.15 ms —,

@@ -1,9 +1,9 @@
 """QSA selection as token lists: block scores → the tokens each query attends to (the indexer's decode, and its
 prefill for long prompts).
 
-scores [N, blocks] fp32 (Σ_heads relu(q·key)/√D, −inf for blocks not complete before the query; ops/qsa_scores.py);
-pos [N] (each query's position); k top blocks (≤ blocks); ratio tokens a block; limit (a valid position, > every
-entry written) → token_index [N, k·ratio + ratio − 1] int64, token_valid [N, same] bool:
+scores [N, blocks] fp32 (Σ_heads relu(q·key)/√D, −inf for blocks not complete before the query;
+ops/qsa_scores.py); pos [N] (each query's position); k top blocks (≤ blocks); ratio tokens a block; limit (a valid
+position, > every entry written) → token_index [N, k·ratio + ratio − 1] int64, token_valid [N, same] bool:
 - the k blocks of highest score, in ascending block order, each as its `ratio` tokens; valid where the block is
   complete before the query (with fewer than k complete blocks some chosen ones are not);
 - then the ratio − 1 tail tokens of the query's incomplete block, valid up to the query's position (clamped below

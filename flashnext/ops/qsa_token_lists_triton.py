@@ -1,6 +1,7 @@
 """QSA token lists in Triton (reference and contract: ops/qsa_token_lists.py).
 
-The selection works on int32 keys whose signed order is the scores' order. A row of up to CHUNK keys sits in one
+The selection works on int32 keys whose signed order is the scores' order (NaN, which relu sums never give, would
+sort by its bits, not first as in the reference's torch.sort). A row of up to CHUNK keys sits in one
 program's registers: its k-th largest key T is found by bisecting [min, max] — a step counts the keys ≥ three
 quarter points at once (one int64 sum of three packed counts), so 16 steps instead of 32 reductions —, then one
 cumulative sum ranks the keys > T and the first k − count(> T) keys equal to T, and each chosen block's tokens are
@@ -21,6 +22,7 @@ import torch
 from flashnext.ops.pdl import launch_options, wait_for_inputs
 
 CHUNK = 16384     # keys a program holds (Flash-Next: 64K tokens of context); counts ≤ CHUNK pack in 21 bits
+assert CHUNK < 1 << 21
 # How a program finds the k-th key: False, by bisection (_threshold: 16 steps, each a reduction over the row; ~50 µs
 # for 16,384 keys on the H200, the reductions' latency, it seems); True, by radix selection (_threshold_radix: 4
 # histograms), written after the session 11 measurements and not measured yet (scripts/gpu_qsa_lists.py times both).
@@ -149,10 +151,18 @@ def _warps(size: int) -> int:
     return 8 if size >= 2048 else 4
 
 
+def fits(n: int, k: int) -> bool:
+    """Whether the kernels select k of n scores: in one program, or in two stages whose candidates (slices × k, the
+    slices at most CHUNK long) fit one program (~524K blocks at k = 512; past that the dispatcher takes the
+    reference)."""
+    return 0 < k <= n and (n <= CHUNK or (CHUNK // k) * CHUNK >= n)
+
+
 def qsa_token_lists_triton(scores: torch.Tensor, pos: torch.Tensor, k: int, ratio: int,
                            limit: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows, n = scores.shape
-    assert scores.dtype == torch.float32 and scores.stride(-1) == 1 and pos.shape == (rows,)
+    assert scores.dtype == torch.float32 and scores.stride(-1) == 1 and pos.shape == (rows,) and pos.is_contiguous()
+    assert fits(n, k), f"{n} blocks, top {k}: more than two stages can select"
     width = k * ratio + ratio - 1
     token_index = torch.empty(rows, width, dtype=torch.int64, device=scores.device)
     token_valid = torch.empty(rows, width, dtype=torch.bool, device=scores.device)
@@ -163,7 +173,6 @@ def qsa_token_lists_triton(scores: torch.Tensor, pos: torch.Tensor, k: int, rati
     if n > CHUNK:
         slices = CHUNK // k                       # candidates (slices × k) must fit one program
         size = max(triton.next_power_of_2(triton.cdiv(n, slices)), triton.next_power_of_2(k))
-        assert 2 * k <= CHUNK and size <= CHUNK, f"{n} blocks, top {k}: more than two stages can select"
         slices = triton.cdiv(n, size)
         source = torch.empty(rows, slices * k, dtype=torch.int32, device=scores.device)
         blocks = torch.empty(rows, slices * k, dtype=torch.int32, device=scores.device)

@@ -43,8 +43,7 @@ class QSAIndexer(nn.Module):
         self._rope = [rope]   # shared with the model, kept out of the module tree (no duplicate buffers)
 
     def _lists(self, scores: torch.Tensor, pos: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block scores [n, blocks] of queries at positions pos [n] → (token_index, token_valid): the top blocks'
-        tokens in block order, then the tail of each query's incomplete block (ops/qsa_token_lists.py)."""
+        """ops/qsa_token_lists.py with this indexer's top-k (all blocks while there are fewer)."""
         return qsa_token_lists(scores, pos, min(self.block_topk, scores.shape[1]), self.ratio, limit)
 
     def token_lists(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext,
