@@ -393,3 +393,17 @@ def test_command_line_carries_the_flashnext_switches(monkeypatch):
     assert "FLASHNEXT_EXPERT_COPIES_PER_LAYER=4" in got and "FLASHNEXT_BENCH_RUNS=2" in got
     assert not any(name in got for name in ("FLASHNEXT_COMMIT", "FLASHNEXT_CACHE", "OTHER_SETTING"))
     assert got.endswith("flashnext bench experts")
+
+
+@pytest.mark.parametrize("value,ok", [("f9e9142", True), ("87868ff+hc4", True), ("4", False), ("PLACEHOLDER", False)])
+def test_a_commit_from_the_environment_must_be_one(monkeypatch, capsys, value, ok):
+    """FLASHNEXT_COMMIT names the results' commit on a machine without .git: a value that is no commit stops the bench
+    before it runs (no server is reached: the URL has none), and the cli says why."""
+    monkeypatch.setenv("FLASHNEXT_COMMIT", value)
+    if ok:
+        assert results.git_commit() == value
+        return
+    with pytest.raises(BenchError, match="not a commit"):
+        results.git_commit()
+    assert cli.main(["bench", "decode", "--url", "http://127.0.0.1:9"]) == 1
+    assert "is not a commit" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from pathlib import Path
 from flashnext.bench import report
 from flashnext.bench.client import BenchError
 from flashnext.bench.progress import Progress
+from flashnext.bench.results import commit_from_env
 from flashnext.bench.runner import ALL, BENCHES, bench_module, run_bench as run_one
 from flashnext.bench.target import open_target
 
@@ -108,6 +109,7 @@ def run_bench(args) -> int:
 
 
 async def _run(args) -> int:
+    commit_from_env()
     names = ALL if args.bench == "all" else [args.bench]
     if args.only:
         if args.bench != "all":

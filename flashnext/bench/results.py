@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from flashnext.bench.client import BenchError
+
 SCHEMA_VERSION = 1
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -20,9 +22,21 @@ def utc_now() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+COMMIT_PATTERN = re.compile(r"[0-9a-f]{7,40}(\+\S*)?")   # a sha, optionally "+" a note of what differs
+
+
+def commit_from_env() -> str | None:
+    """FLASHNEXT_COMMIT (None when unset); a BenchError when it is not a commit: checked before a run, since a
+    results file naming a wrong commit cannot be traced back (session 11 wrote "4" and "PLACEHOLDER")."""
+    value = os.environ.get("FLASHNEXT_COMMIT")
+    if value and not COMMIT_PATTERN.fullmatch(value):
+        raise BenchError(f"FLASHNEXT_COMMIT={value!r} is not a commit (7-40 hex digits, optionally +note)")
+    return value or None
+
+
 def git_commit() -> str:
     """HEAD of the checkout; FLASHNEXT_COMMIT where the tree is a copy without .git (the GPU machine)."""
-    if os.environ.get("FLASHNEXT_COMMIT"):
+    if commit_from_env():
         return os.environ["FLASHNEXT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_REPO, capture_output=True, text=True, timeout=10)
