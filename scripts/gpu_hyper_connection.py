@@ -1,7 +1,8 @@
 """Hyper-connection mix/inject kernels on the GPU: correctness against the torch reference and decode timings
 at Flash-Next's shapes (hc 4, hidden 2560, lowrank 320, bf16).
 
-    python scripts/gpu_hyper_connection.py            # check + one table (~20 s on an H200)
+    python scripts/gpu_hyper_connection.py            # check + one table (~20 s on an H200); from 2 rows also the
+                                                      # cuBLAS path and the tensor-core mix (hyper_connection_rows_triton)
     python scripts/gpu_hyper_connection.py --sweep    # also search launch configs per N (a few minutes)
 
 For each N it checks the Triton mix (block input and injection weights) against hc_mix_reference in bf16, that
@@ -23,7 +24,7 @@ from gpu_common import pdl_off
 
 COPY_CEILING = 4.27e12
 HC, HIDDEN, LOWRANK, EPS = 4, 2560, 320, 1e-6
-ROWS = [1, 2, 4, 8]
+ROWS = [1, 2, 4, 8, 16]
 TOL = 2e-2  # max|triton - reference| / max|reference|: a 1-ulp bf16 flip of the largest output is up to 0.8%
 
 
@@ -107,6 +108,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 1
+    from flashnext.ops import hyper_connection_rows_triton as rows
     from flashnext.ops import hyper_connection_triton as kernels
     from flashnext.ops.hyper_connection import hc_combine, hc_inject_reference, hc_mix_reference
     from flashnext.ops.rms_norm import rms_norm
@@ -144,6 +146,16 @@ def main() -> int:
             prefill_t = bench(lambda h=h: hc_mix_reference(h, *weights, HC, HIDDEN, EPS, norm=rms_norm,
                                                            combine=hc_combine))
             print(f"{'':7} {n:2d} the prefill path (cuBLAS): {prefill_t[0]:.1f} us eager, {prefill_t[1]:.1f} us in a graph")
+            # the tensor-core mix (FLASHNEXT_HC_ROWS_MAX_ROWS): checked against the bf16 reference and timed
+            got = rows.hc_mix_rows_triton(h, *weights, HC, HIDDEN, EPS)
+            ref = hc_mix_reference(h, *weights, HC, HIDDEN, EPS)
+            errs = [rel_err(g, r) for g, r in zip(got, ref)]
+            stable = all(torch.equal(a, b) for a, b in zip(got, rows.hc_mix_rows_triton(h, *weights, HC, HIDDEN, EPS)))
+            ok = max(errs) < TOL and stable
+            failures += not ok
+            rows_t = bench(lambda h=h: rows.hc_mix_rows_triton(h, *weights, HC, HIDDEN, EPS))
+            print(f"{'':7} {n:2d} the tensor-core mix: err {errs[0]:.1e}/{errs[1]:.1e}{'' if ok else '!'}"
+                  f"{'' if stable else ' NOT BIT-STABLE'}, {rows_t[0]:.1f} us eager, {rows_t[1]:.1f} us in a graph")
         if args.sweep:
             sweeps.append((n, our_t[1], sweep(h, weights, kernels)))
 

@@ -199,3 +199,39 @@ def test_decode_rows_above_the_switch_take_the_prefill_path(monkeypatch):
         want = (hc_mix_triton(h, *mix_args(layer)) if n <= 2 else
                 hc_mix_reference(h, *mix_args(layer), norm=rms_norm, combine=hc_combine))
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@needs_triton
+@pytest.mark.parametrize("n,hc,hidden,lowrank,with_injection", [
+    (1, 4, 64, 16, True), (5, 4, 64, 16, True), (16, 2, 64, 16, True), (7, 3, 60, 20, False), (9, 4, 100, 70, True)])
+def test_rows_mix_matches_reference(n, hc, hidden, lowrank, with_injection):
+    """The tensor-core mix for 5–16 rows (ops/hyper_connection_rows_triton.py) against the reference in fp32 (IEEE
+    dots): every row count up to its M side, ragged K tiles (hidden 60 and 100 of 64-wide tiles, lowrank 20 and 70
+    of 64), hc 3, a row tile across the down/inject boundary; strided h; the same bits launch to launch."""
+    from flashnext.ops.hyper_connection_rows_triton import hc_mix_rows_triton
+
+    layer = make_layer(hc, hidden, lowrank, with_injection, seed=n + hidden).to(DEVICE)
+    h = (torch.randn(n, 2 * hc * hidden, device=DEVICE) * 3)[:, ::2]
+    with torch.no_grad():
+        want_input, want_weights = hc_mix_reference(h, *mix_args(layer))
+        got_input, got_weights = hc_mix_rows_triton(h, *mix_args(layer))
+        again_input, _ = hc_mix_rows_triton(h, *mix_args(layer))
+    assert got_input.shape == (n, hidden) and rel_err(got_input, want_input) < 1e-5
+    assert torch.equal(got_input, again_input)
+    if with_injection:
+        assert got_weights.shape == (n, hc) and rel_err(got_weights, want_weights) < 1e-5
+    else:
+        assert got_weights is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: off the GPU hc_mix always takes the reference")
+def test_rows_above_the_mix_kernels_take_the_rows_kernels_when_switched_on(monkeypatch):
+    """FLASHNEXT_HC_ROWS_MAX_ROWS: rows above FLASHNEXT_HC_DECODE_MAX_ROWS and up to it take the tensor-core mix."""
+    from flashnext.ops.hyper_connection_rows_triton import hc_mix_rows_triton
+
+    monkeypatch.setenv("FLASHNEXT_HC_DECODE_MAX_ROWS", "2")
+    monkeypatch.setenv("FLASHNEXT_HC_ROWS_MAX_ROWS", "8")
+    layer = make_layer(4, 640, 80, True, torch.bfloat16, seed=5).to("cuda")
+    h = (torch.randn(6, 4 * 640, device="cuda") * 2).bfloat16()
+    got, want = hc_mix(h, *mix_args(layer)), hc_mix_rows_triton(h, *mix_args(layer))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
