@@ -195,3 +195,30 @@ def test_entry_evicted_from_the_host_while_it_is_installed(monkeypatch):
     assert hit is not None and hit.num_tokens == 2 * bs
     assert {float(read_block(kv, b)[f"k.{next(iter(kv.k))}"].flatten()[0]) for b in hit.blocks} == {1.0}
     assert all(float(t.flatten()[0]) == 1.0 for t in hit.snapshot.state.values())
+
+
+def test_fit_lets_go_of_entries_held_above_first():
+    """Entries the tier above still holds (copied down ahead of their eviction) are the first a full tier drops, and
+    they are dropped, not moved down: an older entry held only here stays."""
+    from flashnext.cache.cache_entry import Snapshot
+    from flashnext.cache.tier_index import TierIndex
+
+    lower = TierIndex(HostStore(), 1 << 30, 16)
+    tier = TierIndex(HostStore(), 1 << 30, 16, lower)
+
+    def put(name: bytes):
+        blocks = {"k.3": torch.randn(2, 16, 2, 8)}
+        tier.put([name + bytes([i]) * 15 for i in range(2)], lambda rows: {k: t[rows] for k, t in blocks.items()},
+                 name * 16, Snapshot(32, (), {"ssm.0": torch.randn(2, 4)}, None))
+
+    put(b"a")                      # held only here, the least recently used
+    put(b"b")
+    tier.held_above.add(b"b" * 16)
+    put(b"c")
+    tier.capacity = tier.used_bytes - 1
+    tier.fit()
+    assert list(tier.snaps) == [b"a" * 16, b"c" * 16] and not lower.snaps and not tier.held_above
+    tier.fit()                     # fits now: nothing more goes
+    tier.capacity = tier.used_bytes - 1
+    tier.fit()                     # nothing held above: the least recently used moves down, as before
+    assert list(tier.snaps) == [b"c" * 16] and list(lower.snaps) == [b"a" * 16]

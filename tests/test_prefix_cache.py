@@ -162,6 +162,34 @@ def test_host_tier_restore(flash):
     assert budget["host"] == engine.prefix_cache.lower.capacity
 
 
+def test_an_idle_engine_copies_entries_down_ahead_of_their_eviction(flash):
+    """--kv-host-idle-copy: while no request runs, idle_work copies the device entries to the host tier, least
+    recently used first, one a call, keeping them on the device; their eviction later copies nothing; a resume from
+    the host tier stays exact. An entry that would not fit the host tier without evicting is left alone."""
+    engine = make(loaded=flash.loaded, kv_host_gb=0.05)
+    first = tokens(8, 70)
+    reply, _ = run(engine, first, rid="a")
+    run(engine, tokens(9, 50), rid="b")
+    cache, host = engine.prefix_cache, engine.prefix_cache.lower
+    device = list(cache.lru)
+    assert len(device) >= 2 and not host.snaps
+    copied = []
+    while engine.idle_work():
+        copied.append(next(reversed(host.snaps)))
+    assert copied == device and list(cache.lru) == device and host.held_above == set(device)
+    held = host.bytes
+    cache.evict_all()
+    assert host.bytes == held and cache.num_snapshots == 0 and not host.held_above   # now the only copies
+    turn2 = first + reply + tokens(10, 4)
+    assert run(engine, turn2) == (cold(engine, turn2, 6), 75)    # the reply's last token is not computed yet
+    small = make(loaded=flash.loaded, kv_host_gb=1e-6)     # ~1 KB: no entry fits
+    run(small, first)
+    assert not small.idle_work() and not small.prefix_cache.lower.snaps
+    off = make(loaded=flash.loaded, kv_host_gb=0.05, kv_host_idle_copy=False)
+    run(off, first)
+    assert not off.idle_work() and not off.prefix_cache.lower.snaps
+
+
 def test_disk_restart_corrupt_and_foreign(flash, tmp_path, caplog):
     first = make(loaded=flash.loaded, kv_disk_dir=str(tmp_path), kv_host_gb=0.05, kv_host_write_through=True)
     prompt = tokens(8, 60)

@@ -111,6 +111,9 @@ class TierIndex:
         # must not push out the entry whose loaded views are being read (the host tier reuses a dropped entry's
         # buffers); fit() passes them over, the tier may exceed its bytes until the install ends.
         self.installing: set[bytes] = set()
+        # Entries the tier above still holds too (copied down ahead of their eviction: PrefixCache.copy_down_one):
+        # fit() lets these go first, and without moving them down, since nothing is lost.
+        self.held_above: set[bytes] = set()
         self.mirror = None      # several ranks: parallel/mirror.SnapshotMirror; None on one device
 
     # A tier whose entries take long to read (the disk: ~10 s for a 58K-token Flash-Next conversation on the H200
@@ -227,8 +230,13 @@ class TierIndex:
         return self.bytes + self.store.dead_bytes
 
     def fit(self) -> None:
-        """Evict least recently used entries (down a tier, when there is one) until used_bytes fit."""
+        """Evict least recently used entries (down a tier, when there is one) until used_bytes fit: first those the
+        tier above holds too (dropped, not moved down), then the others."""
         while self.used_bytes > self.capacity:
+            key = next((k for k in self.snaps if k in self.held_above and k not in self.installing), None)
+            if key is not None:
+                self.remove(key)
+                continue
             key = next((k for k in self.snaps if k not in self.installing), None)
             if key is None:
                 return
@@ -247,6 +255,7 @@ class TierIndex:
     def remove(self, key: bytes) -> None:
         """Forget an entry here, with the blocks no other entry names."""
         meta = self.snaps.pop(key)
+        self.held_above.discard(key)
         last = meta.blocks[-1] if meta.blocks else ROOT_HASH
         tails = self.by_last_block[last]
         del tails[meta.tail]

@@ -136,6 +136,8 @@ class AsyncLLM:
             self._drain_inbox()
             if not self.engine.has_work():
                 deliver_held()
+                if self.engine.idle_work():   # one entry copied down; then the inbox again
+                    continue
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue

@@ -267,6 +267,13 @@ class LLMEngine:
     def has_work(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting or self._in_flight)
 
+    def idle_work(self) -> bool:
+        """One piece of background work while no request runs (AsyncLLM's loop asks between its waits): a prefix-
+        cache entry copied down to the host tier ahead of its eviction (--kv-host-idle-copy,
+        PrefixCache.copy_down_one). False when there is nothing to do."""
+        return (self.prefix_cache is not None and self.args.kv_host_idle_copy and not self.has_work()
+                and self.prefix_cache.copy_down_one())
+
     def warm_up(self) -> float:
         """Run throwaway requests before serving, so the first user's request does not pay for compiling the
         Triton kernels, fla-core's autotuning and the first graph captures (on the H200 the first 10K-token request

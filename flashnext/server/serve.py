@@ -132,6 +132,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--kv-host-gb", type=float, help="host-RAM tier for evicted prefix-cache entries (default 0: off)")
     _add(parser, "--kv-host-write-through", type=_bool,
          help="write every finished turn to the host and disk tiers at once (default false)")
+    _add(parser, "--kv-host-idle-copy", type=_bool,
+         help="while no request runs, copy device prefix-cache entries to the host tier ahead of their eviction, "
+              "so a request that needs their blocks does not wait for the copy (default true)")
     _add(parser, "--kv-disk-dir", help="disk tier directory: cached conversations survive a restart")
     _add(parser, "--kv-disk-gb", type=float, help="size of the disk tier (default 16)")
     _add(parser, "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
@@ -147,6 +150,7 @@ _ENGINE_FLAGS = {"model": "model", "device": "device", "max_num_batched_tokens":
                  "dtype": "dtype", "quantize": "quantize", "enforce_eager": "enforce_eager", "warmup": "warmup", "ple_placement": "ple_placement", "enable_prefix_caching": "enable_prefix_caching",
                  "prefix_snapshot_interval": "prefix_snapshot_interval", "prefix_cache_gb": "prefix_cache_gb",
                  "kv_host_gb": "kv_host_gb", "kv_host_write_through": "kv_host_write_through",
+                 "kv_host_idle_copy": "kv_host_idle_copy",
                  "kv_disk_dir": "kv_disk_dir", "kv_disk_gb": "kv_disk_gb", "tensor_parallel": "tensor_parallel",
                  "expert_parallel": "expert_parallel", "ple_share_dir": "ple_share_dir",
                  "expert_vram_gb": "expert_vram_gb",
