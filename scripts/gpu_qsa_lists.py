@@ -28,22 +28,11 @@ def torch_lists(scores, pos, k, r, limit):
     return token_index, token_valid
 
 
-def graph_us(fn, reps=50):
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps / 10 * 1e3
+def graph_us(fn):
+    """µs a call, replayed in a CUDA graph (triton.testing)."""
+    import triton.testing as tt
+
+    return tt.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
 
 
 def main() -> int:

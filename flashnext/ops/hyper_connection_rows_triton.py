@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashnext.ops.hyper_connection_triton import down_inject_rows, sigmoid
 from flashnext.ops.pdl import launch_options, wait_for_inputs
 from flashnext.ops.rounding import round_to_dtype
 
@@ -28,11 +29,6 @@ BLOCK_R = 16       # weight rows a down program
 BLOCK_K = 64       # the down GEMM's K tile (along a stream)
 BLOCK_H = 32       # block-input columns an up program
 BLOCK_KR = 64      # the up GEMM's K tile (along the low rank)
-
-
-@triton.jit
-def _sigmoid(v):
-    return 1.0 / (1.0 + tl.exp(-v))
 
 
 @triton.jit
@@ -53,10 +49,7 @@ def _rows_down_kernel(x_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, sumsq_ptr, N, H, 
     rows = R + HC if HAS_INJECT else R
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < rows
-    if HAS_INJECT:   # rows [0, R) are w_down's, [R, R + hc) w_inject's: one virtual [rows, K] weight
-        w_rows = tl.where(offs_r < R, wd_ptr + offs_r * K, wi_ptr + (offs_r - R) * K)
-    else:
-        w_rows = wd_ptr + offs_r * K
+    w_rows = down_inject_rows(wd_ptr, wi_ptr, offs_r, R, K, HAS_INJECT)
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < N
     x_rows = x_ptr + offs_m[:, None] * stride_x + stream * H
@@ -110,7 +103,7 @@ def _rows_up_kernel(x_ptr, nw_ptr, part_ptr, sumsq_ptr, wu_ptr, out_ptr, inj_ptr
             s_ok = offs_s < HC
             v = round_to_dtype(round_to_dtype(_down_sum(part_ptr, offs_m, m_ok, rows, R + offs_s, s_ok, HC, BLOCK_M),
                                               dtype) / HC, dtype)
-            tl.store(inj_ptr + offs_m[:, None] * HC + offs_s[None, :], 2.0 * round_to_dtype(_sigmoid(v), dtype),
+            tl.store(inj_ptr + offs_m[:, None] * HC + offs_s[None, :], 2.0 * round_to_dtype(sigmoid(v), dtype),
                      mask=m_ok[:, None] & s_ok[None, :])
     total = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
     for s in tl.static_range(HC):
@@ -120,11 +113,11 @@ def _rows_up_kernel(x_ptr, nw_ptr, part_ptr, sumsq_ptr, wu_ptr, out_ptr, inj_ptr
             kr_ok = offs_kr < R
             down = round_to_dtype(_down_sum(part_ptr, offs_m, m_ok, rows, offs_kr, kr_ok, HC, BLOCK_M), dtype)
             v = round_to_dtype(down / HC, dtype)
-            mix = tl.where(kr_ok[None, :], round_to_dtype(v * _sigmoid(v), dtype), 0.0)
+            mix = tl.where(kr_ok[None, :], round_to_dtype(v * sigmoid(v), dtype), 0.0)
             wu = tl.load(wu_ptr + (s * H + offs_h[None, :]) * R + offs_kr[:, None], mask=kr_ok[:, None] & h_ok[None, :],
                          other=0.0)
             up += _dot(mix.to(dtype), wu.to(dtype), FP32)
-        gate = round_to_dtype(_sigmoid(round_to_dtype(up, dtype)), dtype)
+        gate = round_to_dtype(sigmoid(round_to_dtype(up, dtype)), dtype)
         sumsq = tl.load(sumsq_ptr + offs_m * HC + s, mask=m_ok, other=1.0)
         rstd = tl.math.rsqrt(sumsq / H + eps)
         xv = tl.load(x_ptr + offs_m[:, None] * stride_x + s * H + offs_h[None, :], mask=m_ok[:, None] & h_ok[None, :],
