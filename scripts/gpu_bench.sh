@@ -59,6 +59,9 @@ if [ -n "$need" ]; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || echo "no nvidia-smi: results will say cpu"
 
+# A FLASHNEXT_COMMIT that is no commit would stop the bench after the checkpoint's minutes: stop before them.
+"$PY" -c "from flashnext.bench.results import commit_from_env; commit_from_env()"
+
 # 2. The checkpoint: random weights of the released config, in the released quantisation. Check the disk
 # first: a synthesis that fills it fails only after minutes (flash-next's bf16 PLE table alone is ~102 GB).
 if [[ "$CKPT" != mem:* ]] && [ ! -f "$CKPT/config.json" ]; then

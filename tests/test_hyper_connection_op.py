@@ -202,24 +202,34 @@ def test_decode_rows_above_the_switch_take_the_prefill_path(monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n,hc,hidden,lowrank,with_injection", [
     (1, 4, 64, 16, True), (5, 4, 64, 16, True), (16, 2, 64, 16, True), (7, 3, 60, 20, False), (9, 4, 100, 70, True)])
-def test_rows_mix_matches_reference(n, hc, hidden, lowrank, with_injection):
-    """The tensor-core mix for 5–16 rows (ops/hyper_connection_rows_triton.py) against the reference in fp32 (IEEE
-    dots): every row count up to its M side, ragged K tiles (hidden 60 and 100 of 64-wide tiles, lowrank 20 and 70
-    of 64), hc 3, a row tile across the down/inject boundary; strided h; the same bits launch to launch."""
+def test_rows_mix_matches_reference(n, hc, hidden, lowrank, with_injection, dtype):
+    """The tensor-core mix for 5–16 rows (ops/hyper_connection_rows_triton.py) against the reference — fp32 (IEEE
+    dots), and fp16, where the reference's roundings show: with all of them (the normed streams, every linear
+    output, / hc, silu, sigmoid) the outputs are the reference's bits (all of them here; a sum's order may flip a
+    rare one), without the gate's rounding only 56–69% were —: every row count up to its M side, ragged K tiles
+    (hidden 60 and 100 of 64-wide tiles, lowrank 20 and 70), hc 3, a row tile across the down/inject boundary;
+    strided h; the same bits launch to launch."""
     from flashnext.ops.hyper_connection_rows_triton import hc_mix_rows_triton
 
     layer = make_layer(hc, hidden, lowrank, with_injection, seed=n + hidden).to(DEVICE)
     h = (torch.randn(n, 2 * hc * hidden, device=DEVICE) * 3)[:, ::2]
+    if dtype != torch.float32:
+        layer, h = layer.to(dtype), h.to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 4e-3
     with torch.no_grad():
         want_input, want_weights = hc_mix_reference(h, *mix_args(layer))
         got_input, got_weights = hc_mix_rows_triton(h, *mix_args(layer))
         again_input, _ = hc_mix_rows_triton(h, *mix_args(layer))
-    assert got_input.shape == (n, hidden) and rel_err(got_input, want_input) < 1e-5
+    assert got_input.shape == (n, hidden) and rel_err(got_input, want_input) < tol
     assert torch.equal(got_input, again_input)
+    if dtype != torch.float32:
+        assert (got_input == want_input).float().mean() >= 0.98
     if with_injection:
-        assert got_weights.shape == (n, hc) and rel_err(got_weights, want_weights) < 1e-5
+        assert got_weights.shape == (n, hc) and rel_err(got_weights, want_weights) < tol
+        assert dtype == torch.float32 or (got_weights == want_weights).float().mean() >= 0.98
     else:
         assert got_weights is None
 

@@ -233,7 +233,8 @@ class TierIndex:
         """Evict least recently used entries (down a tier, when there is one) until used_bytes fit: first those the
         tier above holds too (dropped, not moved down), then the others."""
         while self.used_bytes > self.capacity:
-            key = next((k for k in self.snaps if k in self.held_above and k not in self.installing), None)
+            key = next((k for k in self.snaps if k in self.held_above and k not in self.installing),
+                       None) if self.held_above else None
             if key is not None:
                 self.remove(key)
                 continue

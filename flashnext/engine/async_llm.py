@@ -18,6 +18,7 @@ from flashnext.engine.outputs import RequestOutput
 from flashnext.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("flashnext.engine")
+IDLE_WORK_AFTER_S = 0.05
 
 
 class AsyncLLM:
@@ -136,7 +137,12 @@ class AsyncLLM:
             self._drain_inbox()
             if not self.engine.has_work():
                 deliver_held()
-                if self.engine.idle_work():   # one entry copied down; then the inbox again
+                # background work only after IDLE_WORK_AFTER_S without a request (a client's next request often
+                # follows its last reply within milliseconds), one piece at a time, the inbox checked in between
+                if self._wake.wait(timeout=IDLE_WORK_AFTER_S):
+                    self._wake.clear()
+                    continue
+                if self.engine.idle_work():   # a wake-up meanwhile stays set for the wait below
                     continue
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()

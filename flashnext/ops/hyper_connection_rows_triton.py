@@ -5,14 +5,15 @@ The mix kernels of ops/hyper_connection_triton.py multiply and sum in fp32 regis
 norm and the elementwise steps around its two GEMMs. These two kernels read each weight once for all rows, with the
 rows as the M = 16 side of tl.dot:
 - `_rows_down_kernel`, grid (tiles of 16 rows of w_down then w_inject, hc streams): a program takes its stream's
-  sum of squares for every row (one pass over the stream), then the normed stream, rounded to h's dtype as the
-  reference's norm rounds it, tile by tile against its weight rows: [rows, 16] partial sums of its stream. The
-  first row tile stores the streams' sums of squares for the up kernel.
-- `_rows_up_kernel`, grid (column tiles of H): a program sums the stream partials in a fixed order (deterministic),
-  rounds as the reference (the linear's output, / hc, silu), and for each stream takes the up logits of its columns
-  (mix @ w_up tile by tile), sigmoid, times the normed stream, summed over the streams and averaged; program 0 also
-  stores the injection weights.
+  sum of squares for every row of h (one pass over the stream), then the normed stream, rounded to h's dtype as
+  the reference's norm rounds it, tile by tile against its weight rows: its stream's partial sums, [16 rows of h,
+  its weight rows] of a [hc, 16, R (+ hc)] buffer. The first row tile stores the streams' sums of squares.
+- `_rows_up_kernel`, grid (column tiles of H): a program sums the stream partials in a fixed order (deterministic)
+  and rounds as the reference (the linear's output, / hc, silu) into the mix vector of every row, the low rank as
+  one K tile; then for each stream the up logits of its columns (mix @ w_up), sigmoid, times the normed stream,
+  summed over the streams and averaged; program 0 also stores the injection weights.
 bf16 operands go to the tensor cores with fp32 accumulation; fp32 ones take IEEE dots (the exactness tests).
+After a block whose injection is pending (decode), hc_mix_injected injects first: three launches, not two.
 """
 from __future__ import annotations
 
@@ -27,8 +28,7 @@ from flashnext.ops.rounding import round_to_dtype
 MAX_ROWS = 16      # the dots' M side
 BLOCK_R = 16       # weight rows a down program
 BLOCK_K = 64       # the down GEMM's K tile (along a stream)
-BLOCK_H = 32       # block-input columns an up program
-BLOCK_KR = 64      # the up GEMM's K tile (along the low rank)
+BLOCK_H = 32       # block-input columns an up program (the up GEMM's K, the low rank, is one tile)
 
 
 @triton.jit
@@ -105,18 +105,17 @@ def _rows_up_kernel(x_ptr, nw_ptr, part_ptr, sumsq_ptr, wu_ptr, out_ptr, inj_ptr
                                               dtype) / HC, dtype)
             tl.store(inj_ptr + offs_m[:, None] * HC + offs_s[None, :], 2.0 * round_to_dtype(sigmoid(v), dtype),
                      mask=m_ok[:, None] & s_ok[None, :])
+    # the mix vector of every row, once: silu(linear / hc), each step rounded as the reference; zero past R
+    offs_kr = tl.arange(0, BLOCK_KR)
+    kr_ok = offs_kr < R
+    v = round_to_dtype(round_to_dtype(_down_sum(part_ptr, offs_m, m_ok, rows, offs_kr, kr_ok, HC, BLOCK_M), dtype)
+                       / HC, dtype)
+    mix = tl.where(kr_ok[None, :], round_to_dtype(v * sigmoid(v), dtype), 0.0).to(dtype)
     total = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
     for s in tl.static_range(HC):
-        up = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
-        for kr0 in range(0, R, BLOCK_KR):
-            offs_kr = kr0 + tl.arange(0, BLOCK_KR)
-            kr_ok = offs_kr < R
-            down = round_to_dtype(_down_sum(part_ptr, offs_m, m_ok, rows, offs_kr, kr_ok, HC, BLOCK_M), dtype)
-            v = round_to_dtype(down / HC, dtype)
-            mix = tl.where(kr_ok[None, :], round_to_dtype(v * sigmoid(v), dtype), 0.0)
-            wu = tl.load(wu_ptr + (s * H + offs_h[None, :]) * R + offs_kr[:, None], mask=kr_ok[:, None] & h_ok[None, :],
-                         other=0.0)
-            up += _dot(mix.to(dtype), wu.to(dtype), FP32)
+        wu = tl.load(wu_ptr + (s * H + offs_h[None, :]) * R + offs_kr[:, None], mask=kr_ok[:, None] & h_ok[None, :],
+                     other=0.0)
+        up = _dot(mix, wu.to(dtype), FP32)
         gate = round_to_dtype(sigmoid(round_to_dtype(up, dtype)), dtype)
         sumsq = tl.load(sumsq_ptr + offs_m * HC + s, mask=m_ok, other=1.0)
         rstd = tl.math.rsqrt(sumsq / H + eps)
@@ -155,5 +154,6 @@ def hc_mix_rows_triton(h: torch.Tensor, norm_weight: torch.Tensor, w_down: torch
     _rows_up_kernel[(triton.cdiv(hidden, BLOCK_H),)](
         h, norm_weight, partials, sumsq, w_up, block_input, inject if inject is not None else block_input, n, hidden,
         lowrank, h.stride(0), block_input.stride(0), eps, HC=hc, HAS_INJECT=w_inject is not None, BLOCK_M=MAX_ROWS,
-        BLOCK_S=triton.next_power_of_2(hc), BLOCK_H=BLOCK_H, BLOCK_KR=BLOCK_KR, FP32=fp32, num_warps=4, **pdl)
+        BLOCK_S=triton.next_power_of_2(hc), BLOCK_H=BLOCK_H, BLOCK_KR=max(16, triton.next_power_of_2(lowrank)),
+        FP32=fp32, num_warps=4, **pdl)
     return block_input, inject
