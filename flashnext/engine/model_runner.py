@@ -157,13 +157,13 @@ class ModelRunner:
 
     def _sampling_batch(self, requests, appendable: bool) -> SamplingBatch:
         """The last batch advanced by its tokens when `appendable` (see _appendable), else a new one."""
-        ids, lengths = [id(r) for r in requests], [len(r.output_ids) for r in requests]
-        last = self._last_batch
+        ids, last = [id(r) for r in requests], self._last_batch
         if appendable:   # a step ahead records the lengths its tokens will give (_appendable's m + 1)
             batch = last[2]
             batch.append(last[3])
             self._last_batch = (ids, [m + 1 for m in last[1]], batch, last[3])
             return batch
+        lengths = [len(r.output_ids) for r in requests]
         batch = SamplingBatch.build([r.params for r in requests], [r.output_ids for r in requests],
                                     [r.prompt_ids for r in requests], self.vocab_size, self.device,
                                     eos_token_ids=self.eos_token_ids, generators=[r.generator for r in requests])
