@@ -13,6 +13,11 @@ from flashnext.bench.tools import TOOLS
 
 async def run(ctx):
     args = ctx.args
+    scale, bytes_per_token = args.scale, None
+    if scale == "auto":
+        tokens, measured = await ctx.sizer.count(ctx.target.client, session.results_text(args.seed))
+        scale = session.auto_scale(tokens if measured else None, args.seed)
+        bytes_per_token = len(session.results_text(args.seed).encode()) / tokens if measured else None
     messages = session.opening_messages()
     # A salt in the user's task (not the system prompt): a new session shares the agent's system
     # prompt and tools with earlier ones, as real sessions do, and nothing after that.
@@ -34,10 +39,10 @@ async def run(ctx):
         call = model_call or session.scripted_call(turn)
         samples.append(r.sample(phase="run", turn=turn + 1, estimated_prompt_tokens=session.estimated_tokens(messages),
                                 call_source="model" if model_call else "scripted", tool=call["function"]["name"],
-                                result_bytes=session.result_size(session.STEPS[turn], args.scale)))
-        session.append_turn(messages, turn, call, args.seed, args.scale)
-    return samples, {"turns": session.TURNS, "scale": args.scale, "tool_choice": args.tool_choice,
-                     "stopped": stopped}
+                                result_bytes=session.result_size(session.STEPS[turn], scale)))
+        session.append_turn(messages, turn, call, args.seed, scale)
+    return samples, {"turns": session.TURNS, "scale": scale, "scale_flag": args.scale,
+                     "result_bytes_per_token": bytes_per_token, "tool_choice": args.tool_choice, "stopped": stopped}
 
 
 def headline(result: dict) -> dict | None:
@@ -52,6 +57,12 @@ def table(result: dict) -> str:
             for s in result["samples"]]
     out = md.table(["turn", "prompt tokens", "cached tokens", "TTFT s", "first chunk s", "tool call", "call from",
                     "result bytes"], rows)
+    info = result.get("info", {})
+    if info.get("scale_flag") == "auto":
+        per_token = info.get("result_bytes_per_token")
+        out += (f"\n\nTool results at scale {info['scale']} (auto: "
+                + (f"{per_token:.2f} bytes a token on this server's tokenizer, {session.BYTES_PER_TOKEN} under Qwen's)"
+                   if per_token else "the server has no /tokenize)"))
     last = headline(result)
     if last:
         out += (f"\n\nHeadline: turn-{last['turn']} TTFT {md.num(last['ttft_s'], 3)} s at "

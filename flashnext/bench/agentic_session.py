@@ -1,7 +1,8 @@
 """The scripted 12-turn coding session of the agentic benchmark: tool calls and realistic tool results.
 
 Every result is generated from (seed, turn) to an exact byte size, so the history grows the same way on
-every run and every server; `scale` shrinks the sizes for quick runs.
+every run and every server; `scale` shrinks the sizes for quick runs, or (`auto_scale`) sizes them so that their
+tokens on the server's tokenizer are those of a real one.
 """
 from __future__ import annotations
 
@@ -48,6 +49,21 @@ STEPS: list[Step] = [
     Step("bash", {"command": "git diff --stat && git diff", "description": "Review the change"}, "diff", 1_800),
 ]
 TURNS = len(STEPS)
+
+
+def auto_scale(tokens_of_results: int | None, seed: int) -> float:
+    """The scale at which the tool results take as many tokens on this server as at scale 1 under Qwen's tokenizer
+    (BYTES_PER_TOKEN): the protocol's ~35K tokens at turn 12 (PERF.md). `tokens_of_results`: the server's count for
+    the results at scale 1 (results_text), None without /tokenize (scale 1). A synthetic tokenizer spends about
+    twice Qwen's tokens on them (the full-size synthetic Flash-Next reached 66K tokens at turn 12 at scale 1)."""
+    if not tokens_of_results:
+        return 1.0
+    return round(len(results_text(seed).encode()) / tokens_of_results / BYTES_PER_TOKEN, 3)
+
+
+def results_text(seed: int) -> str:
+    """Every turn's tool result at scale 1, one after another (what auto_scale has the server count)."""
+    return "\n".join(tool_result(turn, seed) for turn in range(TURNS))
 
 
 def result_size(step: Step, scale: float) -> int:

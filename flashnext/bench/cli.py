@@ -39,6 +39,16 @@ def _add(parser, flag: str, *, default=None, type=str, help: str, action=None):
     parser.add_argument(flag, type=type, default=default, help=f"{help} (default: {default})")
 
 
+def scale_value(text: str) -> float | str:
+    """--scale: a positive factor, or "auto"."""
+    if text == "auto":
+        return text
+    value = float(text)
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
 def _bench_flags() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("server under test (one of --url and --model)")
@@ -61,7 +71,9 @@ def _bench_flags() -> argparse.ArgumentParser:
     _add(g, "--max-tokens", type=int, default=1000, help="decode/experts: tokens generated per run (ignore_eos)")
     _add(g, "--depths", default="0", help="decode: context depths in tokens, e.g. 0,10000,65536")
     _add(g, "--lengths", default="10000,90000", help="prefill: prompt lengths in tokens")
-    _add(g, "--scale", type=float, default=1.0, help="agentic: tool-result size factor (1 reaches ~35K tokens)")
+    _add(g, "--scale", type=scale_value, default="auto",
+         help="agentic: tool-result size factor (1 reaches ~35K tokens under Qwen's tokenizer); auto: the factor "
+              "that gives the results as many tokens on the server's tokenizer (/tokenize) as under Qwen's")
     _add(g, "--tool-choice", default="required", help='agentic: tool_choice ("auto" for servers without "required")')
     _add(g, "--turn-tokens", type=int, default=256, help="agentic: max_tokens per turn")
     _add(g, "--conversations", type=int, default=8, help="idle: conversations kept")
