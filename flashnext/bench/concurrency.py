@@ -4,9 +4,9 @@ Streams arrive together, so their prompts are prefilled one after another while 
 own rate (first token to last) mixes decode steps with the prefill chunks of the others. Each stream's rate over
 the span in which all N decode (from the last stream's first token to the first stream's end: `all_decoding_tok_s`)
 is the batched decode rate alone; it is short when the prefills take long (at 8 × 64K on the H200, ~1 s of a 68 s
-batch). So each group is sent a second time, the same prompts (`phase` "resumed": agents returning to their
-conversations): with a prefix cache the streams skip their prefill and decode together from their first tokens,
-and their own rates are the steady batched decode of N long streams.
+batch). So each group then continues its conversations (`phase` "resumed": the reply and one more user turn, as
+agents come back): with a prefix cache the streams resume from their reply-end snapshots, skip the prefill and
+decode together from their first tokens, and their own rates are the steady batched decode of N long streams.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from flashnext.bench.stats import median, summarize
 from flashnext.bench.text import salted_prompt
 
 QUESTION = "Retell the text above as a long story."
+FOLLOW_UP = "Go on, and tell it again from another character's point of view."
 WARMUPS = 1
 
 
@@ -30,29 +31,36 @@ async def run(ctx):
     for i in range(ctx.count("warmups", WARMUPS)):
         # The widest batch once first: kernels compile and autotune for these shapes (tens of seconds the first
         # time), which would otherwise land in the first measured group.
-        prompts = [salted_prompt(ctx.sizer, args.prompt_tokens, args.seed + 7919 + 100 * i + j, QUESTION)
-                   for j in range(widest)]
+        conversations = [_opening(ctx, args.seed + 7919 + 100 * i + j) for j in range(widest)]
         ctx.progress.start(f"concurrency warm-up {i + 1} ({widest} streams):")
-        samples += [dict(s, phase="warmup") for s in await _batch(ctx, prompts)]
+        batch, _ = await _batch(ctx, conversations, "warmup")
+        samples += batch
         ctx.progress.done("done")
     for n in parse_ints(args.streams):
-        prompts = [salted_prompt(ctx.sizer, args.prompt_tokens, args.seed + 100 * n + i, QUESTION) for i in range(n)]
+        conversations = [_opening(ctx, args.seed + 100 * n + i) for i in range(n)]
         ctx.progress.start(f"concurrency {n} stream{'s' if n > 1 else ''}:")
-        batch = await _batch(ctx, prompts)
+        batch, replies = await _batch(ctx, conversations, "run")
         samples += batch
         ctx.progress.done(f"median {md.num(median(s['decode_tok_s'] for s in batch if s['decode_tok_s']))} "
                           f"tok/s per stream, aggregate {md.num(aggregate_rate(batch))} tok/s")
-        ctx.progress.start(f"concurrency {n} stream{'s' if n > 1 else ''} resumed (same prompts again):")
-        resumed = await _batch(ctx, prompts, phase="resumed")
-        samples += resumed
+        ctx.progress.start(f"concurrency {n} stream{'s' if n > 1 else ''} resumed (one more turn each):")
+        resumed, _ = await _batch(ctx, [conv + [{"role": "assistant", "content": reply or "OK."},
+                                                {"role": "user", "content": FOLLOW_UP}]
+                                        for conv, reply in zip(conversations, replies)], "resumed")
+        samples += [dict(s, history_tokens=b["prompt_tokens"] + b["completion_tokens"]) for s, b in zip(resumed, batch)]
         ctx.progress.done(f"median {md.num(median(s['decode_tok_s'] for s in resumed if s['decode_tok_s']))} "
                           f"tok/s per stream")
     return samples, {}
 
 
-async def _batch(ctx, prompts: list[str], phase: str = "run") -> list[dict]:
-    """All prompts at once; the progress line counts the deltas of all streams together."""
-    n, gen = len(prompts), ctx.args.gen_tokens
+def _opening(ctx, seed: int) -> list[dict]:
+    return [{"role": "user", "content": salted_prompt(ctx.sizer, ctx.args.prompt_tokens, seed, QUESTION)}]
+
+
+async def _batch(ctx, conversations: list[list[dict]], phase: str) -> tuple[list[dict], list[str]]:
+    """All conversations at once → (their samples, their replies); the progress line counts the deltas of all
+    streams together."""
+    n, gen = len(conversations), ctx.args.gen_tokens
     deltas = [0] * n
     arrivals: list[list[float]] = [[] for _ in range(n)]   # each stream's delta times
 
@@ -63,11 +71,11 @@ async def _batch(ctx, prompts: list[str], phase: str = "run") -> list[dict]:
             ctx.progress.update(f"{sum(deltas)}/{n * gen} deltas")
         return update
 
-    rs = await asyncio.gather(*(ctx.target.client.chat([{"role": "user", "content": p}], gen, ignore_eos=True,
-                                                       on_delta=counter(i)) for i, p in enumerate(prompts)))
+    rs = await asyncio.gather(*(ctx.target.client.chat(messages, gen, ignore_eos=True, on_delta=counter(i))
+                                for i, messages in enumerate(conversations)))
     rates = all_decoding_rates(arrivals)
-    return [r.sample(phase=phase, streams=n, stream=i, all_decoding_tok_s=rate)
-            for i, (r, rate) in enumerate(zip(rs, rates))]
+    return ([r.sample(phase=phase, streams=n, stream=i, all_decoding_tok_s=rate)
+             for i, (r, rate) in enumerate(zip(rs, rates))], [r.content for r in rs])
 
 
 def all_decoding_rates(arrivals: list[list[float]]) -> list[float | None]:
