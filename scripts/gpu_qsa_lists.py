@@ -62,6 +62,15 @@ def main() -> int:
             ok &= same
             before = graph_us(lambda: torch_lists(scores, pos, K, RATIO, limit))
             print(f"{rows:4} {blocks:6} {ties!s:>5} {same!s:>5} {times[0]:12.1f} {times[1]:8.1f} {before:8.1f}")
+    # the mask path of prompts up to 16K (QSAIndexer.forward): a query block's top blocks through the kernel
+    from flashnext.ops.qsa_token_lists import qsa_top_blocks, qsa_top_blocks_reference
+
+    scores = torch.rand(1024, 2500, device="cuda", generator=g) * 5
+    same = torch.equal(qsa_top_blocks(scores, K), qsa_top_blocks_reference(scores, K))
+    ok &= same
+    print(f"top blocks of 1,024 queries x 2,500 blocks: equal {same}, kernel "
+          f"{graph_us(lambda: qsa_top_blocks(scores, K)):.1f} µs, two sorts "
+          f"{graph_us(lambda: qsa_top_blocks_reference(scores, K)):.1f} µs")
     print("warps a program (kernel._warps) against µs a call, bisection / radix:")
     default = kernel._warps
     for rows, blocks in [(1, 2500), (1, 16384), (1, 65536)]:

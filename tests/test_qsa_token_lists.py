@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from flashnext.ops.qsa_token_lists import qsa_token_lists_reference
+from flashnext.ops.qsa_token_lists import qsa_token_lists_reference, qsa_top_blocks_reference
 
 def scored(rows: int, blocks: int, ratio: int, seed: int, ties: bool = False):
     """Scores as the indexer makes them: ≥ 0 (relu sums), −inf from each row's first incomplete block on; with
@@ -46,6 +46,14 @@ def test_reference_selects_the_top_blocks_in_order(rows, blocks, k, ratio):
         assert torch.equal(index[r, k * ratio:], tail.clamp(max=limit - 1))
 
 
+def test_ratio_one_lists_are_the_top_blocks():
+    """What qsa_top_blocks takes from the list kernel on CUDA: with one token a block, the lists are the blocks."""
+    scores, _ = scored(4, 60, 1, seed=5, ties=True)
+    last = torch.full((4,), 59)
+    index, valid = qsa_token_lists_reference(scores, last, 9, 1, 60)
+    assert index.shape == (4, 9) and valid.all() and torch.equal(index, qsa_top_blocks_reference(scores, 9))
+
+
 def test_reference_breaks_ties_toward_the_lower_block():
     scores = torch.tensor([[1.0, 2.0, -0.0, 2.0, 0.0, 0.0, float("-inf")]])
     index, _ = qsa_token_lists_reference(scores, torch.tensor([27]), 4, 4, 28)
@@ -66,8 +74,10 @@ def kernel(request, monkeypatch):
 
 
 @pytest.mark.parametrize("rows,blocks,k,ratio,ties", [
-    (3, 50, 8, 4, False), (4, 50, 8, 4, True), (2, 37, 37, 4, True), (5, 200, 64, 3, False), (1, 9, 1, 2, True)])
+    (3, 50, 8, 4, False), (4, 50, 8, 4, True), (2, 37, 37, 4, True), (5, 200, 64, 3, False), (1, 9, 1, 2, True),
+    (3, 50, 8, 1, True)])
 def test_kernel_equals_reference(kernel, rows, blocks, k, ratio, ties):
+    """The lists (ratio 1: the blocks themselves, as the mask path takes them, qsa_top_blocks)."""
     scores, pos = scored(rows, blocks, ratio, seed=blocks + rows, ties=ties)
     limit = blocks * ratio
     got = kernel.qsa_token_lists_triton(scores, pos, k, ratio, limit)

@@ -26,16 +26,29 @@ import os
 import torch
 
 
-def qsa_top_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
+def qsa_top_blocks_reference(scores: torch.Tensor, k: int) -> torch.Tensor:
     """The k blocks of highest score in each row [N, k], ascending, ties at the k-th score to the lower block (the
-    selection of the lists below; the indexer's mask path for short prompts selects the same)."""
+    selection of the lists below)."""
     by_score = torch.sort(scores + 0.0, dim=-1, descending=True, stable=True).indices[:, :k]
     return by_score.sort(dim=-1).values
 
 
+def qsa_top_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """See qsa_top_blocks_reference (the indexer's mask path for short prompts selects what its lists would). CUDA:
+    the list kernel with one token a block, whose token list is then the block list (two sorts otherwise)."""
+    rows, n = scores.shape
+    if scores.is_cuda and os.environ.get("FLASHNEXT_QSA_LISTS", "triton") != "reference":
+        from flashnext.ops.qsa_token_lists_triton import fits, qsa_token_lists_triton
+
+        if fits(n, k):
+            last = torch.full((rows,), n - 1, dtype=torch.long, device=scores.device)
+            return qsa_token_lists_triton(scores.contiguous(), last, k, 1, n)[0]
+    return qsa_top_blocks_reference(scores, k)
+
+
 def qsa_token_lists_reference(scores: torch.Tensor, pos: torch.Tensor, k: int, ratio: int,
                               limit: int) -> tuple[torch.Tensor, torch.Tensor]:
-    top = qsa_top_blocks(scores, k)
+    top = qsa_top_blocks_reference(scores, k)
     complete_before = (pos + 1) // ratio
     within = torch.arange(ratio, device=scores.device)
     chosen = (top[:, :, None] * ratio + within).flatten(1)
