@@ -96,3 +96,12 @@ def test_kernel_rows_longer_than_its_chunk(kernel, monkeypatch, ties, blocks, k)
     got = kernel.qsa_token_lists_triton(scores, pos, k, 4, 4 * blocks)
     want = qsa_token_lists_reference(scores, pos, k, 4, 4 * blocks)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_fits_says_where_the_kernels_select():
+    """The dispatchers send CUDA rows to the kernels only where `fits` (else the reference): one program up to CHUNK
+    scores, two stages while the slices' candidates (CHUNK // k slices of k) still fit one program."""
+    from flashnext.ops.qsa_token_lists_triton import CHUNK, fits
+
+    assert fits(CHUNK, CHUNK) and fits(32 * CHUNK, 512) and not fits(32 * CHUNK + 1, 512)
+    assert not fits(CHUNK + 1, CHUNK // 2 + 1) and not fits(10, 11) and not fits(10, 0)

@@ -11,13 +11,14 @@ position, > every entry written) → token_index [N, k·ratio + ratio − 1] int
 
 Which blocks tie-break: among equal scores at the k-th place the lower block index wins (−0.0 counts as 0.0). The
 order of the list is fixed (ascending) rather than by score, so the attention over it sums in one order whatever
-selected it — torch's top-k on the GPU and on the CPU, or the kernel.
+selected it — the reference's sort on the GPU or the CPU, or the kernel.
 
-`qsa_token_lists_reference` is that definition in torch (a stable sort); `qsa_token_lists` sends CUDA tensors to one
-Triton kernel (ops/qsa_token_lists_triton.py: a program a row finds the k-th score by bisecting its bits and writes
-the lists), which replaces torch.topk — 84 µs a call for 512 of 16,384 blocks at 64K context on the H200, plus a
-20 µs sort of the result — and the ~20 small kernels that built the lists. FLASHNEXT_QSA_LISTS=reference forces the
-reference.
+`qsa_token_lists_reference` is that definition in torch (a stable sort); `qsa_token_lists` sends CUDA tensors to the
+Triton kernels (ops/qsa_token_lists_triton.py: a program a row finds the k-th score and writes the lists; rows past
+16,384 blocks take a first launch over slices), which replace torch.topk — 84 µs a call for 512 of 16,384 blocks at
+64K context on the H200, plus a 20 µs sort of the result — and the ~20 small kernels that built the lists; sizes the
+kernels cannot select (`fits`: past ~524K blocks at k = 512) take the reference. FLASHNEXT_QSA_LISTS=reference
+forces the reference.
 """
 from __future__ import annotations
 
@@ -33,17 +34,24 @@ def qsa_top_blocks_reference(scores: torch.Tensor, k: int) -> torch.Tensor:
     return by_score.sort(dim=-1).values
 
 
+def _kernels_take(scores: torch.Tensor, k: int) -> bool:
+    if not scores.is_cuda or os.environ.get("FLASHNEXT_QSA_LISTS", "triton") == "reference":
+        return False
+    from flashnext.ops.qsa_token_lists_triton import fits
+
+    return fits(scores.shape[1], k)
+
+
 def qsa_top_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
     """See qsa_top_blocks_reference (the indexer's mask path for short prompts selects what its lists would). CUDA:
     the list kernel with one token a block, whose token list is then the block list (two sorts otherwise)."""
-    rows, n = scores.shape
-    if scores.is_cuda and os.environ.get("FLASHNEXT_QSA_LISTS", "triton") != "reference":
-        from flashnext.ops.qsa_token_lists_triton import fits, qsa_token_lists_triton
+    if not _kernels_take(scores, k):
+        return qsa_top_blocks_reference(scores, k)
+    from flashnext.ops.qsa_token_lists_triton import qsa_token_lists_triton
 
-        if fits(n, k):
-            last = torch.full((rows,), n - 1, dtype=torch.long, device=scores.device)
-            return qsa_token_lists_triton(scores.contiguous(), last, k, 1, n)[0]
-    return qsa_top_blocks_reference(scores, k)
+    rows, n = scores.shape
+    last = torch.full((rows,), n - 1, dtype=torch.long, device=scores.device)
+    return qsa_token_lists_triton(scores, last, k, 1, n)[0]
 
 
 def qsa_token_lists_reference(scores: torch.Tensor, pos: torch.Tensor, k: int, ratio: int,
@@ -62,8 +70,8 @@ def qsa_token_lists_reference(scores: torch.Tensor, pos: torch.Tensor, k: int, r
 def qsa_token_lists(scores: torch.Tensor, pos: torch.Tensor, k: int, ratio: int,
                     limit: int) -> tuple[torch.Tensor, torch.Tensor]:
     assert 0 < k <= scores.shape[1], "k blocks of the scored ones"
-    if scores.is_cuda and os.environ.get("FLASHNEXT_QSA_LISTS", "triton") != "reference":
-        from flashnext.ops.qsa_token_lists_triton import qsa_token_lists_triton
+    if not _kernels_take(scores, k):
+        return qsa_token_lists_reference(scores, pos, k, ratio, limit)
+    from flashnext.ops.qsa_token_lists_triton import qsa_token_lists_triton
 
-        return qsa_token_lists_triton(scores, pos, k, ratio, limit)
-    return qsa_token_lists_reference(scores, pos, k, ratio, limit)
+    return qsa_token_lists_triton(scores, pos.contiguous(), k, ratio, limit)

@@ -85,8 +85,13 @@ def _threshold_radix(keys, K):
 
 
 @triton.jit
-def _ranks(keys, threshold, ties):
-    """(chosen, rank): the keys > T and the first `ties` keys equal to T, each with its rank among the chosen."""
+def _top(keys, K, RADIX: tl.constexpr):
+    """(chosen, rank): the top K keys — those > T and the first keys equal to T, T the K-th largest — each with its
+    rank among the chosen (their order)."""
+    if RADIX:
+        threshold, ties = _threshold_radix(keys, K)
+    else:
+        threshold, ties = _threshold(keys, K)
     tie = (keys == threshold).to(tl.int32)
     chosen = ((keys > threshold) | ((tie == 1) & (tl.cumsum(tie, axis=0) - tie < ties))).to(tl.int32)
     return chosen == 1, tl.cumsum(chosen, axis=0) - chosen
@@ -100,11 +105,7 @@ def _slice_top_kernel(scores_ptr, cand_key_ptr, cand_block_ptr, n, stride_s, K, 
     part = tl.program_id(1)
     block = part * SLICE + tl.arange(0, SLICE)
     keys = _score_keys(scores_ptr + row.to(tl.int64) * stride_s, block, block < n)
-    if RADIX:
-        threshold, ties = _threshold_radix(keys, K)
-    else:
-        threshold, ties = _threshold(keys, K)
-    chosen, rank = _ranks(keys, threshold, ties)
+    chosen, rank = _top(keys, K, RADIX)
     out = (row.to(tl.int64) * tl.num_programs(1) + part) * K + rank
     tl.store(cand_key_ptr + out, keys, mask=chosen)
     tl.store(cand_block_ptr + out, block, mask=chosen)
@@ -114,23 +115,19 @@ def _slice_top_kernel(scores_ptr, cand_key_ptr, cand_block_ptr, n, stride_s, K, 
 def _lists_kernel(scores_ptr, cand_block_ptr, pos_ptr, index_ptr, valid_ptr, n, stride_s, K, limit, width,
                   R: tl.constexpr, CHUNK: tl.constexpr, CANDIDATES: tl.constexpr, RADIX: tl.constexpr,
                   PDL: tl.constexpr):
-    """scores_ptr: the row's scores, or with CANDIDATES the slices' candidate keys (n of them, block indices at
-    cand_block_ptr)."""
+    """scores_ptr: the row's scores, or with CANDIDATES the slices' candidate keys (n of them a row, block indices at
+    cand_block_ptr, both rows stride_s apart)."""
     wait_for_inputs(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, CHUNK)
     ok = offs < n
     if CANDIDATES:
-        keys = tl.load(scores_ptr + row.to(tl.int64) * n + offs, mask=ok, other=-2147483648)
-        block = tl.load(cand_block_ptr + row.to(tl.int64) * n + offs, mask=ok, other=0).to(tl.int64)
+        keys = tl.load(scores_ptr + row.to(tl.int64) * stride_s + offs, mask=ok, other=-2147483648)
+        block = tl.load(cand_block_ptr + row.to(tl.int64) * stride_s + offs, mask=ok, other=0).to(tl.int64)
     else:
         keys = _score_keys(scores_ptr + row.to(tl.int64) * stride_s, offs, ok)
         block = offs.to(tl.int64)
-    if RADIX:
-        threshold, ties = _threshold_radix(keys, K)
-    else:
-        threshold, ties = _threshold(keys, K)
-    chosen, rank = _ranks(keys, threshold, ties)
+    chosen, rank = _top(keys, K, RADIX)
     pos = tl.load(pos_ptr + row).to(tl.int64)
     complete_before = (pos + 1) // R
     out_index = index_ptr + row.to(tl.int64) * width
