@@ -130,14 +130,14 @@ def test_schedule_ahead_is_the_decode_step_schedule_would_pick():
     widths = []
     sched._decode_only_steps = 2
     blocks = len(request.blocks)
-    chunks = sched.schedule_ahead([request], engine.max_model_len, lambda w: widths.append(w) or True)
+    chunks = sched.schedule_ahead([request], lambda w: widths.append(w) or True)
     assert [(c.request, c.num_tokens) for c in chunks] == [(request, 1)] and sched._decode_only_steps == 1
     assert len(request.blocks) == engine.kv.blocks_for(request.num_computed + 1) >= blocks
     assert widths == [len(request.blocks)]
-    assert sched.schedule_ahead([request], engine.max_model_len, lambda w: False) is None    # the runner cannot
-    assert sched.schedule_ahead([], engine.max_model_len, lambda w: True) is None             # one left out
+    assert sched.schedule_ahead([request], lambda w: False) is None    # the runner cannot
+    assert sched.schedule_ahead([], lambda w: True) is None             # one left out
     engine.add_request("b", [7, 8, 9], SamplingParams(max_tokens=2))                          # one could be admitted
-    assert sched.schedule_ahead([request], engine.max_model_len, lambda w: True) is None
+    assert sched.schedule_ahead([request], lambda w: True) is None
 
 
 def test_warm_up_leaves_no_trace():

@@ -219,6 +219,7 @@ def test_fit_lets_go_of_entries_held_above_first():
     tier.fit()
     assert list(tier.snaps) == [b"a" * 16, b"c" * 16] and not lower.snaps and not tier.held_above
     tier.fit()                     # fits now: nothing more goes
+    assert list(tier.snaps) == [b"a" * 16, b"c" * 16]
     tier.capacity = tier.used_bytes - 1
     tier.fit()                     # nothing held above: the least recently used moves down, as before
     assert list(tier.snaps) == [b"c" * 16] and list(lower.snaps) == [b"a" * 16]

@@ -126,6 +126,8 @@ class DiskStore(TierStore):
                     batch.live += 1
 
     def stored_bytes(self, payload_bytes: int) -> int:
+        """What a payload takes on disk as its own file (a snapshot); for a block, an upper bound (a batch file's
+        header is shared by its rows: store_blocks)."""
         return payload_bytes + HEADER_BYTES
 
     def _submit(self, fn, *args, **kwargs) -> None:
@@ -350,7 +352,8 @@ class DiskTier(TierIndex):
                 if pid.isdigit() and not process_alive(int(pid)):   # a write its process did not finish
                     path.unlink(missing_ok=True)
                     removed += 1
-            removed += store.keep_only(self.block_refs)
+            if store is not self.store:   # this store's dead rows went before the fit (_scan)
+                removed += store.keep_only(self.block_refs)
             store.flush()
             for path in store.snapshot_dir.glob("*.safetensors"):
                 try:

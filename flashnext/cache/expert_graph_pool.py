@@ -39,7 +39,8 @@ MAX_COPIES_PER_STEP = max(1, int(os.environ.get("FLASHNEXT_EXPERT_COPIES_PER_STE
 OBSERVATIONS_IN_FLIGHT = max(1, int(os.environ.get("FLASHNEXT_EXPERT_OBSERVATIONS", "3")))
 # A learning step is ~30 tensor ops over [layers, experts] plus the copies it starts: 1.6 ms of host time for all 48
 # layers of Flash-Next's shapes (512 experts, top-10, 196 slots) with 16 copies on the 2-core dev machine (copies
-# not issued there; each copy is a few torch calls, ~5 a copied expert); done per layer it had been 0.8-0.9 ms a layer.
+# not issued there; each copy is a few torch calls, ~5 a copied expert; measured at the old 2 / 16 limits, not at
+# 10 / 480); done per layer it had been 0.8-0.9 ms a layer.
 
 
 @dataclass

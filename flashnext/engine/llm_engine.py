@@ -27,7 +27,7 @@ from flashnext.engine.request import Request
 from flashnext.engine.sampled_on_host import SampledOnHost
 from flashnext.engine.sampler import SamplerOutput, validate_token_ids
 from flashnext.engine.sampling_params import InvalidParams, SamplingParams
-from flashnext.engine.scheduler import ScheduledChunk, Scheduler
+from flashnext.engine.scheduler import Scheduler
 from flashnext.ops.moe_int4 import DECODE_MAX_M
 from flashnext.engine.structured.backend import InvalidConstraint, shared_backend
 from flashnext.tokenizer.detokenizer import IncrementalDetokenizer
@@ -379,8 +379,8 @@ class LLMEngine:
         from the engine's shared generator, whose draws shift when a dropped row took some."""
         if not (self.args.decode_ahead and requests):
             return None
-        chunks = self.scheduler.schedule_ahead(requests, self.max_model_len,
-                                               lambda widest: self.runner.can_run_ahead(requests, sampled, widest))
+        runs = lambda width: self.runner.can_run_ahead(requests, sampled, width)  # noqa: E731
+        chunks = self.scheduler.schedule_ahead(requests, runs)
         if chunks is None:
             return None
         ahead = self.runner.run_ahead(requests, sampled)

@@ -147,18 +147,17 @@ class Scheduler:
             self._decode_only_steps = self.decode_steps_between_prefill
         return chunks
 
-    def schedule_ahead(self, requests: list[Request], max_model_len: int,
-                       can_run: Callable[[int], bool]) -> list[ScheduledChunk] | None:
+    def schedule_ahead(self, requests: list[Request], can_run: Callable[[int], bool]) -> list[ScheduledChunk] | None:
         """The decode step after the one now sampling `requests`' next tokens (every running request, in that step's
         order), as schedule() would pick it once those tokens are appended: one token each, their KV blocks reserved
         — or None where schedule() might pick another: a waiting request could be admitted (may_admit), a running
-        request is not in that step or has prompt left, one is finished or at `max_model_len`, or a KV block is
+        request is not in that step or has prompt left, one is finished or at its max_model_len, or a KV block is
         missing and none is free (nothing is evicted ahead). `can_run(widest)`: whether the runner can queue it, its
         block tables that many blocks wide at most."""
         if self.may_admit():
             return None
         if len(requests) != len(self.running) or any(
-                r.finished or r.num_computed != r.num_tokens or r.num_tokens >= max_model_len for r in requests):
+                r.finished or r.num_computed != r.num_tokens or r.num_tokens >= r.max_model_len for r in requests):
             return None
         needs = [self._blocks_needed(r, 1) for r in requests]
         if sum(needs) > self.kv.num_free or not can_run(max(len(r.blocks) + n for r, n in zip(requests, needs))):
