@@ -160,14 +160,10 @@ def batch_timing(model_name: str, quantize: str | None, sizes: list[int], contex
         print(f"{n:5} {ms:13.3f} {1e3 / ms:16.1f} {n * 1e3 / ms:15.1f}")
         for variant in variants:
             with environment(variant):
-                replaced = graphs.graphs.pop((size, width))   # alive until the new capture (see recaptured_ms)
-                variant_ms = step_ms()
-                del replaced
+                variant_ms = recapture(graphs, (size, width), step_ms)
             print(f"{'':5} {variant_ms:13.3f} {1e3 / variant_ms:16.1f} {n * 1e3 / variant_ms:15.1f}  {label(variant)}")
         if variants:   # the default step again, for the profile below
-            replaced = graphs.graphs.pop((size, width))
-            step_ms()
-            del replaced
+            recapture(graphs, (size, width), step_ms)
         with torch.inference_mode():
             profile_kernels(lambda: graphs._step(size, width), top=15)
         for slot, table in zip(slots, tables):
@@ -191,14 +187,21 @@ def replayed_ms(graph, steps: int = 50) -> float:
     return (time.perf_counter() - t0) / steps * 1e3
 
 
+def recapture(graphs, key: tuple[int, int], capture):
+    """capture() → its result, the graph of `key` captured again by it (under whatever switches are set now). The
+    old graph stays alive until the new one is captured: were it the only graph of the shared memory pool, freeing
+    it first frees the pool, and capturing into its handle then fails (CUDACachingAllocator: use_count > 0)."""
+    replaced = graphs.graphs.pop(key)
+    try:
+        return capture()
+    finally:
+        del replaced
+
+
 def recaptured_ms(graphs) -> float:
-    """ms per replay of the batch-1 step captured again (under whatever switches are set now). The capture points
-    the static inputs at the scratch slot, as every capture does; the eager timing after reads those. The old graph
-    stays alive until the new one is captured: were it the only graph of the shared memory pool, freeing it first
-    frees the pool, and capturing into its handle then fails (CUDACachingAllocator: use_count > 0)."""
-    replaced = graphs.graphs.pop((1, 16))
-    graphs._capture(1, 16)
-    del replaced
+    """ms per replay of the batch-1 step captured again. The capture points the static inputs at the scratch slot, as
+    every capture does; the eager timing after reads those."""
+    recapture(graphs, (1, 16), lambda: graphs._capture(1, 16))
     return replayed_ms(graphs.graphs[(1, 16)][0])
 
 

@@ -192,6 +192,7 @@ def test_decode_rows_above_the_switch_take_the_prefill_path(monkeypatch):
     from flashnext.ops.rms_norm import rms_norm
 
     monkeypatch.setenv("FLASHNEXT_HC_DECODE_MAX_ROWS", "2")
+    monkeypatch.delenv("FLASHNEXT_HC_ROWS_MAX_ROWS", raising=False)   # off: the rows kernels would take 3
     layer = make_layer(4, 640, 80, True, torch.bfloat16, seed=4).to("cuda")
     for n in (2, 3):
         h = (torch.randn(n, 4 * 640, device="cuda") * 2).bfloat16()
@@ -208,10 +209,10 @@ def test_decode_rows_above_the_switch_take_the_prefill_path(monkeypatch):
 def test_rows_mix_matches_reference(n, hc, hidden, lowrank, with_injection, dtype):
     """The tensor-core mix for 5–16 rows (ops/hyper_connection_rows_triton.py) against the reference — fp32 (IEEE
     dots), and fp16, where the reference's roundings show: with all of them (the normed streams, every linear
-    output, / hc, silu, sigmoid) the outputs are the reference's bits (all of them here; a sum's order may flip a
-    rare one), without the gate's rounding only 56–69% were —: every row count up to its M side, ragged K tiles
-    (hidden 60 and 100 of 64-wide tiles, lowrank 20 and 70), hc 3, a row tile across the down/inject boundary;
-    strided h; the same bits launch to launch."""
+    output, / hc, silu, sigmoid) at least 98% of the outputs are the reference's bits (all of them on the CPU; a
+    sum's order may flip a rare one), without the gate's rounding only 56–69% were —: every row count up to its M
+    side, ragged K tiles (hidden 60 and 100 of 64-wide tiles, lowrank 20 and 70), hc 3, a row tile across the
+    down/inject boundary; strided h; the same bits launch to launch."""
     from flashnext.ops.hyper_connection_rows_triton import hc_mix_rows_triton
 
     layer = make_layer(hc, hidden, lowrank, with_injection, seed=n + hidden).to(DEVICE)

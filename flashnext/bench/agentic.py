@@ -15,9 +15,11 @@ async def run(ctx):
     args = ctx.args
     scale, bytes_per_token = args.scale, None
     if scale == "auto":
-        tokens, measured = await ctx.sizer.count(ctx.target.client, session.results_text(args.seed))
-        scale = session.auto_scale(tokens if measured else None, args.seed)
-        bytes_per_token = len(session.results_text(args.seed).encode()) / tokens if measured else None
+        results = session.results_text(args.seed)
+        tokens, measured = await ctx.sizer.count(ctx.target.client, results)
+        if measured and tokens:
+            bytes_per_token = len(results.encode()) / tokens
+        scale = session.auto_scale(bytes_per_token)
     messages = session.opening_messages()
     # A salt in the user's task (not the system prompt): a new session shares the agent's system
     # prompt and tools with earlier ones, as real sessions do, and nothing after that.

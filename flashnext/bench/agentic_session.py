@@ -51,14 +51,12 @@ STEPS: list[Step] = [
 TURNS = len(STEPS)
 
 
-def auto_scale(tokens_of_results: int | None, seed: int) -> float:
+def auto_scale(bytes_per_token: float | None) -> float:
     """The scale at which the tool results take as many tokens on this server as at scale 1 under Qwen's tokenizer
-    (BYTES_PER_TOKEN): the protocol's ~35K tokens at turn 12 (PERF.md). `tokens_of_results`: the server's count for
-    the results at scale 1 (results_text), None without /tokenize (scale 1). A synthetic tokenizer spends about
-    twice Qwen's tokens on them (the full-size synthetic Flash-Next reached 66K tokens at turn 12 at scale 1)."""
-    if not tokens_of_results:
-        return 1.0
-    return round(len(results_text(seed).encode()) / tokens_of_results / BYTES_PER_TOKEN, 3)
+    (BYTES_PER_TOKEN): the protocol's ~35K tokens at turn 12 (PERF.md). `bytes_per_token`: the results' (results_text)
+    on the server's tokenizer, None without /tokenize (scale 1). A synthetic tokenizer spends about twice Qwen's
+    tokens on them (the full-size synthetic Flash-Next reached 66K tokens at turn 12 at scale 1)."""
+    return 1.0 if not bytes_per_token else round(bytes_per_token / BYTES_PER_TOKEN, 3)
 
 
 def results_text(seed: int) -> str:

@@ -36,8 +36,8 @@ def commit_from_env() -> str | None:
 
 def git_commit() -> str:
     """HEAD of the checkout; FLASHNEXT_COMMIT where the tree is a copy without .git (the GPU machine)."""
-    if commit_from_env():
-        return os.environ["FLASHNEXT_COMMIT"]
+    if commit := commit_from_env():
+        return commit
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_REPO, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):

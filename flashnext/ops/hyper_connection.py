@@ -88,11 +88,11 @@ def hc_mix(h: torch.Tensor, norm_weight: torch.Tensor, w_down: torch.Tensor, w_u
            eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """See hc_mix_reference. On the Triton path: two launches, no host sync, CUDA-graph capturable."""
     weights = [w for w in (w_down, w_up, w_inject) if w is not None]
-    if _use_triton(h, *weights):
-        from flashnext.ops.hyper_connection_triton import hc_mix_triton
+    if _use_triton(h, *weights, max_rows=max(decode_max_rows(), rows_max_rows())):
+        if h.shape[0] <= decode_max_rows():
+            from flashnext.ops.hyper_connection_triton import hc_mix_triton
 
-        return hc_mix_triton(h, norm_weight, w_down, w_up, w_inject, hc, hidden, eps)
-    if _use_triton(h, *weights, max_rows=rows_max_rows()):
+            return hc_mix_triton(h, norm_weight, w_down, w_up, w_inject, hc, hidden, eps)
         from flashnext.ops.hyper_connection_rows_triton import hc_mix_rows_triton
 
         return hc_mix_rows_triton(h, norm_weight, w_down, w_up, w_inject, hc, hidden, eps)

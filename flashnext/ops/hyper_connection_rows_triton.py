@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashnext.ops.hyper_connection_triton import down_inject_rows, sigmoid
+from flashnext.ops.hyper_connection_triton import down_inject_rows, mix_buffers, sigmoid
 from flashnext.ops.pdl import launch_options, wait_for_inputs
 from flashnext.ops.rounding import round_to_dtype
 
@@ -32,16 +32,9 @@ BLOCK_H = 32       # block-input columns an up program (the up GEMM's K, the low
 
 
 @triton.jit
-def _dot(a, b, FP32: tl.constexpr):
-    if FP32:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
-
-
-@triton.jit
 def _rows_down_kernel(x_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, sumsq_ptr, N, H, R, stride_x, eps,
                       HC: tl.constexpr, HAS_INJECT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_K: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     pid_r = tl.program_id(0)
     stream = tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
@@ -70,7 +63,7 @@ def _rows_down_kernel(x_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, sumsq_ptr, N, H, 
         scale = 1.0 + tl.load(nw_ptr + stream * H + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         normed = ((xv * rstd[:, None]) * scale[None, :]).to(dtype)
         w = tl.load(w_rows[None, :] + stream * H + offs_k[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        acc += _dot(normed, w.to(dtype), FP32)
+        acc += tl.dot(normed, w.to(dtype), input_precision=DOT_PRECISION)
     tl.store(part_ptr + (stream * BLOCK_M + offs_m[:, None]) * rows + offs_r[None, :], acc,
              mask=m_ok[:, None] & r_ok[None, :])
 
@@ -88,7 +81,8 @@ def _down_sum(part_ptr, offs_m, m_ok, rows, offs_c, c_ok, HC: tl.constexpr, BLOC
 @triton.jit
 def _rows_up_kernel(x_ptr, nw_ptr, part_ptr, sumsq_ptr, wu_ptr, out_ptr, inj_ptr, N, H, R, stride_x, stride_o, eps,
                     HC: tl.constexpr, HAS_INJECT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
-                    BLOCK_H: tl.constexpr, BLOCK_KR: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_H: tl.constexpr, BLOCK_KR: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    PDL: tl.constexpr):
     pid_h = tl.program_id(0)
     dtype = x_ptr.dtype.element_ty
     rows = R + HC if HAS_INJECT else R
@@ -115,7 +109,7 @@ def _rows_up_kernel(x_ptr, nw_ptr, part_ptr, sumsq_ptr, wu_ptr, out_ptr, inj_ptr
     for s in tl.static_range(HC):
         wu = tl.load(wu_ptr + (s * H + offs_h[None, :]) * R + offs_kr[:, None], mask=kr_ok[:, None] & h_ok[None, :],
                      other=0.0)
-        up = _dot(mix, wu.to(dtype), FP32)
+        up = tl.dot(mix, wu.to(dtype), input_precision=DOT_PRECISION)
         gate = round_to_dtype(sigmoid(round_to_dtype(up, dtype)), dtype)
         sumsq = tl.load(sumsq_ptr + offs_m * HC + s, mask=m_ok, other=1.0)
         rstd = tl.math.rsqrt(sumsq / H + eps)
@@ -131,29 +125,20 @@ def hc_mix_rows_triton(h: torch.Tensor, norm_weight: torch.Tensor, w_down: torch
                        w_inject: torch.Tensor | None, hc: int, hidden: int,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """h [N ≤ 16, hc·H] → (block input [N, H], injection weights [N, hc] or None); see ops/hyper_connection.py."""
-    n, width = h.shape
-    lowrank = w_down.shape[0]
-    assert n <= MAX_ROWS and width == hc * hidden and w_down.shape == (lowrank, width)
-    assert w_up.shape == (width, lowrank) and (w_inject is None or w_inject.shape == (hc, width))
-    assert norm_weight.shape == (width,)
-    assert all(t.is_contiguous() for t in (norm_weight, w_down, w_up) + ((w_inject,) if w_inject is not None else ()))
-    if h.stride(-1) != 1:
-        h = h.contiguous()
-    block_input = h.new_empty(n, hidden)
-    inject = h.new_empty(n, hc) if w_inject is not None else None
+    n, lowrank = h.shape[0], w_down.shape[0]
+    assert n <= MAX_ROWS
+    h, block_input, inject, rows, partials, sumsq = mix_buffers(h, norm_weight, w_down, w_up, w_inject, hc, hidden,
+                                                                MAX_ROWS)
     if n == 0:
         return block_input, inject
-    rows = lowrank + (hc if w_inject is not None else 0)
-    work = torch.empty(hc * MAX_ROWS * rows + MAX_ROWS * hc, dtype=torch.float32, device=h.device)
-    partials, sumsq = work[:hc * MAX_ROWS * rows], work[hc * MAX_ROWS * rows:]
-    fp32, pdl = h.dtype == torch.float32, launch_options(h.device)
+    precision, pdl = "ieee" if h.dtype == torch.float32 else None, launch_options(h.device)
     _rows_down_kernel[(triton.cdiv(rows, BLOCK_R), hc)](
         h, norm_weight, w_down, w_inject if w_inject is not None else w_down, partials, sumsq, n, hidden, lowrank,
         h.stride(0), eps, HC=hc, HAS_INJECT=w_inject is not None, BLOCK_M=MAX_ROWS, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K,
-        FP32=fp32, num_warps=4, **pdl)
+        DOT_PRECISION=precision, num_warps=4, **pdl)
     _rows_up_kernel[(triton.cdiv(hidden, BLOCK_H),)](
         h, norm_weight, partials, sumsq, w_up, block_input, inject if inject is not None else block_input, n, hidden,
         lowrank, h.stride(0), block_input.stride(0), eps, HC=hc, HAS_INJECT=w_inject is not None, BLOCK_M=MAX_ROWS,
         BLOCK_S=triton.next_power_of_2(hc), BLOCK_H=BLOCK_H, BLOCK_KR=max(16, triton.next_power_of_2(lowrank)),
-        FP32=fp32, num_warps=4, **pdl)
+        DOT_PRECISION=precision, num_warps=4, **pdl)
     return block_input, inject

@@ -176,7 +176,10 @@ def hc_mix_injected_triton(h: torch.Tensor, block_output: torch.Tensor, weights:
     return _mix(h, pending, norm_weight, w_down, w_up, w_inject, hc, hidden, eps, config)
 
 
-def _mix(h, pending, norm_weight, w_down, w_up, w_inject, hc, hidden, eps, config):
+def mix_buffers(h, norm_weight, w_down, w_up, w_inject, hc, hidden, partial_rows):
+    """A mix's checks and buffers (this module's kernels and ops/hyper_connection_rows_triton.py's): → (h with a
+    unit last stride, block input [N, H], injection weights [N, hc] or None, the down|inject rows, the down kernel's
+    fp32 partials for hc streams × `partial_rows` rows of h, and the streams' sums of squares)."""
     n, width = h.shape
     lowrank = w_down.shape[0]
     assert width == hc * hidden and w_down.shape == (lowrank, width) and w_up.shape == (width, lowrank)
@@ -187,12 +190,17 @@ def _mix(h, pending, norm_weight, w_down, w_up, w_inject, hc, hidden, eps, confi
         h = h.contiguous()
     block_input = h.new_empty(n, hidden)
     inject = h.new_empty(n, hc) if w_inject is not None else None
+    rows = lowrank + (hc if w_inject is not None else 0)
+    work = torch.empty(hc * partial_rows * rows + partial_rows * hc, dtype=torch.float32, device=h.device)
+    return h, block_input, inject, rows, work[:hc * partial_rows * rows], work[hc * partial_rows * rows:]
+
+
+def _mix(h, pending, norm_weight, w_down, w_up, w_inject, hc, hidden, eps, config):
+    n, lowrank = h.shape[0], w_down.shape[0]
+    h, block_input, inject, rows, partials, sumsq = mix_buffers(h, norm_weight, w_down, w_up, w_inject, hc, hidden, n)
     injected = torch.empty_like(h) if pending is not None else h    # what the up kernel reads as h
     if n == 0:
         return block_input, inject, injected
-    rows = lowrank + (hc if w_inject is not None else 0)
-    work = torch.empty(hc * n * rows + n * hc, dtype=torch.float32, device=h.device)
-    partials, sumsq = work[:hc * n * rows], work[hc * n * rows:]
     block_output, weights = pending if pending is not None else (h, h)   # never read without a pending injection
     pdl = launch_options(h.device)
     _hc_down_kernel[(triton.cdiv(rows, config.block_r), hc)](
