@@ -131,10 +131,16 @@ def test_triton_split_and_tile_choices_agree(kernels, split_k, block_m, in_tile)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     w, _ = make_weight(96, 384, 64, "asym", seed=7)
     w = w.to(device)
-    x = torch.randn(2, 384).to(device)
     cfg = kernels.LaunchConfig(block_m=block_m, block_n=32, block_k=32, split_k=split_k, scale_in_tile=in_tile)
-    assert rel_err(kernels.w4a16_matmul(x, w, cfg), w4a16_linear_reference(x, w)) < 1e-5
+    for rows in (2, 37):    # one M block, and several (a counter per M and N block)
+        x = torch.randn(rows, 384).to(device)
+        got = kernels.w4a16_matmul(x, w, cfg)
+        assert rel_err(got, w4a16_linear_reference(x, w)) < 1e-5
+        assert torch.equal(kernels.w4a16_matmul(x, w, cfg), got)   # the splits summed in one order
     assert kernels.w4a16_matmul(x[:0], w).shape == (0, 96)
+    from flashnext.ops.arrival import buffers   # the split tiles' last programs left their counters at zero
+
+    assert all(int(counters.abs().sum()) == 0 for counters in buffers(x.device))
 
 
 GEMV_CASES = [  # (M, N, K, g, kind, GemvConfig fields or None for the heuristic)

@@ -24,10 +24,12 @@ kernel instead), the M between to the second.
   (the engine decodes on one stream). No host sync, static shapes: CUDA-graph safe.
 
 `_w4a16_kernel` (GEMM): `tl.dot` of x with the (q − z) tile in x's dtype — exact, those are integers in
-[−16, 15] — (or, LaunchConfig.scale_in_tile, with the scaled tile, accumulating in the dot) accumulated in fp32 over a grid of (N blocks, K splits, M blocks), split-K partials added with
-an fp32 buffer per split, summed afterwards by one torch.sum (deterministic: the same bits run to run; with fp32
-atomics, H200 runs of one fp32 prefill differed). A LaunchConfig with block_m < 16 selects its older decode mode (fp32
-multiply-and-sum, no dot), kept as the baseline scripts/gpu_w4a16.py times the GEMV kernel against.
+[−16, 15] — (or, LaunchConfig.scale_in_tile, with the scaled tile, accumulating in the dot) accumulated in fp32
+over a grid of (N blocks, K splits, M blocks), split-K partials added as the GEMV's are, by the last program of a
+tile to arrive, in split order (deterministic: the same bits run to run; with fp32 atomics, H200 runs of one fp32
+prefill differed; a buffer per split summed by torch afterwards cost two launches a call). A LaunchConfig with
+block_m < 16 selects its older decode mode (fp32 multiply-and-sum, no dot), kept as the baseline
+scripts/gpu_w4a16.py times the GEMV kernel against.
 Both kernels multiply each K tile's fp32 partial by its group's scale and gather x's columns through `perm`
 for act-order weights, so the result differs from dequantise-then-matmul only by fp32 summation order.
 """
@@ -49,10 +51,10 @@ from flashnext.weights.int4_layout import Int4Weight
 
 
 @triton.jit
-def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr,
-                  M, N, K, stride_xm, stride_om, k_per_split,
+def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, counter_ptr,
+                  M, N, K, stride_xm, stride_om, k_per_split, n_split,
                   GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
-                  USE_DOT: tl.constexpr, SPLIT_PARTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  USE_DOT: tl.constexpr, REDUCE: tl.constexpr, REDUCE_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   SCALE_IN_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -95,10 +97,28 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr,
             acc += part * scale[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_PARTS:   # this K split's fp32 partial, its own [M, N] of the [split, M, N] buffer
-        tl.store(out_ptrs + pid_k * M * stride_om, acc, mask=mask)
+    if REDUCE:   # a counter per (M block, N block)
+        _sum_splits(acc, part_ptr, counter_ptr + pid_m * tl.num_programs(0) + pid_n, out_ptrs, offs_m, offs_n, mask,
+                    pid_k, n_split, M, N, REDUCE_ROWS, BLOCK_M, BLOCK_N)
     else:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_splits(y, part_ptr, counter_ptr, out_ptrs, offs_m, offs_n, mask, pid_k, n_split, M, N,
+                REDUCE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Split-K in one launch (ops/arrival.py): this split's fp32 partial y into part [n_split, M, N]; the tile's last
+    program to arrive adds the partials in split order and stores the result in the output's dtype."""
+    tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], y, mask=mask)
+    if arrive_last(counter_ptr, n_split):
+        # REDUCE_ROWS partials per load, so that their L2 latency is paid once per chunk, not per split
+        y = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for first in range(0, n_split, REDUCE_ROWS):
+            splits = first + tl.arange(0, REDUCE_ROWS)
+            ptrs = part_ptr + (splits[:, None, None] * M + offs_m[None, :, None]) * N + offs_n[None, None, :]
+            ok = (splits < n_split)[:, None, None] & mask[None, :, :]
+            y += tl.sum(tl.load(ptrs, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+        tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -200,17 +220,8 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr,
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
     if REDUCE:
-        # part [n_split, M, N] fp32
-        tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], y, mask=mask)
-        if arrive_last(counter_ptr + pid_n, n_split):
-            # REDUCE_ROWS partials per load, so that their L2 latency is paid once per chunk, not per split
-            y = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for first in range(0, n_split, REDUCE_ROWS):
-                splits = first + tl.arange(0, REDUCE_ROWS)
-                ptrs = part_ptr + (splits[:, None, None] * M + offs_m[None, :, None]) * N + offs_n[None, None, :]
-                ok = (splits < n_split)[:, None, None] & mask[None, :, :]
-                y += tl.sum(tl.load(ptrs, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
-            tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        _sum_splits(y, part_ptr, counter_ptr + pid_n, out_ptrs, offs_m, offs_n, mask, pid_k, n_split, M, N,
+                    REDUCE_ROWS, BLOCK_M, BLOCK_N)
     else:
         tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -347,6 +358,12 @@ def supports(w: Int4Weight) -> bool:
             and all(t.is_contiguous() for t in w.tensors().values()))
 
 
+def reduce_rows(block_m: int, block_n: int, num_warps: int) -> int:
+    """Partials the last program of a split-K tile loads at once (_sum_splits): ~32 fp32 registers a thread (not a
+    function of the split, which would compile a kernel per split count)."""
+    return min(32, max(1, 32 * 32 * num_warps // (block_m * block_n)))
+
+
 def _gemv(x: torch.Tensor, w: Int4Weight, cfg: GemvConfig) -> torch.Tensor:
     m, k = x.shape
     n = w.out_features
@@ -362,14 +379,11 @@ def _gemv(x: torch.Tensor, w: Int4Weight, cfg: GemvConfig) -> torch.Tensor:
     counters = arrival_counters(x.device, blocks) if split > 1 else out
     zeros, perm = optional_tensors(w)
     block_m = 16 if cfg.use_dot else m_bucket(m)
-    # the last program adds ~32 fp32 registers per thread of partials per load (not a function of the split,
-    # which would compile a kernel per split count)
-    reduce_rows = min(32, max(1, 32 * 32 * cfg.num_warps // (block_m * cfg.block_n)))
     _w4a16_gemv_kernel[(blocks, split)](
         x, w.qweight, w.scales, zeros, perm, out, part, counters,
         m, n, k, x.stride(0), out.stride(0), w.group_size, per * cfg.block_k, split,
         HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None, USE_DOT=cfg.use_dot,
-        REDUCE=split > 1, REDUCE_ROWS=reduce_rows,
+        REDUCE=split > 1, REDUCE_ROWS=reduce_rows(block_m, cfg.block_n, cfg.num_warps),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else None, NUM_STAGES=cfg.num_stages,
         ROW_GROUPS=row_groups, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device))
@@ -398,15 +412,17 @@ def w4a16_matmul(x: torch.Tensor, w: Int4Weight, config: LaunchConfig | GemvConf
     steps = k // cfg.block_k
     k_per_split = triton.cdiv(steps, cfg.split_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
-    parts = split > 1
-    out = torch.empty((split, m, n) if parts else (m, n), dtype=torch.float32 if parts else x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    counters = arrival_counters(x.device, grid[0] * grid[2]) if split > 1 else out
     zeros, perm = optional_tensors(w)
     _w4a16_kernel[grid](
-        x, w.qweight, w.scales, zeros, perm, out,
-        m, n, k, x.stride(0), out.stride(-2), k_per_split,
+        x, w.qweight, w.scales, zeros, perm, out, part, counters,
+        m, n, k, x.stride(0), out.stride(0), k_per_split, split,
         GROUP=w.group_size, HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None,
-        USE_DOT=cfg.use_dot, SPLIT_PARTS=parts, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
+        USE_DOT=cfg.use_dot, REDUCE=split > 1, REDUCE_ROWS=reduce_rows(cfg.block_m, cfg.block_n, cfg.num_warps),
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         SCALE_IN_TILE=cfg.scale_in_tile and cfg.use_dot, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out.sum(0).to(x.dtype) if parts else out
+    return out
