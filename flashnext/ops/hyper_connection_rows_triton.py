@@ -35,14 +35,9 @@ BLOCK_H = 32       # block-input columns an up program (the up GEMM's K, the low
 def _rows_down_kernel(x_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, sumsq_ptr, N, H, R, stride_x, eps,
                       HC: tl.constexpr, HAS_INJECT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                       BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    pid_r = tl.program_id(0)
-    stream = tl.program_id(1)
+    pid_r, stream = tl.program_id(0), tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
-    K = HC * H
-    rows = R + HC if HAS_INJECT else R
-    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rows
-    w_rows = down_inject_rows(wd_ptr, wi_ptr, offs_r, R, K, HAS_INJECT)
+    rows, offs_r, r_ok, w_rows = down_inject_rows(wd_ptr, wi_ptr, R, H, HC, HAS_INJECT, BLOCK_R)
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < N
     x_rows = x_ptr + offs_m[:, None] * stride_x + stream * H

@@ -38,26 +38,26 @@ def sigmoid(v):
 
 
 @triton.jit
-def down_inject_rows(wd_ptr, wi_ptr, offs_r, R, K, HAS_INJECT: tl.constexpr):
-    """Pointers to rows offs_r of one virtual [R (+ hc), K] weight: rows [0, R) are w_down's, [R, R + hc)
-    w_inject's (the mix's down kernels compute both GEMVs in one pass over the streams)."""
+def down_inject_rows(wd_ptr, wi_ptr, R, H, HC: tl.constexpr, HAS_INJECT: tl.constexpr, BLOCK_R: tl.constexpr):
+    """A down program's (grid axis 0) tile of BLOCK_R rows of one virtual [R (+ hc), hc·H] weight — rows [0, R) are
+    w_down's, [R, R + hc) w_inject's: the mix's down kernels compute both GEMVs in one pass over the streams —
+    → (the rows there are, the tile's row ids, which of them exist, their pointers)."""
+    rows = R + HC if HAS_INJECT else R
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     if HAS_INJECT:
-        return tl.where(offs_r < R, wd_ptr + offs_r * K, wi_ptr + (offs_r - R) * K)
-    return wd_ptr + offs_r * K
+        w_rows = tl.where(offs_r < R, wd_ptr + offs_r * HC * H, wi_ptr + (offs_r - R) * HC * H)
+    else:
+        w_rows = wd_ptr + offs_r * HC * H
+    return rows, offs_r, offs_r < rows, w_rows
 
 
 @triton.jit
 def _hc_down_kernel(x_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, sumsq_ptr, bo_ptr, pw_ptr, hout_ptr, N, H, R, stride_x,
                     stride_bo, stride_pw, stride_hout, HC: tl.constexpr, HAS_INJECT: tl.constexpr,
                     HAS_PENDING: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    pid_r = tl.program_id(0)
-    stream = tl.program_id(1)
+    pid_r, stream = tl.program_id(0), tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
-    K = HC * H
-    rows = R + HC if HAS_INJECT else R
-    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rows
-    w_rows = down_inject_rows(wd_ptr, wi_ptr, offs_r, R, K, HAS_INJECT)
+    rows, offs_r, r_ok, w_rows = down_inject_rows(wd_ptr, wi_ptr, R, H, HC, HAS_INJECT, BLOCK_R)
     offs_h = tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
     w = tl.load(w_rows[:, None] + stream * H + offs_h[None, :], mask=r_ok[:, None] & h_ok[None, :], other=0.0)
