@@ -8,7 +8,7 @@ sequence (sampling temperature 0.6, top-p 0.95, top-k 20, as the benchmark does)
   decode ahead off; then the loop's ms per token with it on (LLMEngine.step);
 - cProfile's top functions by own time over the same loop (cProfile slows Python down: shares, not times).
 
-    python3 scripts/gpu_host_profile.py [--model mem:flash-next] [--quantize int4] [--tokens 256]
+    python3 scripts/gpu_host_profile.py [--model mem:flash-next] [--quantize int4] [--tokens 256] [--expert-vram-gb 24]
 """
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ def timed_parts(engine, tokens: int) -> dict[str, float]:
     parts: dict[str, float] = {}
     wrapped = [(engine.scheduler, "schedule"), (runner, "_sampling_batch"), (runner.graphs, "_table_delta"),
                (runner, "_sample"), (torch.cuda.CUDAGraph, "replay"), (engine, "_append_token"), (engine, "_output")]
+    pool = engine.loaded.expert_cache and engine.loaded.expert_cache.graph_pool
+    if pool is not None:   # the expert pools' learning between steps (--expert-vram-gb)
+        wrapped += [(runner, "after_decode"), (pool, "_learn"), (pool, "_copy_rows"), (pool, "_upload_tables")]
     originals = [(owner, name, getattr(owner, name)) for owner, name in wrapped if owner is not None]
 
     def timer(name, fn):
@@ -74,10 +77,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="mem:flash-next")
     ap.add_argument("--quantize", default="int4")
+    ap.add_argument("--expert-vram-gb", type=float, default=None,
+                    help="an expert cache of this size (its pools' after_step is timed as a part)")
     ap.add_argument("--tokens", type=int, default=150, help="decode steps timed (40-token prompt: 150 stay in the first "
                     "graph width bucket, so no capture falls inside)")
     args = ap.parse_args()
-    llm = LLM(args.model, quantize=args.quantize or None, max_num_seqs=4, enable_prefix_caching=False, kv_cache_gb=8.0)
+    llm = LLM(args.model, quantize=args.quantize or None, max_num_seqs=4, enable_prefix_caching=False, kv_cache_gb=8.0,
+              expert_vram_gb=args.expert_vram_gb)
     engine = llm.engine
     params = SamplingParams(temperature=0.6, top_p=0.95, top_k=20, max_tokens=args.tokens + 8, ignore_eos=True)
     llm.generate([list(range(20, 60))], SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True))  # graphs

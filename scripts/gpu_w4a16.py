@@ -12,7 +12,7 @@ Decode rows (M = 1, 2, 4, 8) compare three things: `gemv` (w4a16_matmul's defaul
   copy ceiling are computed from it);
 - graph: triton.testing.do_bench_cudagraph, the same weight replayed (L2-resident when it fits: 50 MB);
 - eager: triton.testing.do_bench (L2 flushed before each call; includes no launch gap).
-Bytes = packed weight + scales (+ zeros) + x + y. Prefill rows (M = 256, 2048) check and time the GEMM kernel
+Bytes = packed weight + scales (+ zeros) + x + y. GEMM rows (M = 16, 64: split-K; 256, 2048: prefill) check and time the GEMM kernel
 (its "cold" column is the L2-flushed eager time, and a TFLOP/s line follows).
 The sweep times GEMV configs (block_n, block_k, split, fma/dot, warps; then stages for the best) cold, checks
 each against the reference, and prints the best per shape as entries for w4a16_triton.TUNED.
@@ -51,7 +51,7 @@ SHAPES = [
 ]
 QUICK = {"fn.gdn.in_proj_qkv|z", "fn.gdn.out_proj", "fn.attn.q|k|v", "fn.shared.gate|up", "fn.shared.down_proj"}
 DECODE_M = [1, 2, 4, 8]
-PREFILL_M = [256, 2048]
+PREFILL_M = [16, 64, 256, 2048]   # 16 and 64: the GEMM's split-K (9-255 rows), summed in the kernel
 BOUND = 1e-2
 
 
