@@ -196,15 +196,8 @@ class LayerExpertCache:
 
     def copy_rows(self, experts, slots, staging: PinnedRows | None) -> None:
         """Host rows `experts` → device slots `slots` (tensors or lists): straight on the CPU, through pinned
-        `staging` rows with asynchronous copies on the current stream on the GPU — or without staging on the GPU,
-        each page-locked store row straight to its slot (a GraphPool's copies, which nothing waits for)."""
-        if staging is None and self.device.type == "cuda":
-            pairs = list(zip(experts, slots))   # lists: a GraphPool's copies
-            for name in self.names:
-                pool, host = getattr(self.module, name), self.host[name]
-                for expert, slot in pairs:
-                    pool[slot].copy_(host[expert], non_blocking=True)
-            return
+        `staging` rows with asynchronous copies on the current stream on the GPU. (A GraphPool copies its rows
+        its own way: ops/row_copy.py.)"""
         experts, slots = torch.as_tensor(experts, dtype=torch.long), torch.as_tensor(slots, dtype=torch.long)
         dst = slots.to(self.device, non_blocking=staging is not None)
         for name in self.names:

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from flashnext.ops.moe_int4 import CachedExperts
+from flashnext.ops.row_copy import RowCopier, copy_table_rows
 
 # Experts copied in per layer and per learning step at most (the copies share PCIe with the kernels' reads of
-# missing experts, and each costs a few host calls), MAX_COPIES_PER_STEP in all, the layers taking turns.
+# missing experts), MAX_COPIES_PER_STEP in all, the layers taking turns.
 # FLASHNEXT_EXPERT_COPIES_PER_LAYER / FLASHNEXT_EXPERT_COPIES_PER_STEP (docs/expert_cache.md) for measuring. At 2 and
 # 16 Flash-Next's pools (24 GiB, calibrated trace) hit 53% on the H200, far below LRU's 87% in replay: 16 copies a
 # token (the cap) against ~220 misses; at 10 and 480 (a layer's top-k, no cap for 48 layers) 83%, 44.6 → 70 tok/s.
@@ -39,8 +40,9 @@ MAX_COPIES_PER_STEP = max(1, int(os.environ.get("FLASHNEXT_EXPERT_COPIES_PER_STE
 OBSERVATIONS_IN_FLIGHT = max(1, int(os.environ.get("FLASHNEXT_EXPERT_OBSERVATIONS", "3")))
 # A learning step is ~30 tensor ops over [layers, experts] plus the copies it starts: 1.6 ms of host time for all 48
 # layers of Flash-Next's shapes (512 experts, top-10, 196 slots) with 16 copies on the 2-core dev machine (copies
-# not issued there; each copy is a few torch calls, ~5 a copied expert; measured at the old 2 / 16 limits, not at
-# 10 / 480); done per layer it had been 0.8-0.9 ms a layer.
+# not issued there; measured at the old 2 / 16 limits, not at 10 / 480); done per layer it had been 0.8-0.9 ms a
+# layer. The copies themselves are one kernel (ops/row_copy.py): as a torch copy per (expert, tensor) they took
+# 20.9 ms of host time a token on the H200 (810 copies a token, random routing, 24 GiB; session 12).
 
 
 @dataclass
@@ -78,6 +80,14 @@ class GraphPool:
         # the real rows of the next captured step (the rest of its bucket is padding, which the kernels skip): all of
         # them until before_step says otherwise (worker ranks never do)
         self.live_rows = torch.full((1,), max_rows, dtype=torch.int32, device=self.device)
+        # every layer's store rows → pool slots, for all tensors of an expert (table i·len(names) + j: layer i's
+        # tensor j): one kernel a learning step on the GPU, where a torch copy a row cost ~25 µs of host time each
+        self.names = layers[0].names
+        assert all(layer.names == self.names for layer in layers)
+        sources = [layer.host[name] for layer in layers for name in self.names]
+        destinations = [getattr(layer.module, name) for layer in layers for name in self.names]
+        self.copier = RowCopier(sources, destinations) if self.gpu else None
+        self.sources, self.destinations = sources, destinations
         for i, layer in enumerate(layers):
             layer.graph_pool, layer.observed = self, self.observed[i]
             layer.slot_of, layer.slot_table = self.slot_of[i], self.tables[i]
@@ -190,7 +200,8 @@ class GraphPool:
                 self.layers[i].free.append(slot)
             self.slot_of[rows, cols] = -1
             self._upload_tables()   # the victims leave the tables first (with the copies published this step)
-        per_layer = [(i, es, [self.layers[i].free.pop() for _ in es]) for i, es, _ in plan]
+        copies = [(i, e, self.layers[i].free.pop()) for i, es, _ in plan for e in es]
+        layers, experts_, slots = torch.tensor(copies, dtype=torch.long).T
         done = None
         if self.gpu:
             freed = torch.cuda.Event()
@@ -198,18 +209,22 @@ class GraphPool:
             stream = self.layers[0].copy_stream
             with torch.cuda.stream(stream):
                 stream.wait_event(freed)   # the steps queued before still read the victims' slots
-                self._copy_rows(per_layer)
+                self._copy_rows(layers, experts_, slots)
                 done = torch.cuda.Event()
                 done.record(stream)
         else:
-            self._copy_rows(per_layer)
-        copies = [(i, e, slot) for i, es, slots in per_layer for e, slot in zip(es, slots)]
-        layers, experts_, slots = (torch.tensor(column) for column in zip(*copies))
+            self._copy_rows(layers, experts_, slots)
         self.copying[layers, experts_] = True
         stats = self.layers[0].stats
         stats.bytes_copied += sum(self.layers[i].bytes_per_expert for i, _, _ in copies)
         self.pending.append(PendingCopy(layers, experts_, slots, done))
 
-    def _copy_rows(self, per_layer: list[tuple[int, list[int], list[int]]]) -> None:
-        for i, experts, slots in per_layer:
-            self.layers[i].copy_rows(experts, slots, None)
+    def _copy_rows(self, layers: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor) -> None:
+        """Every tensor of each (layer, expert) → its slot, on the current stream."""
+        names = len(self.names)
+        tables = (layers[:, None] * names + torch.arange(names)).flatten()
+        rows = (experts.repeat_interleave(names), slots.repeat_interleave(names))
+        if self.copier is not None:
+            self.copier.copy(tables, *rows)
+        else:
+            copy_table_rows(self.sources, self.destinations, tables, *rows)

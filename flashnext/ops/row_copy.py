@@ -1,0 +1,107 @@
+"""Copy rows between many pairs of tables in one launch: `destinations[t][d] = sources[t][s]` for each (t, s, d).
+
+    sources       list of tables [R_t, ...], contiguous (on the GPU path: page-locked host memory or device memory)
+    destinations  list of tables [S_t, ...], contiguous, each with its source's row shape and dtype
+    tables, source_rows, destination_rows  [n] int64 on the host: which pair, which rows
+
+`copy_table_rows` is the reference (a torch copy a row). `RowCopier` is the fast path for the expert pools'
+copies between decode steps (cache/expert_graph_pool.py): hundreds of rows of ~5 tensors of 48 layers a step.
+As torch copies they were one cudaMemcpyAsync each, ~25 µs of host time apiece on the H200 (810 a token with
+random routing at a 24 GiB pool: 20.9 ms a token of host time, the GPU waiting). The copier computes every row's
+source and destination address on the host in a few tensor ops, uploads the [3, n·tensors] plan once, and a
+kernel copies all rows: sources in page-locked host memory are read over PCIe through unified virtual addressing,
+as the MoE kernels read missing experts (ops/moe_int4_decode_triton.py).
+
+Rows are moved as 8-byte words: every row's size and every table's address must be a multiple of 8 bytes.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from flashnext.ops.device import num_sms
+
+WORD = 8              # bytes a lane moves at a time
+BLOCK = 1024          # words a program moves per loop step
+_CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3
+
+
+def copy_table_rows(sources: list[torch.Tensor], destinations: list[torch.Tensor], tables: torch.Tensor,
+                    source_rows: torch.Tensor, destination_rows: torch.Tensor) -> None:
+    """The specification: one row copy at a time."""
+    for t, s, d in zip(tables.tolist(), source_rows.tolist(), destination_rows.tolist()):
+        destinations[t][d].copy_(sources[t][s])
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def device_address(tensor: torch.Tensor, device: torch.device) -> int:
+    """Where a kernel on `device` finds `tensor`: its own address for memory of that device (or off a GPU, where
+    the interpreter reads host memory); for page-locked, mapped host memory the device pointer the driver gives
+    (what Triton's launcher asks for a tensor argument: cuPointerGetAttribute)."""
+    if device.type != "cuda" or tensor.device.type == "cuda":
+        return tensor.data_ptr()
+    if not tensor.is_pinned():
+        raise ValueError("a kernel can read host memory only when it is page-locked and mapped")
+    out = ctypes.c_uint64()
+    err = _libcuda().cuPointerGetAttribute(ctypes.byref(out), _CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
+                                           ctypes.c_uint64(tensor.data_ptr()))
+    if err:
+        raise RuntimeError(f"cuPointerGetAttribute failed ({err}) for a host tensor")
+    return out.value
+
+
+@triton.jit
+def _copy_rows_kernel(plan_ptr, n, BLOCK: tl.constexpr):
+    """plan [3, n]: source address, destination address, words. Programs (i, p) of P move row i's words
+    p·BLOCK, (p + P)·BLOCK, …"""
+    i = tl.program_id(0)
+    part, parts = tl.program_id(1), tl.num_programs(1)
+    src = tl.load(plan_ptr + i).to(tl.pointer_type(tl.int64))
+    dst = tl.load(plan_ptr + n + i).to(tl.pointer_type(tl.int64))
+    words = tl.load(plan_ptr + 2 * n + i)
+    offs = tl.arange(0, BLOCK)
+    for start in range(part * BLOCK, words, parts * BLOCK):
+        at = start + offs
+        ok = at < words
+        tl.store(dst + at, tl.load(src + at, mask=ok), mask=ok)
+
+
+class RowCopier:
+    """copy_table_rows in one launch on the current stream, for fixed lists of tables (their addresses are read
+    once: the tables must stay where they are)."""
+
+    def __init__(self, sources: list[torch.Tensor], destinations: list[torch.Tensor]):
+        assert len(sources) == len(destinations) and sources
+        self.device = destinations[0].device
+        row_bytes = []
+        for src, dst in zip(sources, destinations):
+            assert src.is_contiguous() and dst.is_contiguous() and src.dtype == dst.dtype
+            assert src.shape[1:] == dst.shape[1:], "a source and its destination differ in row shape"
+            row_bytes.append(src[0].numel() * src.element_size())
+        self.row_bytes = torch.tensor(row_bytes, dtype=torch.long)
+        self.source_base = torch.tensor([device_address(t, self.device) for t in sources], dtype=torch.long)
+        self.destination_base = torch.tensor([device_address(t, self.device) for t in destinations], dtype=torch.long)
+        if bool((self.row_bytes % WORD).any() | (self.source_base % WORD).any() | (self.destination_base % WORD).any()):
+            raise ValueError(f"rows and tables must be multiples of {WORD} bytes to be copied as words")
+
+    def copy(self, tables: torch.Tensor, source_rows: torch.Tensor, destination_rows: torch.Tensor) -> None:
+        n = len(tables)
+        if not n:
+            return
+        row_bytes = self.row_bytes[tables]
+        plan = torch.stack([self.source_base[tables] + source_rows * row_bytes,
+                            self.destination_base[tables] + destination_rows * row_bytes, row_bytes // WORD])
+        if self.device.type == "cuda":
+            # page-locked: the upload is asynchronous (torch's host allocator keeps the buffer until it has run)
+            plan = plan.pin_memory().to(self.device, non_blocking=True)
+        # enough programs to keep a few hundred loads in flight over PCIe, whatever the number of rows
+        parts = max(1, min(64, triton.cdiv(2 * num_sms(self.device), n)))
+        _copy_rows_kernel[(n, parts)](plan, n, BLOCK=BLOCK)
