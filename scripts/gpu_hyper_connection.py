@@ -1,8 +1,8 @@
 """Hyper-connection mix/inject kernels on the GPU: correctness against the torch reference and decode timings
 at Flash-Next's shapes (hc 4, hidden 2560, lowrank 320, bf16).
 
-    python scripts/gpu_hyper_connection.py            # check + one table (~20 s on an H200); also the tensor-core
-                                                      # mix (hyper_connection_rows_triton), from 2 rows the cuBLAS path
+    python scripts/gpu_hyper_connection.py            # check + one table (~20 s on an H200); from 2 rows also the
+                                                      # cuBLAS path
     python scripts/gpu_hyper_connection.py --sweep    # also search launch configs per N (a few minutes)
 
 For each N it checks the Triton mix (block input and injection weights) against hc_mix_reference in bf16, that
@@ -108,7 +108,6 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 1
-    from flashnext.ops import hyper_connection_rows_triton as rows
     from flashnext.ops import hyper_connection_triton as kernels
     from flashnext.ops.hyper_connection import hc_combine, hc_inject_reference, hc_mix_reference
     from flashnext.ops.rms_norm import rms_norm
@@ -146,18 +145,6 @@ def main() -> int:
             prefill_t = bench(lambda h=h: hc_mix_reference(h, *weights, HC, HIDDEN, EPS, norm=rms_norm,
                                                            combine=hc_combine))
             print(f"{'':7} {n:2d} the prefill path (cuBLAS): {prefill_t[0]:.1f} us eager, {prefill_t[1]:.1f} us in a graph")
-        try:   # the tensor-core mix (FLASHNEXT_HC_ROWS_MAX_ROWS), from one row
-            errs, _, rows_exact, stable = check(h, weights, rows.hc_mix_rows_triton, hc_mix_reference)
-            rows_t = bench(lambda h=h: rows.hc_mix_rows_triton(h, *weights, HC, HIDDEN, EPS))
-        except Exception as error:  # noqa: BLE001 - one broken size must not hide the others
-            failures += 1
-            print(f"{'':7} {n:2d} the tensor-core mix FAILED: {type(error).__name__}: {error}")
-        else:
-            ok = max(errs) < TOL and stable
-            failures += not ok
-            print(f"{'':7} {n:2d} the tensor-core mix: err {errs[0]:.1e}/{errs[1]:.1e}{'' if ok else '!'}, fp32 err "
-                  f"{max(rows_exact):.1e}{'' if stable else ' NOT BIT-STABLE'}, {rows_t[0]:.1f} us eager, "
-                  f"{rows_t[1]:.1f} us in a graph")
         if args.sweep:
             sweeps.append((n, our_t[1], sweep(h, weights, kernels)))
 

@@ -1,7 +1,7 @@
 """On the GPU machine: the QSA token-list kernel (ops/qsa_token_lists_triton.py) equals its reference bit for bit at
 the indexer's real sizes (Flash-Next: 512 of the context's blocks, 4 tokens a block), with ties and −inf, and what
-a call costs in a CUDA graph — the k-th key found by bisection and by radix selection (the kernel's RADIX) —
-against the torch path it replaced (topk, then ~20 small kernels).
+a call costs in a CUDA graph against the torch path it replaced (topk, then ~20 small kernels), and at 4 to 32
+warps a program (the kernel's _warps).
 Run: python3 scripts/gpu_qsa_lists.py"""
 import sys
 
@@ -38,7 +38,7 @@ def graph_us(fn):
 def main() -> int:
     ok = True
     g = torch.Generator(device="cuda").manual_seed(0)
-    print(f"{'rows':>4} {'blocks':>6} {'ties':>5} {'equal':>5} {'bisection µs':>12} {'radix µs':>8} {'torch µs':>8}")
+    print(f"{'rows':>4} {'blocks':>6} {'ties':>5} {'equal':>5} {'kernel µs':>9} {'torch µs':>8}")
     for rows, blocks in [(1, 2500), (1, 16384), (1, 16389), (1, 65536), (8, 16384), (3, 40001), (64, 4000)]:
         for ties in (False, True):
             if ties:
@@ -52,16 +52,12 @@ def main() -> int:
             scores[torch.arange(blocks, device="cuda")[None, :] >= complete_before[:, None]] = float("-inf")
             limit = blocks * RATIO
             want = qsa_token_lists_reference(scores, pos, K, RATIO, limit)
-            same, times = True, []
-            for radix in (False, True):
-                kernel.RADIX = radix
-                got = qsa_token_lists_triton(scores, pos, K, RATIO, limit)
-                same &= torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-                times.append(graph_us(lambda: qsa_token_lists_triton(scores, pos, K, RATIO, limit)))
-            kernel.RADIX = False
+            got = qsa_token_lists_triton(scores, pos, K, RATIO, limit)
+            same = torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
             ok &= same
+            now = graph_us(lambda: qsa_token_lists_triton(scores, pos, K, RATIO, limit))
             before = graph_us(lambda: torch_lists(scores, pos, K, RATIO, limit))
-            print(f"{rows:4} {blocks:6} {ties!s:>5} {same!s:>5} {times[0]:12.1f} {times[1]:8.1f} {before:8.1f}")
+            print(f"{rows:4} {blocks:6} {ties!s:>5} {same!s:>5} {now:9.1f} {before:8.1f}")
     # the mask path of prompts up to 16K (QSAIndexer.forward): a query block's top blocks through the kernel
     from flashnext.ops.qsa_token_lists import qsa_top_blocks, qsa_top_blocks_reference
 
@@ -71,7 +67,7 @@ def main() -> int:
     print(f"top blocks of 1,024 queries x 2,500 blocks: equal {same}, kernel "
           f"{graph_us(lambda: qsa_top_blocks(scores, K)):.1f} µs, two sorts "
           f"{graph_us(lambda: qsa_top_blocks_reference(scores, K)):.1f} µs")
-    print("warps a program (kernel._warps) against µs a call, bisection / radix:")
+    print("warps a program (kernel._warps) against µs a call:")
     default = kernel._warps
     for rows, blocks in [(1, 2500), (1, 16384), (1, 65536)]:
         scores = torch.rand(rows, blocks, device="cuda", generator=g) * 5
@@ -79,12 +75,9 @@ def main() -> int:
         times = {}
         for warps in (4, 8, 16, 32):
             kernel._warps = lambda size, w=warps: w
-            for radix in (False, True):
-                kernel.RADIX = radix
-                times[warps, radix] = graph_us(lambda: qsa_token_lists_triton(scores, pos, K, RATIO, blocks * RATIO))
-        kernel._warps, kernel.RADIX = default, False
-        print(f"  {rows} x {blocks}: " + ", ".join(f"{w} warps {times[w, False]:.1f} / {times[w, True]:.1f}"
-                                                   for w in (4, 8, 16, 32)))
+            times[warps] = graph_us(lambda: qsa_token_lists_triton(scores, pos, K, RATIO, blocks * RATIO))
+        kernel._warps = default
+        print(f"  {rows} x {blocks}: " + ", ".join(f"{w} warps {times[w]:.1f}" for w in (4, 8, 16, 32)))
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 

@@ -62,14 +62,13 @@ def test_reference_breaks_ties_toward_the_lower_block():
     assert (index[0, :12:4] // 4).tolist() == [0, 1, 3]
 
 
-@pytest.fixture(params=[False, True], ids=["bisection", "radix"])
-def kernel(request, monkeypatch):
-    """The Triton module, finding the k-th key by bisection or by radix selection (its RADIX switch)."""
+@pytest.fixture
+def kernel():
+    """The Triton module."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     import flashnext.ops.qsa_token_lists_triton as module
 
-    monkeypatch.setattr(module, "RADIX", request.param)
     return module
 
 

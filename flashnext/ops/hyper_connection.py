@@ -12,14 +12,15 @@ of a 16-bit tensor, and the mean over streams once (fp32 sum). `hc_mix` dispatch
 - up to decode_max_rows() rows (4; FLASHNEXT_HC_DECODE_MAX_ROWS, read when a step is traced or captured) to the
   Triton mix kernels (ops/hyper_connection_triton.py), whose mix costs ~4.5–6 µs more a row (BENCHMARKS.md session
   9; why is not profiled yet);
-- more rows, up to rows_max_rows() (FLASHNEXT_HC_ROWS_MAX_ROWS, ≤ 16; 0 — off — until measured on the GPU), to two
-  kernels with the rows on the tensor cores' M side (ops/hyper_connection_rows_triton.py);
-- more rows still (bigger decode batches, prefill) to the reference's math with cuBLAS for the GEMMs (each weight
+- more rows (bigger decode batches, prefill) to the reference's math with cuBLAS for the GEMMs (each weight
   read once for all rows; the GEMV kernels would not), the RMSNorm kernel for the streams' norm (one pass over
   [T, hc·H] instead of ~8 fp32 passes; on the H200 the pow and mean kernels of these norms and GatedDeltaNet's
   alone were ~3% of a 10K Flash-Next prefill) and one kernel for the final sigmoid·mean over streams
   (`hc_combine`). On the H200 (session 11, Flash-Next INT4 at 64K) the captured step of 8 rows took 14.29 ms this
   way against 16.33 ms with the mix kernels, of 4 rows 10.34 against 10.15 ms.
+A mix of two kernels with the rows on the tensor cores' M side lost to both paths at 1–16 rows on the H200 (in a CUDA
+graph 24.8–28.3 µs a mix, against the Triton mix's 6.4 / 15.6 / 26.5 at 1 / 2 / 4 rows and cuBLAS's 27.1 / 27.6 at
+8 / 16), so there is no third path.
 `hc_inject` is elementwise: the Triton kernel for any CUDA batch.
 FLASHNEXT_HC=reference forces the reference (to bisect a wrong answer on the GPU).
 """
@@ -39,11 +40,6 @@ DECODE_MAX_ROWS = 4   # decode_max_rows()'s default (see the module's docstring)
 def decode_max_rows() -> int:
     """The most rows hc_mix sends to the Triton kernels (see the module's docstring)."""
     return int(os.environ.get("FLASHNEXT_HC_DECODE_MAX_ROWS", DECODE_MAX_ROWS))
-
-
-def rows_max_rows() -> int:
-    """The most rows hc_mix sends to the tensor-core mix (see the module's docstring)."""
-    return min(16, int(os.environ.get("FLASHNEXT_HC_ROWS_MAX_ROWS", "0")))
 
 
 def hc_combine_reference(up: torch.Tensor, normed: torch.Tensor, hc: int, hidden: int) -> torch.Tensor:
@@ -88,14 +84,10 @@ def hc_mix(h: torch.Tensor, norm_weight: torch.Tensor, w_down: torch.Tensor, w_u
            eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """See hc_mix_reference. On the Triton path: two launches, no host sync, CUDA-graph capturable."""
     weights = [w for w in (w_down, w_up, w_inject) if w is not None]
-    if _use_triton(h, *weights, max_rows=max(decode_max_rows(), rows_max_rows())):
-        if h.shape[0] <= decode_max_rows():
-            from flashnext.ops.hyper_connection_triton import hc_mix_triton
+    if _use_triton(h, *weights):
+        from flashnext.ops.hyper_connection_triton import hc_mix_triton
 
-            return hc_mix_triton(h, norm_weight, w_down, w_up, w_inject, hc, hidden, eps)
-        from flashnext.ops.hyper_connection_rows_triton import hc_mix_rows_triton
-
-        return hc_mix_rows_triton(h, norm_weight, w_down, w_up, w_inject, hc, hidden, eps)
+        return hc_mix_triton(h, norm_weight, w_down, w_up, w_inject, hc, hidden, eps)
     return hc_mix_reference(h, norm_weight, w_down, w_up, w_inject, hc, hidden, eps, norm=rms_norm,
                             combine=hc_combine)
 

@@ -40,7 +40,7 @@ def sigmoid(v):
 @triton.jit
 def down_inject_rows(wd_ptr, wi_ptr, R, H, HC: tl.constexpr, HAS_INJECT: tl.constexpr, BLOCK_R: tl.constexpr):
     """A down program's (grid axis 0) tile of BLOCK_R rows of one virtual [R (+ hc), hc·H] weight — rows [0, R) are
-    w_down's, [R, R + hc) w_inject's: the mix's down kernels compute both GEMVs in one pass over the streams —
+    w_down's, [R, R + hc) w_inject's: the down kernel computes both GEMVs in one pass over the streams —
     → (the rows there are, the tile's row ids, which of them exist, their pointers)."""
     rows = R + HC if HAS_INJECT else R
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -176,10 +176,10 @@ def hc_mix_injected_triton(h: torch.Tensor, block_output: torch.Tensor, weights:
     return _mix(h, pending, norm_weight, w_down, w_up, w_inject, hc, hidden, eps, config)
 
 
-def mix_buffers(h, norm_weight, w_down, w_up, w_inject, hc, hidden, partial_rows):
-    """A mix's checks and buffers (this module's kernels and ops/hyper_connection_rows_triton.py's): → (h with a
-    unit last stride, block input [N, H], injection weights [N, hc] or None, the down|inject rows, the down kernel's
-    fp32 partials for hc streams × `partial_rows` rows of h, and the streams' sums of squares)."""
+def mix_buffers(h, norm_weight, w_down, w_up, w_inject, hc, hidden):
+    """A mix's checks and buffers: → (h with a unit last stride, block input [N, H], injection weights [N, hc] or
+    None, the down|inject rows, the down kernel's fp32 partials for hc streams × N rows of h, and the streams' sums
+    of squares)."""
     n, width = h.shape
     lowrank = w_down.shape[0]
     assert width == hc * hidden and w_down.shape == (lowrank, width) and w_up.shape == (width, lowrank)
@@ -191,13 +191,13 @@ def mix_buffers(h, norm_weight, w_down, w_up, w_inject, hc, hidden, partial_rows
     block_input = h.new_empty(n, hidden)
     inject = h.new_empty(n, hc) if w_inject is not None else None
     rows = lowrank + (hc if w_inject is not None else 0)
-    work = torch.empty(hc * partial_rows * rows + partial_rows * hc, dtype=torch.float32, device=h.device)
-    return h, block_input, inject, rows, work[:hc * partial_rows * rows], work[hc * partial_rows * rows:]
+    work = torch.empty(hc * n * rows + n * hc, dtype=torch.float32, device=h.device)
+    return h, block_input, inject, rows, work[:hc * n * rows], work[hc * n * rows:]
 
 
 def _mix(h, pending, norm_weight, w_down, w_up, w_inject, hc, hidden, eps, config):
     n, lowrank = h.shape[0], w_down.shape[0]
-    h, block_input, inject, rows, partials, sumsq = mix_buffers(h, norm_weight, w_down, w_up, w_inject, hc, hidden, n)
+    h, block_input, inject, rows, partials, sumsq = mix_buffers(h, norm_weight, w_down, w_up, w_inject, hc, hidden)
     injected = torch.empty_like(h) if pending is not None else h    # what the up kernel reads as h
     if n == 0:
         return block_input, inject, injected

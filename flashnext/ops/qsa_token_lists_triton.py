@@ -23,10 +23,6 @@ from flashnext.ops.pdl import launch_options, wait_for_inputs
 
 CHUNK = 16384     # keys a program holds (Flash-Next: 64K tokens of context); counts ≤ CHUNK pack in 21 bits
 assert CHUNK < 1 << 21
-# How a program finds the k-th key: False, by bisection (_threshold: 16 steps, each a reduction over the row; ~50 µs
-# for 16,384 keys on the H200, the reductions' latency, it seems); True, by radix selection (_threshold_radix: 4
-# histograms), written after the session 11 measurements and not measured yet (scripts/gpu_qsa_lists.py times both).
-RADIX = False
 
 
 @triton.jit
@@ -40,7 +36,11 @@ def _score_keys(scores_ptr, offs, ok):
 
 @triton.jit
 def _threshold(keys, K):
-    """(T, ties): T is the largest t with count(keys ≥ t) ≥ K, ties how many keys equal to T the top K take."""
+    """(T, ties): T is the largest t with count(keys ≥ t) ≥ K, ties how many keys equal to T the top K take.
+
+    16 steps, each a reduction over the row (~54 µs for 16,384 keys on the H200, the reductions' latency, it seems).
+    Radix selection (four 256-bin histograms) was slower there at every size (78 µs at 16,384 keys, 102 at 65,536 in
+    two stages, against 54 and 87), so it was removed."""
     lo = tl.min(keys, axis=0).to(tl.int64)
     hi = tl.max(keys, axis=0).to(tl.int64)
     for _ in range(16):   # [lo, hi] shrinks to a quarter each step: 2^32 keys in 16; once lo = hi nothing moves
@@ -63,35 +63,10 @@ def _threshold(keys, K):
 
 
 @triton.jit
-def _threshold_radix(keys, K):
-    """_threshold by radix selection: four passes over the keys' bytes, highest first, each a 256-bin histogram of
-    the keys whose higher bytes are the ones chosen so far; each pass picks the byte at which the K-th key lies."""
-    u = keys ^ -2147483648          # the sign bit flipped: unsigned order of the bits is the keys' order
-    bins = tl.arange(0, 256)
-    remaining = K                    # of the top K, how many lie among the keys matching the prefix
-    prefix = 0
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        digit = (u >> shift) & 0xFF
-        if p == 0:
-            hist = tl.histogram(digit, 256)
-        else:
-            hist = tl.histogram(digit, 256, mask=(u >> (shift + 8)) == (prefix >> (shift + 8)))
-        at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-        byte = tl.sum((at_or_above >= remaining).to(tl.int32), axis=0) - 1
-        remaining = remaining - tl.sum(tl.where(bins > byte, hist, 0), axis=0)
-        prefix = prefix | (byte << shift)
-    return prefix ^ -2147483648, remaining
-
-
-@triton.jit
-def _top(keys, K, RADIX: tl.constexpr):
+def _top(keys, K):
     """(chosen, rank): the top K keys — those > T and the first keys equal to T, T the K-th largest — each with its
     rank among the chosen (their order)."""
-    if RADIX:
-        threshold, ties = _threshold_radix(keys, K)
-    else:
-        threshold, ties = _threshold(keys, K)
+    threshold, ties = _threshold(keys, K)
     tie = (keys == threshold).to(tl.int32)
     chosen = ((keys > threshold) | ((tie == 1) & (tl.cumsum(tie, axis=0) - tie < ties))).to(tl.int32)
     return chosen == 1, tl.cumsum(chosen, axis=0) - chosen
@@ -99,13 +74,13 @@ def _top(keys, K, RADIX: tl.constexpr):
 
 @triton.jit
 def _slice_top_kernel(scores_ptr, cand_key_ptr, cand_block_ptr, n, stride_s, K, SLICE: tl.constexpr,
-                      RADIX: tl.constexpr, PDL: tl.constexpr):
+                      PDL: tl.constexpr):
     wait_for_inputs(PDL)
     row = tl.program_id(0)
     part = tl.program_id(1)
     block = part * SLICE + tl.arange(0, SLICE)
     keys = _score_keys(scores_ptr + row.to(tl.int64) * stride_s, block, block < n)
-    chosen, rank = _top(keys, K, RADIX)
+    chosen, rank = _top(keys, K)
     out = (row.to(tl.int64) * tl.num_programs(1) + part) * K + rank
     tl.store(cand_key_ptr + out, keys, mask=chosen)
     tl.store(cand_block_ptr + out, block, mask=chosen)
@@ -113,8 +88,7 @@ def _slice_top_kernel(scores_ptr, cand_key_ptr, cand_block_ptr, n, stride_s, K, 
 
 @triton.jit
 def _lists_kernel(scores_ptr, cand_block_ptr, pos_ptr, index_ptr, valid_ptr, n, stride_s, K, limit, width,
-                  R: tl.constexpr, CHUNK: tl.constexpr, CANDIDATES: tl.constexpr, RADIX: tl.constexpr,
-                  PDL: tl.constexpr):
+                  R: tl.constexpr, CHUNK: tl.constexpr, CANDIDATES: tl.constexpr, PDL: tl.constexpr):
     """scores_ptr: the row's scores, or with CANDIDATES the slices' candidate keys (n of them a row, block indices at
     cand_block_ptr, both rows stride_s apart)."""
     wait_for_inputs(PDL)
@@ -127,7 +101,7 @@ def _lists_kernel(scores_ptr, cand_block_ptr, pos_ptr, index_ptr, valid_ptr, n, 
     else:
         keys = _score_keys(scores_ptr + row.to(tl.int64) * stride_s, offs, ok)
         block = offs.to(tl.int64)
-    chosen, rank = _top(keys, K, RADIX)
+    chosen, rank = _top(keys, K)
     pos = tl.load(pos_ptr + row).to(tl.int64)
     complete_before = (pos + 1) // R
     out_index = index_ptr + row.to(tl.int64) * width
@@ -173,11 +147,10 @@ def qsa_token_lists_triton(scores: torch.Tensor, pos: torch.Tensor, k: int, rati
         slices = triton.cdiv(n, size)
         source = torch.empty(rows, slices * k, dtype=torch.int32, device=scores.device)
         blocks = torch.empty(rows, slices * k, dtype=torch.int32, device=scores.device)
-        _slice_top_kernel[(rows, slices)](scores, source, blocks, n, scores.stride(0), k, SLICE=size, RADIX=RADIX,
+        _slice_top_kernel[(rows, slices)](scores, source, blocks, n, scores.stride(0), k, SLICE=size,
                                           num_warps=_warps(size), **pdl)
         count, stride = slices * k, slices * k
     chunk = triton.next_power_of_2(count)
     _lists_kernel[(rows,)](source, blocks, pos, token_index, token_valid.view(torch.uint8), count, stride, k, limit,
-                           width, R=ratio, CHUNK=chunk, CANDIDATES=n > CHUNK, RADIX=RADIX, num_warps=_warps(chunk),
-                           **pdl)
+                           width, R=ratio, CHUNK=chunk, CANDIDATES=n > CHUNK, num_warps=_warps(chunk), **pdl)
     return token_index, token_valid
