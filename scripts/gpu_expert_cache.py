@@ -86,16 +86,17 @@ def row_copier() -> bool:
     destinations = [torch.zeros((16, *s.shape[1:]), dtype=s.dtype, device="cuda") for s in sources]
     expected = [d.clone() for d in destinations]
     g = torch.Generator().manual_seed(0)
-    n = 40
-    tables = torch.randint(0, len(shapes), (n,), generator=g)
-    src, dst = torch.randint(0, 64, (n,), generator=g), torch.randint(0, 16, (n,), generator=g)
+    # distinct (table, destination row) pairs, as the pools' copies are (two copies to one row: either may land last)
+    pairs = torch.randperm(len(shapes) * 16, generator=g)[:40]
+    tables, dst = pairs // 16, pairs % 16
+    src = torch.randint(0, 64, (len(pairs),), generator=g)
     copy_table_rows(sources, expected, tables, src, dst)
     copier = RowCopier(sources, destinations)
     copier.copy(tables, src, dst)
     torch.cuda.synchronize()
     same = all(torch.equal(a, b) for a, b in zip(destinations, expected))
     # a step's worth: 480 experts x 4 tensors (rows of one table each: the bytes are what matters)
-    n = 480 * len(shapes)
+    n = 480 * len(shapes)   # rows land on rows already written: timing only
     tables = torch.arange(n) % len(shapes)
     src, dst = torch.randint(0, 64, (n,), generator=g), torch.randint(0, 16, (n,), generator=g)
     for _ in range(3):
