@@ -94,7 +94,8 @@ def row_copier() -> bool:
     copier = RowCopier(sources, destinations)
     copier.copy(tables, src, dst)
     torch.cuda.synchronize()
-    same = all(torch.equal(a, b) for a, b in zip(destinations, expected))
+    # as bytes: the random bf16 words include NaNs, which torch.equal calls unequal to themselves
+    same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(destinations, expected))
     # a step's worth: 480 experts x 4 tensors (rows of one table each: the bytes are what matters)
     n = 480 * len(shapes)   # rows land on rows already written: timing only
     tables = torch.arange(n) % len(shapes)

@@ -29,6 +29,7 @@ instead, missing experts straight from the host store, and the pools adapt betwe
 """
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 
 from flashnext.cache.expert_policy import make_policy
 from flashnext.ops import moe_int4 as moe_ops
+from flashnext.ops.row_copy import RowCopier, copy_table_rows
 from flashnext.weights.int4_layout import Int4Weight, dequantize
 from flashnext.weights.pinned import host_empty, pin_in_place
 
@@ -49,31 +51,28 @@ class ExpertCacheStats:
     hits: int = 0
     misses: int = 0
     bytes_copied: int = 0
-    stall_seconds: float = 0.0   # wall time spent copying misses in (the forward waits for it)
     prefetched: int = 0          # experts copied ahead of their layer (counted in bytes_copied too)
     prefetch_used: int = 0       # of which the layer then read (hits thanks to the prefetch)
+    copied_seconds: float = 0.0  # time of the copies the forward waited for, counted once they have run
+
+    def __post_init__(self):
+        # (start, end) events around copies queued on a GPU's compute stream, not counted yet (not a field: the
+        # stats stay plain numbers for dataclasses.asdict)
+        self.timed: collections.deque = collections.deque()
+
+    @property
+    def stall_seconds(self) -> float:
+        """Time the forward waited for misses to be copied in: on a GPU the copy kernels' time on the compute
+        stream (what the layer's kernels queued after them waited), on a CPU the copies' wall time."""
+        while self.timed and self.timed[0][1].query():
+            start, end = self.timed.popleft()
+            self.copied_seconds += start.elapsed_time(end) / 1e3
+        return self.copied_seconds
 
     @property
     def hit_rate(self) -> float:
         reads = self.hits + self.misses
         return self.hits / reads if reads else 0.0
-
-
-class PinnedRows:
-    """Pinned host rows that host→device expert copies pass through, shared by every layer's pool: layers copy one
-    after another, so one set of `capacity` rows per (tensor name, row shape, dtype) serves them all (a set per
-    layer would pin tens of GB for Flash-Next). `event` ends the last asynchronous copy out of them."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.buffers: dict[tuple, torch.Tensor] = {}
-        self.event = None
-
-    def rows(self, name: str, like: torch.Tensor, count: int) -> torch.Tensor:
-        key = (name, tuple(like.shape[1:]), like.dtype)
-        if key not in self.buffers:
-            self.buffers[key] = torch.empty((self.capacity, *like.shape[1:]), dtype=like.dtype).pin_memory()
-        return self.buffers[key][:count]
 
 
 def _one(w: Int4Weight, slot: int) -> Int4Weight:
@@ -85,13 +84,12 @@ class LayerExpertCache:
     """The slot pool of one Int4Experts module; installs itself as `module.expert_cache`."""
 
     def __init__(self, module, num_slots: int, policy: str, stats: ExpertCacheStats, device: torch.device,
-                 copy_stream=None, staging: PinnedRows | None = None, prefetch_staging: PinnedRows | None = None):
-        """`copy_stream`, `staging`, `prefetch_staging`: on a GPU, the copy stream and the pinned rows that loads
-        and prefetches copy through (shared by all layers); None on a CPU (plain copies)."""
+                 copy_stream=None):
+        """`copy_stream`: on a GPU, the stream prefetches copy on (shared by all layers); None on a CPU."""
         self.module, self.num_slots, self.stats, self.device = module, num_slots, stats, device
         self.num_experts = module.num_experts
         self.policy = make_policy(policy, self.num_experts)
-        self.copy_stream, self.staging, self.prefetch_staging = copy_stream, staging, prefetch_staging
+        self.copy_stream = copy_stream
         # prefetch: the next cached layer (its router module and cache), experts copied ahead and not yet read,
         # and the event that ends the last prefetch copy (the next forward's compute waits on it)
         self.next_router, self.next_cache = None, None
@@ -111,6 +109,11 @@ class LayerExpertCache:
             setattr(module, name, torch.zeros((num_slots, *full.shape[1:]), dtype=full.dtype, device=device))
             del full
         self.bytes_per_expert = sum(t[0].numel() * t.element_size() for t in self.host.values())
+        # store rows → pool slots, every tensor of an expert: on the GPU one kernel a call reading the page-locked
+        # store over PCIe (ops/row_copy.py) — no host gather into staging rows, no host wait
+        self.sources = [self.host[name] for name in self.names]
+        self.destinations = [getattr(module, name) for name in self.names]
+        self.copier = RowCopier(self.sources, self.destinations) if device.type == "cuda" else None
         self.slot_of = torch.full((self.num_experts,), -1, dtype=torch.long)        # expert → slot (host copy)
         self.slot_table = torch.full((self.num_experts,), -1, dtype=torch.long, device=device)
         self.free = list(range(num_slots))
@@ -152,7 +155,7 @@ class LayerExpertCache:
         if len(missing):
             slots = self._claim(missing, pinned=need)
             self._copy_in(missing, slots)
-            self.slot_table.copy_(self.slot_of)
+            self._upload_table()
         return self.slot_of[need].tolist()
 
     def prefetch(self, experts: list[int]) -> None:
@@ -166,18 +169,15 @@ class LayerExpertCache:
         self.stats.prefetched += len(missing)
         self.stats.bytes_copied += len(missing) * self.bytes_per_expert
         if self.copy_stream is None:
-            self.copy_rows(missing, slots, None)
-            self.slot_table.copy_(self.slot_of)
+            self.copy_rows(missing, slots)
+            self._upload_table()
             return
-        lane = self.prefetch_staging
-        if lane.event is not None:
-            lane.event.synchronize()            # the last prefetch's staging rows are free again
         with torch.cuda.stream(self.copy_stream):
             if self.graph_pool is not None and self.graph_pool.last_upload is not None:
                 self.copy_stream.wait_event(self.graph_pool.last_upload)   # an older table upload must land first
-            self.copy_rows(missing, slots, lane)
-            self.slot_table.copy_(self.slot_of, non_blocking=False)
-            self.prefetch_event = lane.event = torch.cuda.Event()
+            self.copy_rows(missing, slots)
+            self._upload_table()
+            self.prefetch_event = torch.cuda.Event()
             self.prefetch_event.record(self.copy_stream)
 
     def _claim(self, missing: torch.Tensor, pinned: torch.Tensor) -> torch.Tensor:
@@ -194,33 +194,34 @@ class LayerExpertCache:
         self.slot_of[missing] = slots
         return slots
 
-    def copy_rows(self, experts, slots, staging: PinnedRows | None) -> None:
-        """Host rows `experts` → device slots `slots` (tensors or lists): straight on the CPU, through pinned
-        `staging` rows with asynchronous copies on the current stream on the GPU. (A GraphPool copies its rows
-        its own way: ops/row_copy.py.)"""
-        experts, slots = torch.as_tensor(experts, dtype=torch.long), torch.as_tensor(slots, dtype=torch.long)
-        dst = slots.to(self.device, non_blocking=staging is not None)
-        for name in self.names:
-            host = self.host[name]
-            if staging is None:
-                rows = host.index_select(0, experts)
-            else:
-                rows = torch.index_select(host, 0, experts, out=staging.rows(name, host, len(experts)))
-                rows = rows.to(self.device, non_blocking=True)
-            getattr(self.module, name).index_copy_(0, dst, rows)
+    def copy_rows(self, experts: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store rows `experts` → pool slots `slots`, every tensor of the layout, on the current stream."""
+        tables = torch.arange(len(self.names)).repeat(len(experts))
+        rows = (experts.repeat_interleave(len(self.names)), slots.repeat_interleave(len(self.names)))
+        if self.copier is not None:
+            self.copier.copy(tables, *rows)
+        else:
+            copy_table_rows(self.sources, self.destinations, tables, *rows)
+
+    def _upload_table(self) -> None:
+        """The device slot table becomes slot_of in stream order, without a host wait (from page-locked memory)."""
+        self.slot_table.copy_(self.slot_of.pin_memory() if self.slot_table.is_cuda else self.slot_of,
+                              non_blocking=True)
 
     def _copy_in(self, experts: torch.Tensor, slots: torch.Tensor) -> None:
-        start = time.perf_counter()
-        if self.copy_stream is None:
-            self.copy_rows(experts, slots, None)
+        """Misses in before the layer's kernels read them: on the GPU queued on the compute stream, so the kernels
+        queued before (an earlier round of this layer) are done with the slots it overwrites and the ones after
+        wait for it; its time there is the stall (ExpertCacheStats)."""
+        if self.copier is None:
+            start = time.perf_counter()
+            self.copy_rows(experts, slots)
+            self.stats.copied_seconds += time.perf_counter() - start
         else:
-            # the kernels queued before (an earlier round of this layer) may still read the slots being refilled
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.copy_stream):
-                self.copy_rows(experts, slots, self.staging)
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
-            self.copy_stream.synchronize()  # the staging rows are reused next call; also makes the stall measurable
-        self.stats.stall_seconds += time.perf_counter() - start
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.copy_rows(experts, slots)
+            end.record()
+            self.stats.timed.append((start, end))
         self.stats.bytes_copied += len(experts) * self.bytes_per_expert
 
     def _guess_next(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -339,11 +340,8 @@ def install_expert_cache(model: torch.nn.Module, budget_bytes: int | None = None
     device = torch.device(device) if device is not None else next(iter(modules[0].buffers())).device
     gpu = device.type == "cuda"
     stream = torch.cuda.Stream(device) if gpu else None
-    staging = PinnedRows(slots_per_layer) if gpu else None
-    prefetch_staging = PinnedRows(slots_per_layer // 2) if gpu and prefetch else None
     stats = ExpertCacheStats()
-    layers = [LayerExpertCache(m, slots_per_layer, policy, stats, device, stream, staging, prefetch_staging)
-              for m in modules]
+    layers = [LayerExpertCache(m, slots_per_layer, policy, stats, device, stream) for m in modules]
     if prefetch:
         # Routers of MoE blocks whose experts are these modules themselves (expert parallel wraps them with an id
         # offset: no prefetch there), in model order.

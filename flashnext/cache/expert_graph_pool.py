@@ -84,10 +84,9 @@ class GraphPool:
         # tensor j): one kernel a learning step on the GPU, where a torch copy a row cost ~25 µs of host time each
         self.names = layers[0].names
         assert all(layer.names == self.names for layer in layers)
-        sources = [layer.host[name] for layer in layers for name in self.names]
-        destinations = [getattr(layer.module, name) for layer in layers for name in self.names]
-        self.copier = RowCopier(sources, destinations) if self.gpu else None
-        self.sources, self.destinations = sources, destinations
+        self.sources = [t for layer in layers for t in layer.sources]
+        self.destinations = [t for layer in layers for t in layer.destinations]
+        self.copier = RowCopier(self.sources, self.destinations) if self.gpu else None
         for i, layer in enumerate(layers):
             layer.graph_pool, layer.observed = self, self.observed[i]
             layer.slot_of, layer.slot_table = self.slot_of[i], self.tables[i]

@@ -59,7 +59,8 @@ class _EngineCollector:
                     ("misses", "Routed expert reads of experts not in the device pool (copied in first; in a "
                                "captured decode step read from host memory over PCIe).", st.misses),
                     ("bytes_copied", "Bytes of expert weights copied host to device.", st.bytes_copied),
-                    ("stall_seconds", "Wall time spent copying experts in.", st.stall_seconds),
+                    ("stall_seconds", "Time the forward waited for experts to be copied in (on a GPU the copies' "
+                                       "time on the compute stream).", st.stall_seconds),
                     ("prefetched", "Experts copied in ahead of their layer (a guess through its router).",
                      st.prefetched),
                     ("prefetch_used", "Prefetched experts their layer then read.", st.prefetch_used)):
