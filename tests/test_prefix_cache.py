@@ -327,6 +327,22 @@ def test_a_request_whose_disk_entry_changes_lets_go_of_its_first_read(flash, tmp
     pools_idle(second)
 
 
+def test_over_the_snapshot_budget_the_ends_outlive_the_snapshots_inside_prefills(flash):
+    # Room for three or four snapshots; each 150-token prompt takes two inside its prefill (64, 128), one at its end
+    # and one at its reply's. Oldest first, B's four would push all of A's out; the ones inside prefills go first,
+    # so A's reply end is still there for its next turn.
+    per_block = flash.kv.bytes_per_block(flash.config, BS, flash.dtype)
+    snapshot = flash.states.bytes_per_slot(flash.config, flash.dtype) + per_block
+    engine = make(loaded=flash.loaded, prefix_cache_gb=3.5 * snapshot / 2**30)
+    a, b = tokens(20, 150), tokens(21, 150)
+    reply_a, _ = run(engine, a, rid="a")
+    run(engine, b, rid="b")
+    turn2 = a + reply_a + tokens(22, 5)
+    out, cached = run(engine, turn2, rid="a2")
+    assert cached == len(a) + len(reply_a) - 1 and out == cold(engine, turn2, 6)
+    pools_idle(engine)
+
+
 @pytest.mark.parametrize("host_gb", [0.0, 0.0005])
 def test_tiny_budgets_stay_exact_and_leak_nothing(flash, host_gb):
     # 24 KV blocks and room for about three snapshots: constant eviction (and spills to a tiny host tier).

@@ -14,7 +14,10 @@ block on resume (a sequence writes into its last block, so a partial block is ne
 without any snapshot below it is useless and is pruned at once.
 
 Device memory is LRU by bytes: snapshots under --prefix-cache-gb, KV blocks when the pool runs short
-(the scheduler calls free_blocks before preempting). An evicted snapshot moves to the next tier down
+(the scheduler calls free_blocks before preempting). Over the snapshot budget, snapshots taken inside a prefill
+that nothing has resumed from go first (oldest first), then the rest (ends of prompts and replies): a long prompt takes one such snapshot
+every interval (a 65K-token one 64, ~110 MB each for Flash-Next), and under plain LRU eight 65K-token conversations
+pushed each other's ends out of the 1 GiB default, so none came back warm (bench concurrency, H200, session 12). An evicted snapshot moves to the next tier down
 (host RAM, then disk) with its prefix blocks; a hit in a lower tier is copied back in before resuming.
 """
 from __future__ import annotations
@@ -88,6 +91,7 @@ class PrefixCache:
         self.write_through = write_through
         self.root = Node((), ROOT_HASH, -1, None)
         self.lru: OrderedDict[bytes, tuple[Node, tuple[int, ...]]] = OrderedDict()
+        self.inside_prefill: set[bytes] = set()   # snapshots taken inside a prefill that nothing resumed from yet
         self.snapshot_bytes = 0
         # prefix hits served from a lower tier, by its name: their tokens, and the host time of copying them in
         self.restored_tokens: Counter[str] = Counter()
@@ -144,7 +148,9 @@ class PrefixCache:
             return None
         node, tail = found
         snap = node.snapshots[tail]
-        self.lru.move_to_end(snapshot_key(node.hash, tail))
+        key = snapshot_key(node.hash, tail)
+        self.lru.move_to_end(key)
+        self.inside_prefill.discard(key)
         return PrefixHit([n.block for n in node.path()], snap)
 
     def _load_now(self, tier: TierIndex, key: bytes, entry) -> tuple | None:
@@ -247,8 +253,11 @@ class PrefixCache:
             self.mirror.resume(hit.snapshot, slot, blocks[len(hit.blocks)] if hit.snapshot.tail_kv is not None else -1)
 
     # ---- insertion ----
-    def insert(self, tokens: list[int], blocks: list[int], slot: int, num_tokens: int, turn_end: bool = False) -> None:
-        """Snapshot a running sequence whose first num_tokens tokens are computed (state of `slot`)."""
+    def insert(self, tokens: list[int], blocks: list[int], slot: int, num_tokens: int, turn_end: bool = False,
+               inside_prefill: bool = False) -> None:
+        """Snapshot a running sequence whose first num_tokens tokens are computed (state of `slot`): at the end of
+        a turn (a reply, or a history followed by a generation prompt: written through when asked), inside a
+        prefill (the first over the budget to go), or at another end (a prompt's)."""
         if num_tokens <= 0:
             return
         bs = self.block_size
@@ -264,7 +273,8 @@ class PrefixCache:
         tail = tuple(tokens[d * bs:num_tokens])
         key = snapshot_key(node.hash, tail)
         snap = node.snapshots.get(tail)
-        if snap is None:
+        created = snap is None
+        if created:
             tail_kv = {k: v.clone() for k, v in read_block(self.kv, blocks[d]).items()} if tail else None
             snap = Snapshot(num_tokens, tail, self.states.snapshot(slot), tail_kv)
             if self.mirror is not None:
@@ -273,11 +283,15 @@ class PrefixCache:
             self.snapshot_bytes += snap.nbytes
         self.lru[key] = (node, tail)
         self.lru.move_to_end(key)
+        if not inside_prefill:
+            self.inside_prefill.discard(key)   # an end now, whatever it was
+        elif created:
+            self.inside_prefill.add(key)
         if turn_end and self.write_through:
             for tier in self.tiers():
                 self._write_down(tier, node, key, snap)
         while self.snapshot_bytes > self.snapshot_budget and self.lru:
-            self._evict(next(iter(self.lru)))
+            self._evict(self._over_budget_victim())
 
     def _install(self, tokens: list[int], runs: list[dict], snap: Snapshot) -> bool:
         """Copy a lower-tier entry (its blocks as runs: TierStore.load_blocks) into device blocks and the trie;
@@ -315,7 +329,7 @@ class PrefixCache:
         if pinned:
             self._prune(pinned[-1])
         while ok and self.snapshot_bytes > self.snapshot_budget and len(self.lru) > 1:
-            self._evict(next(iter(self.lru)))
+            self._evict(self._over_budget_victim(keep=snap_key))
         return ok
 
     def copy_down_one(self) -> bool:
@@ -350,7 +364,20 @@ class PrefixCache:
             self._evict(next(iter(self.lru)))
         return self.kv.num_free >= n
 
+    def _over_budget_victim(self, keep: bytes | None = None) -> bytes:
+        """The snapshot to drop over the snapshot budget: the oldest taken inside a prefill that nothing resumed
+        from, else the oldest (never `keep`, an entry just copied in)."""
+        oldest = None
+        for key in self.lru:
+            if key == keep:
+                continue
+            if key in self.inside_prefill:
+                return key
+            oldest = oldest or key
+        return oldest
+
     def _evict(self, key: bytes) -> None:
+        self.inside_prefill.discard(key)
         node, tail = self.lru.pop(key)
         snap = node.snapshots.pop(tail)
         self.snapshot_bytes -= snap.nbytes

@@ -247,13 +247,16 @@ class Scheduler:
             # With a history_len the prompt's end, a few tokens further, is not kept as well: a re-sent prompt
             # resumes from the history's end, and the device's snapshot budget (116 MB of state each on
             # Flash-Next) holds one per turn instead of two.
-            elif (n == prompt and r.history_len is None) or (crossed and n < prompt):
+            elif n == prompt and r.history_len is None:
                 self.snapshot(r)
+            elif crossed and n < prompt:
+                self.snapshot(r, inside_prefill=True)
 
-    def snapshot(self, request: Request, turn_end: bool = False) -> None:
+    def snapshot(self, request: Request, turn_end: bool = False, inside_prefill: bool = False) -> None:
         """Put the request's computed prefix (KV blocks + its slot's state) into the prefix cache."""
         if self.prefix_cache is not None and request.slot is not None:
-            self.prefix_cache.insert(request.all_ids, request.blocks, request.slot, request.num_computed, turn_end)
+            self.prefix_cache.insert(request.all_ids, request.blocks, request.slot, request.num_computed, turn_end,
+                                     inside_prefill)
 
     def finish(self, request: Request) -> None:
         if request in self.running:
