@@ -6,6 +6,7 @@ from pathlib import Path
 import tokenizers
 
 from flashnext.tokenizer.chat_template import ChatTemplateError, render_chat
+from flashnext.tokenizer.piece_cache import PieceCache
 
 
 class Tokenizer:
@@ -19,6 +20,7 @@ class Tokenizer:
         generation_eos_ids: tuple[int, ...] = (),
     ):
         self._backend = backend
+        self._pieces = PieceCache(backend)
         self.chat_template = chat_template
         added = backend.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, token in added.items() if token.special)
@@ -56,7 +58,9 @@ class Tokenizer:
         )
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if not add_special_tokens:   # a prompt: its pieces seen before are not encoded again (piece_cache.py)
+            return self._pieces.encode(text)
+        return self._backend.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
