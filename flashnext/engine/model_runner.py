@@ -112,7 +112,7 @@ class ModelRunner:
         """One token per request through the decode graph → logits [len(requests), V]; the tokens at their
         num_computed, or `input_ids` on the device (a step ahead)."""
         if input_ids is None:
-            input_ids = [r.all_ids[r.num_computed] for r in requests]
+            input_ids = [r.token_at(r.num_computed) for r in requests]
         if self.before_decode is not None:
             self.before_decode(len(requests))
         logits = self.graphs.run(input_ids, [r.num_computed for r in requests], [r.slot for r in requests],

@@ -58,6 +58,12 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_at(self, i: int) -> int:
+        """all_ids[i] without building all_ids (a decode step asks once per request: at 64K tokens of prompt the
+        copy was ~0.08 ms a request)."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
