@@ -60,10 +60,12 @@ def test_batch_rows_is_a_view_inside_one_run_and_a_copy_across_runs():
     runs = [read_blocks(kv, [0, 1]), read_blocks(kv, [2, 3, 4])]
     inside = batch_rows(runs, [2, 3, 4])
     across = batch_rows(runs, [1, 2, 4])
+    every = batch_rows(runs, [0, 1, 2, 3, 4])   # one range across both runs: a slice of each
     for name in runs[0]:
         assert inside[name].data_ptr() == runs[1][name].data_ptr()
         want = torch.stack([read_block(kv, b)[name] for b in (1, 2, 4)])
         assert torch.equal(across[name], want)
+        assert torch.equal(every[name], torch.stack([read_block(kv, b)[name] for b in range(5)]))
 
 
 @pytest.mark.parametrize("piece", [2, 256])

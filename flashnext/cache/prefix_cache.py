@@ -126,7 +126,7 @@ class PrefixCache:
                     return LOADING
                 started, loaded = read
                 try:
-                    installed = loaded is not None and self._install(tokens, *loaded)
+                    installed = loaded is not None and self._install(tokens, meta.blocks, *loaded)
                 except BaseException:
                     self._drop_read(key)
                     raise
@@ -138,7 +138,7 @@ class PrefixCache:
                 started = time.perf_counter()
                 with tier.protected(key):
                     loaded = self._load_now(tier, key, entry)
-                    installed = loaded is not None and self._install(tokens, *loaded)
+                    installed = loaded is not None and self._install(tokens, meta.blocks, *loaded)
             if installed:
                 self.restored_tokens[tier.name] += meta.num_tokens
                 self.restore_seconds[tier.name] += time.perf_counter() - started
@@ -293,24 +293,29 @@ class PrefixCache:
         while self.snapshot_bytes > self.snapshot_budget and self.lru:
             self._evict(self._over_budget_victim())
 
-    def _install(self, tokens: list[int], runs: list[dict], snap: Snapshot) -> bool:
-        """Copy a lower-tier entry (its blocks as runs: TierStore.load_blocks) into device blocks and the trie;
-        False when the KV pool has no room."""
-        bs, node, pinned, ok = self.block_size, self.root, [], True
-        rows, targets = [], []     # the entry's blocks the device lacks, and the device blocks they go to
-        for i in range(sum(map(run_rows, runs))):
+    def _install(self, tokens: list[int], hashes: list[bytes], runs: list[dict], snap: Snapshot) -> bool:
+        """Copy a lower-tier entry (the hashes of its full blocks, the blocks as runs: TierStore.load_blocks) into
+        device blocks and the trie; False when the KV pool has no room."""
+        bs, node, pinned = self.block_size, self.root, []
+        n = sum(map(run_rows, runs))
+        assert n == len(hashes)
+        have = 0     # the entry's blocks the device holds already: a path from the root
+        while have < n and (child := node.children.get(tuple(tokens[have * bs:(have + 1) * bs]))) is not None:
+            child.pins += 1
+            pinned.append(child)
+            node = child
+            have += 1
+        # the rest are new nodes below: their blocks at once (a 58K-token entry has ~3,600); what the pool cannot
+        # free leaves the entry short (ok False, the partial path pruned below)
+        self.free_blocks(n - have)
+        targets = self.kv.allocate(min(n - have, self.kv.num_free))
+        ok = have + len(targets) == n
+        rows = list(range(have, have + len(targets)))
+        for i, block in zip(rows, targets):
             key = tuple(tokens[i * bs:(i + 1) * bs])
-            child = node.children.get(key)
-            if child is None:
-                if self.kv.num_free == 0 and not self.free_blocks(1):
-                    ok = False
-                    break
-                block = self.kv.allocate(1)[0]
-                rows.append(i)
-                targets.append(block)
-                child = node.children[key] = Node(key, block_hash(node.hash, key), block, node)
-                if self.mirror is not None:
-                    self.mirror.install_block(child.hash, block)
+            child = node.children[key] = Node(key, hashes[i], block, node)
+            if self.mirror is not None:
+                self.mirror.install_block(child.hash, block)
             child.pins += 1
             pinned.append(child)
             node = child
@@ -324,8 +329,8 @@ class PrefixCache:
             node.snapshots[snap.tail] = device_snap
             self.snapshot_bytes += device_snap.nbytes
             self.lru[snap_key] = (node, snap.tail)
-        for n in pinned:
-            n.pins -= 1
+        for pinned_node in pinned:
+            pinned_node.pins -= 1
         if pinned:
             self._prune(pinned[-1])
         while ok and self.snapshot_bytes > self.snapshot_budget and len(self.lru) > 1:
