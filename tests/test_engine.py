@@ -302,3 +302,13 @@ def test_finished_requests_log_their_timing(engine, caplog):
         run_all(engine)
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("timed "))
     assert "timed length: prompt 5 tokens (" in line and "first token" in line and "4 tokens" in line
+
+
+def test_request_tokens_across_the_prompt_and_output_boundary():
+    from flashnext.engine.request import Request
+
+    r = Request("r", [1, 2, 3], SamplingParams(max_tokens=4), None, 16, output_ids=[7, 8])
+    every = r.all_ids
+    for start in range(len(every) + 1):
+        for stop in range(start, len(every) + 1):
+            assert r.tokens(start, stop) == every[start:stop]

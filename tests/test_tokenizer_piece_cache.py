@@ -5,7 +5,7 @@ import random
 import pytest
 import tokenizers
 
-from flashnext.tokenizer.piece_cache import PieceCache, split_points
+from flashnext.tokenizer.piece_cache import PieceCache, _size, split_points
 from flashnext.tokenizer.synthetic import write_tokenizer_files
 
 from test_tokenizer_synthetic import TEXTS
@@ -59,11 +59,11 @@ def test_a_piece_is_encoded_once(backend, monkeypatch):
 
 
 def test_memory_is_bounded(backend):
-    cache = PieceCache(backend, min_chars=0, max_tokens=500)
+    cache = PieceCache(backend, min_chars=0, max_bytes=4000)
     for text in conversation(3, 10):
         assert cache.encode(text) == reference(backend, text)
-        assert cache.tokens <= 500 or len(cache.pieces) == 1
-    assert cache.tokens == sum(map(len, cache.pieces.values()))
+        assert cache.bytes <= 4000 or len(cache.pieces) == 1
+    assert cache.bytes == sum(_size(text, ids) for text, ids in cache.pieces.items())
 
 
 def test_no_cut_at_tokens_that_strip_whitespace(backend):
@@ -73,3 +73,21 @@ def test_no_cut_at_tokens_that_strip_whitespace(backend):
     cache = PieceCache(backend, min_chars=0)
     for text in ["a  <strip>  b<|im_end|> c <strip>\n", "x <|im_start|>  <strip> y"]:
         assert cache.encode(text) == reference(backend, text)
+
+
+def test_tokenizers_that_do_not_compose_are_not_cut(backend):
+    # A word-level tokenizer whose pre-tokenizer marks the text's first word apart (Metaspace, prepend "first"):
+    # "a b<|im_end|>a b" is ▁a ▁b <|im_end|> a ▁b whole, but its second piece alone would start ▁a.
+    vocab = {"[UNK]": 0, "▁a": 1, "a": 2, "▁b": 3, "b": 4}
+    metaspace = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    metaspace.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace(prepend_scheme="first")
+    metaspace.add_special_tokens(["<|im_end|>"])
+    text = "a b<|im_end|>a b"
+    assert reference(metaspace, text) != reference(metaspace, "a b") + [5] + reference(metaspace, "a b")
+    padded = tokenizers.Tokenizer.from_str(backend.to_str())
+    padded.enable_padding(length=64)
+    for other, text in ((metaspace, text), (padded, conversation(5, 2)[-1])):
+        cache = PieceCache(other, min_chars=0)
+        assert cache.pattern is None
+        assert cache.encode(text) == reference(other, text)
+    assert PieceCache(backend).pattern is not None

@@ -1,16 +1,16 @@
 """Routed experts kept in host memory with a pool of device slots per layer (`--expert-vram-gb`).
 
 Each `Int4Experts` of the model keeps its stacked INT4 tensors (docs/int4.md's kernel layout) in a host store
-— pinned when CUDA is present, so host→device copies are DMA — and its buffers become a device pool of S
-expert slots in the same layout. A forward maps the routed expert ids to slots through a slot table; the
-experts missing from the pool are copied in first (as many as the pool holds), one batched copy per tensor of the
-layout per layer (on a dedicated CUDA stream on the GPU, a plain copy on the CPU). The experts a step needs are
-pinned while it runs; the rest are evicted by the policy (flashnext/cache/expert_policy.py).
+— pinned and mapped when CUDA is present, so kernels can read it over PCIe — and its buffers become a device
+pool of S expert slots in the same layout. A forward maps the routed expert ids to slots through a slot table;
+the experts missing from the pool are copied in first (as many as the pool holds): on the GPU one copy kernel
+per layer (ops/row_copy.py) queued on the compute stream, on the CPU a torch copy a row. The experts a step
+needs are pinned while it runs; the rest are evicted by the policy (flashnext/cache/expert_policy.py).
 
 Prefetch (`--expert-prefetch`, on by default): while layer L's MoE runs, the next cached layer's router is
 applied to L's MoE input — the next layer's input is that plus two residual updates, so its top-k is a good
 guess — and the guessed experts that are not resident are copied into the next pool on the copy stream
-without waiting (their own pinned staging rows, an event the next layer's compute waits on). The guess rides
+without waiting (an event the next layer's compute waits on). The guess rides
 on the host sync the layer takes anyway. Only for decode-sized batches (at most half a pool of guesses), so a
 prefill never thrashes the next pool. Outputs do not depend on it: an expert is resident or copied before use.
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -39,7 +40,7 @@ import torch.nn.functional as F
 
 from flashnext.cache.expert_policy import make_policy
 from flashnext.ops import moe_int4 as moe_ops
-from flashnext.ops.row_copy import RowCopier, copy_table_rows
+from flashnext.ops.row_copy import table_row_copy
 from flashnext.weights.int4_layout import Int4Weight, dequantize
 from flashnext.weights.pinned import host_empty, pin_in_place
 
@@ -56,18 +57,34 @@ class ExpertCacheStats:
     copied_seconds: float = 0.0  # time of the copies the forward waited for, counted once they have run
 
     def __post_init__(self):
-        # (start, end) events around copies queued on a GPU's compute stream, not counted yet (not a field: the
-        # stats stay plain numbers for dataclasses.asdict)
-        self.timed: collections.deque = collections.deque()
+        # (start, end) events around copies queued on a GPU's compute stream, not counted yet, and the lock the
+        # engine thread (adding) and the metrics (reading) share (not fields: the stats stay plain numbers for
+        # dataclasses.asdict)
+        self._timed: collections.deque = collections.deque()
+        self._lock = threading.Lock()
 
     @property
     def stall_seconds(self) -> float:
         """Time the forward waited for misses to be copied in: on a GPU the copy kernels' time on the compute
         stream (what the layer's kernels queued after them waited), on a CPU the copies' wall time."""
-        while self.timed and self.timed[0][1].query():
-            start, end = self.timed.popleft()
+        with self._lock:
+            self._count_finished()
+            return self.copied_seconds
+
+    def add_stall(self, seconds: float) -> None:
+        with self._lock:
+            self.copied_seconds += seconds
+
+    def add_stall_events(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        """Copies between `start` and `end` on the stream: counted once they have run (only those in flight wait)."""
+        with self._lock:
+            self._count_finished()
+            self._timed.append((start, end))
+
+    def _count_finished(self) -> None:
+        while self._timed and self._timed[0][1].query():
+            start, end = self._timed.popleft()
             self.copied_seconds += start.elapsed_time(end) / 1e3
-        return self.copied_seconds
 
     @property
     def hit_rate(self) -> float:
@@ -110,10 +127,11 @@ class LayerExpertCache:
             del full
         self.bytes_per_expert = sum(t[0].numel() * t.element_size() for t in self.host.values())
         # store rows → pool slots, every tensor of an expert: on the GPU one kernel a call reading the page-locked
-        # store over PCIe (ops/row_copy.py) — no host gather into staging rows, no host wait
+        # store over PCIe (ops/row_copy.py) — no host gather into staging rows, no host wait. The copies hold the
+        # pools' and the store's addresses: neither moves after this.
         self.sources = [self.host[name] for name in self.names]
         self.destinations = [getattr(module, name) for name in self.names]
-        self.copier = RowCopier(self.sources, self.destinations) if device.type == "cuda" else None
+        self._copy_tables = table_row_copy(self.sources, self.destinations)
         self.slot_of = torch.full((self.num_experts,), -1, dtype=torch.long)        # expert → slot (host copy)
         self.slot_table = torch.full((self.num_experts,), -1, dtype=torch.long, device=device)
         self.free = list(range(num_slots))
@@ -140,10 +158,11 @@ class LayerExpertCache:
 
     def load(self, experts: list[int]) -> list[int]:
         """Make `experts` (distinct, ≤ num_slots) resident; → their slots. Only other experts are evicted."""
+        # the prefetched rows and slot table land before this layer reads them (or settle uploads a table)
+        if self.prefetch_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.prefetch_event)
         if self.graph_pool is not None:          # copies started between decode steps land first
             self.graph_pool.settle()
-        if self.prefetch_event is not None:     # prefetched rows and slot table land before this layer reads them
-            torch.cuda.current_stream(self.device).wait_event(self.prefetch_event)
         need = torch.tensor(experts, dtype=torch.long)
         self.policy.access(need)
         missing = need[self.slot_of[need] < 0]
@@ -169,13 +188,13 @@ class LayerExpertCache:
         self.stats.prefetched += len(missing)
         self.stats.bytes_copied += len(missing) * self.bytes_per_expert
         if self.copy_stream is None:
-            self.copy_rows(missing, slots)
+            self._copy_rows(missing, slots)
             self._upload_table()
             return
         with torch.cuda.stream(self.copy_stream):
             if self.graph_pool is not None and self.graph_pool.last_upload is not None:
                 self.copy_stream.wait_event(self.graph_pool.last_upload)   # an older table upload must land first
-            self.copy_rows(missing, slots)
+            self._copy_rows(missing, slots)
             self._upload_table()
             self.prefetch_event = torch.cuda.Event()
             self.prefetch_event.record(self.copy_stream)
@@ -194,14 +213,10 @@ class LayerExpertCache:
         self.slot_of[missing] = slots
         return slots
 
-    def copy_rows(self, experts: torch.Tensor, slots: torch.Tensor) -> None:
+    def _copy_rows(self, experts: torch.Tensor, slots: torch.Tensor) -> None:
         """Store rows `experts` → pool slots `slots`, every tensor of the layout, on the current stream."""
         tables = torch.arange(len(self.names)).repeat(len(experts))
-        rows = (experts.repeat_interleave(len(self.names)), slots.repeat_interleave(len(self.names)))
-        if self.copier is not None:
-            self.copier.copy(tables, *rows)
-        else:
-            copy_table_rows(self.sources, self.destinations, tables, *rows)
+        self._copy_tables(tables, experts.repeat_interleave(len(self.names)), slots.repeat_interleave(len(self.names)))
 
     def _upload_table(self) -> None:
         """The device slot table becomes slot_of in stream order, without a host wait (from page-locked memory)."""
@@ -212,16 +227,16 @@ class LayerExpertCache:
         """Misses in before the layer's kernels read them: on the GPU queued on the compute stream, so the kernels
         queued before (an earlier round of this layer) are done with the slots it overwrites and the ones after
         wait for it; its time there is the stall (ExpertCacheStats)."""
-        if self.copier is None:
+        if self.copy_stream is None:
             start = time.perf_counter()
-            self.copy_rows(experts, slots)
-            self.stats.copied_seconds += time.perf_counter() - start
+            self._copy_rows(experts, slots)
+            self.stats.add_stall(time.perf_counter() - start)
         else:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            self.copy_rows(experts, slots)
+            self._copy_rows(experts, slots)
             end.record()
-            self.stats.timed.append((start, end))
+            self.stats.add_stall_events(start, end)
         self.stats.bytes_copied += len(experts) * self.bytes_per_expert
 
     def _guess_next(self, x: torch.Tensor) -> torch.Tensor | None:

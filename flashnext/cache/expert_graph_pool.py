@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from flashnext.ops.moe_int4 import CachedExperts
-from flashnext.ops.row_copy import RowCopier, copy_table_rows
+from flashnext.ops.row_copy import table_row_copy
 
 # Experts copied in per layer and per learning step at most (the copies share PCIe with the kernels' reads of
 # missing experts), MAX_COPIES_PER_STEP in all, the layers taking turns.
@@ -84,9 +84,8 @@ class GraphPool:
         # tensor j): one kernel a learning step on the GPU, where a torch copy a row cost ~25 µs of host time each
         self.names = layers[0].names
         assert all(layer.names == self.names for layer in layers)
-        self.sources = [t for layer in layers for t in layer.sources]
-        self.destinations = [t for layer in layers for t in layer.destinations]
-        self.copier = RowCopier(self.sources, self.destinations) if self.gpu else None
+        self._copy_tables = table_row_copy([t for layer in layers for t in layer.sources],
+                                           [t for layer in layers for t in layer.destinations])
         for i, layer in enumerate(layers):
             layer.graph_pool, layer.observed = self, self.observed[i]
             layer.slot_of, layer.slot_table = self.slot_of[i], self.tables[i]
@@ -223,7 +222,4 @@ class GraphPool:
         names = len(self.names)
         tables = (layers[:, None] * names + torch.arange(names)).flatten()
         rows = (experts.repeat_interleave(names), slots.repeat_interleave(names))
-        if self.copier is not None:
-            self.copier.copy(tables, *rows)
-        else:
-            copy_table_rows(self.sources, self.destinations, tables, *rows)
+        self._copy_tables(tables, *rows)

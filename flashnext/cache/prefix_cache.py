@@ -15,10 +15,11 @@ without any snapshot below it is useless and is pruned at once.
 
 Device memory is LRU by bytes: snapshots under --prefix-cache-gb, KV blocks when the pool runs short
 (the scheduler calls free_blocks before preempting). Over the snapshot budget, snapshots taken inside a prefill
-that nothing has resumed from go first (oldest first), then the rest (ends of prompts and replies): a long prompt takes one such snapshot
-every interval (a 65K-token one 64, ~110 MB each for Flash-Next), and under plain LRU eight 65K-token conversations
-pushed each other's ends out of the 1 GiB default, so none came back warm (bench concurrency, H200, session 12). An evicted snapshot moves to the next tier down
-(host RAM, then disk) with its prefix blocks; a hit in a lower tier is copied back in before resuming.
+that nothing has resumed from go first (oldest first), then the rest (ends of prompts and replies): a long
+prompt takes one at each chunk end past an interval mark (8-64 for 65K tokens in chunks of 8K-1K; ~110 MB each
+for Flash-Next), and under plain LRU eight 65K-token conversations pushed each other's ends out of the 1 GiB
+default, so none came back warm (bench concurrency, H200, session 12). An evicted snapshot moves to the next
+tier down (host RAM, then disk) with its prefix blocks; a hit in a lower tier is copied back in before resuming.
 """
 from __future__ import annotations
 
@@ -378,7 +379,8 @@ class PrefixCache:
                 continue
             if key in self.inside_prefill:
                 return key
-            oldest = oldest or key
+            if oldest is None:
+                oldest = key
         return oldest
 
     def _evict(self, key: bytes) -> None:

@@ -112,7 +112,7 @@ class ModelRunner:
         """One token per request through the decode graph → logits [len(requests), V]; the tokens at their
         num_computed, or `input_ids` on the device (a step ahead)."""
         if input_ids is None:
-            input_ids = [r.token_at(r.num_computed) for r in requests]
+            input_ids = [r.tokens(r.num_computed, r.num_computed + 1)[0] for r in requests]
         if self.before_decode is not None:
             self.before_decode(len(requests))
         logits = self.graphs.run(input_ids, [r.num_computed for r in requests], [r.slot for r in requests],
@@ -139,7 +139,7 @@ class ModelRunner:
         segments, ids, start = [], [], 0
         for chunk in chunks:
             r = chunk.request
-            ids.extend(r.all_ids[r.num_computed: r.num_computed + chunk.num_tokens])
+            ids.extend(r.tokens(r.num_computed, r.num_computed + chunk.num_tokens))
             blocks = torch.tensor(r.blocks, dtype=torch.long, device=self.device)
             segments.append(Segment(r.slot, blocks, start, chunk.num_tokens, r.num_computed))
             start += chunk.num_tokens

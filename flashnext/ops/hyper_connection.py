@@ -18,9 +18,9 @@ of a 16-bit tensor, and the mean over streams once (fp32 sum). `hc_mix` dispatch
   alone were ~3% of a 10K Flash-Next prefill) and one kernel for the final sigmoid·mean over streams
   (`hc_combine`). On the H200 (session 11, Flash-Next INT4 at 64K) the captured step of 8 rows took 14.29 ms this
   way against 16.33 ms with the mix kernels, of 4 rows 10.34 against 10.15 ms.
-A mix of two kernels with the rows on the tensor cores' M side lost to both paths at 1–16 rows on the H200 (in a CUDA
-graph 24.8–28.3 µs a mix, against the Triton mix's 6.4 / 15.6 / 26.5 at 1 / 2 / 4 rows and cuBLAS's 27.1 / 27.6 at
-8 / 16), so there is no third path.
+A mix of two kernels with the rows on the tensor cores' M side lost to the path each size takes on the H200 (in a
+CUDA graph 24.8–28.3 µs a mix, against the Triton mix's 6.4 / 15.6 / 26.5 at 1 / 2 / 4 rows and cuBLAS's 27.1 / 27.6
+at 8 / 16, one run each), so there is no third path.
 `hc_inject` is elementwise: the Triton kernel for any CUDA batch.
 FLASHNEXT_HC=reference forces the reference (to bisect a wrong answer on the GPU).
 """

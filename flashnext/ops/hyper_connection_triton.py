@@ -38,7 +38,7 @@ def sigmoid(v):
 
 
 @triton.jit
-def down_inject_rows(wd_ptr, wi_ptr, R, H, HC: tl.constexpr, HAS_INJECT: tl.constexpr, BLOCK_R: tl.constexpr):
+def _down_inject_rows(wd_ptr, wi_ptr, R, H, HC: tl.constexpr, HAS_INJECT: tl.constexpr, BLOCK_R: tl.constexpr):
     """A down program's (grid axis 0) tile of BLOCK_R rows of one virtual [R (+ hc), hc·H] weight — rows [0, R) are
     w_down's, [R, R + hc) w_inject's: the down kernel computes both GEMVs in one pass over the streams —
     → (the rows there are, the tile's row ids, which of them exist, their pointers)."""
@@ -57,7 +57,7 @@ def _hc_down_kernel(x_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, sumsq_ptr, bo_ptr, 
                     HAS_PENDING: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     pid_r, stream = tl.program_id(0), tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
-    rows, offs_r, r_ok, w_rows = down_inject_rows(wd_ptr, wi_ptr, R, H, HC, HAS_INJECT, BLOCK_R)
+    rows, offs_r, r_ok, w_rows = _down_inject_rows(wd_ptr, wi_ptr, R, H, HC, HAS_INJECT, BLOCK_R)
     offs_h = tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
     w = tl.load(w_rows[:, None] + stream * H + offs_h[None, :], mask=r_ok[:, None] & h_ok[None, :], other=0.0)
@@ -176,7 +176,7 @@ def hc_mix_injected_triton(h: torch.Tensor, block_output: torch.Tensor, weights:
     return _mix(h, pending, norm_weight, w_down, w_up, w_inject, hc, hidden, eps, config)
 
 
-def mix_buffers(h, norm_weight, w_down, w_up, w_inject, hc, hidden):
+def _mix_buffers(h, norm_weight, w_down, w_up, w_inject, hc, hidden):
     """A mix's checks and buffers: → (h with a unit last stride, block input [N, H], injection weights [N, hc] or
     None, the down|inject rows, the down kernel's fp32 partials for hc streams × N rows of h, and the streams' sums
     of squares)."""
@@ -197,7 +197,7 @@ def mix_buffers(h, norm_weight, w_down, w_up, w_inject, hc, hidden):
 
 def _mix(h, pending, norm_weight, w_down, w_up, w_inject, hc, hidden, eps, config):
     n, lowrank = h.shape[0], w_down.shape[0]
-    h, block_input, inject, rows, partials, sumsq = mix_buffers(h, norm_weight, w_down, w_up, w_inject, hc, hidden)
+    h, block_input, inject, rows, partials, sumsq = _mix_buffers(h, norm_weight, w_down, w_up, w_inject, hc, hidden)
     injected = torch.empty_like(h) if pending is not None else h    # what the up kernel reads as h
     if n == 0:
         return block_input, inject, injected

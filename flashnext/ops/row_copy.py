@@ -13,11 +13,15 @@ kernel copies all rows: sources in page-locked host memory are read over PCIe th
 as the MoE kernels read missing experts (ops/moe_int4_decode_triton.py).
 
 Rows are moved as 8-byte words: every row's size and every table's address must be a multiple of 8 bytes.
+`table_row_copy` picks: the kernel on CUDA where the tables allow it, else the reference (and with
+FLASHNEXT_ROW_COPY=reference, to bisect a wrong answer on the GPU).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -35,6 +39,19 @@ def copy_table_rows(sources: list[torch.Tensor], destinations: list[torch.Tensor
     """The specification: one row copy at a time."""
     for t, s, d in zip(tables.tolist(), source_rows.tolist(), destination_rows.tolist()):
         destinations[t][d].copy_(sources[t][s])
+
+
+def table_row_copy(sources: list[torch.Tensor], destinations: list[torch.Tensor]
+                   ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
+    """copy_table_rows over these tables: → a function of (tables, source_rows, destination_rows)."""
+    if (destinations[0].is_cuda and os.environ.get("FLASHNEXT_ROW_COPY", "triton") != "reference"
+            and all(_row_bytes(t) % WORD == 0 for t in sources)):
+        return RowCopier(sources, destinations).copy
+    return functools.partial(copy_table_rows, sources, destinations)
+
+
+def _row_bytes(table: torch.Tensor) -> int:
+    return table[0].numel() * table.element_size()
 
 
 @functools.cache
@@ -85,7 +102,7 @@ class RowCopier:
         for src, dst in zip(sources, destinations):
             assert src.is_contiguous() and dst.is_contiguous() and src.dtype == dst.dtype
             assert src.shape[1:] == dst.shape[1:], "a source and its destination differ in row shape"
-            row_bytes.append(src[0].numel() * src.element_size())
+            row_bytes.append(_row_bytes(src))
         self.row_bytes = torch.tensor(row_bytes, dtype=torch.long)
         self.source_base = torch.tensor([device_address(t, self.device) for t in sources], dtype=torch.long)
         self.destination_base = torch.tensor([device_address(t, self.device) for t in destinations], dtype=torch.long)
