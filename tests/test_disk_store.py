@@ -12,6 +12,15 @@ from flashnext.cache.disk_tier import HASH_BYTES, HEADER_BYTES, DiskStore
 from flashnext.cache.tier_index import SnapshotMeta
 
 
+
+def store_one(store, h, block):
+    """One block stored as a batch of one → the bytes it takes."""
+    return store.store_blocks([h], {name: t[None] for name, t in block.items()})[0]
+
+
+def load_one(store, h):
+    return {name: t[0] for name, t in store.load_blocks([h])[0].items()}
+
 def _dead_pid() -> int:
     """The pid of a process that has exited (an interrupted write's temporary file names its writer)."""
     import subprocess
@@ -38,11 +47,11 @@ def test_writes_run_on_the_writer_thread_and_loads_see_them(tmp_path, monkeypatc
     monkeypatch.setattr(disk_tier, "checksum", lambda t: threads.append(threading.current_thread().name) or original(t))
     store = DiskStore(tmp_path, "model-a")
     block, snap = _block(0), _snapshot(1)
-    size = store.store_block(b"\x01" * 8, block)
+    size = store_one(store, b"\x01" * 8, block)
     assert size == sum(t.numel() * t.element_size() for t in block.values()) + HEADER_BYTES + HASH_BYTES
     store.store_snapshot(b"\x02" * 8, snap, SnapshotMeta([b"\x01" * 8], (5, 6), 18, 0))
     # a load right away waits for the writes before it, and checks them (cache_file hashes the bytes it read)
-    got = store.load_block(b"\x01" * 8)
+    got = load_one(store, b"\x01" * 8)
     assert all(torch.equal(got[k], block[k]) for k in block)
     state, tail = store.load_snapshot(b"\x02" * 8)
     assert all(torch.equal(state[k], snap[0][k]) for k in snap[0]) and all(torch.equal(tail[k], snap[1][k])
@@ -56,22 +65,22 @@ def test_a_block_dropped_and_stored_again_survives_the_queued_delete(tmp_path):
     not be skipped (the file still exists now) and then lost to the delete."""
     store = DiskStore(tmp_path, "model-a")
     h, block = b"\x04" * 8, _block(4)
-    store.store_block(h, block)
+    store_one(store, h, block)
     store.flush()
     busy = threading.Event()
     store._submit(busy.wait)
     store.drop_block(h)
-    store.store_block(h, block)
+    store_one(store, h, block)
     busy.set()
     store.flush()
-    got = store.load_block(h)
+    got = load_one(store, h)
     assert all(torch.equal(got[k], block[k]) for k in block)
 
 
 def test_drops_follow_writes_in_order(tmp_path):
     store = DiskStore(tmp_path, "model-a")
     for i in range(20):
-        store.store_block(bytes([i]) * 8, _block(i))
+        store_one(store, bytes([i]) * 8, _block(i))
     for i in range(0, 20, 2):
         store.drop_block(bytes([i]) * 8)
     store.flush()
@@ -87,11 +96,11 @@ def test_a_failed_write_is_logged_and_its_entry_fails_to_load(tmp_path, monkeypa
 
     monkeypatch.setattr(disk_tier, "save_file", full_disk)
     with caplog.at_level(logging.WARNING, logger="flashnext.cache"):
-        store.store_block(b"\x03" * 8, _block(3))
+        store_one(store, b"\x03" * 8, _block(3))
         store.flush()
     assert "could not write" in caplog.text and "No space left" in caplog.text
     with pytest.raises(OSError):          # TierIndex.load drops such an entry and the request is computed
-        store.load_block(b"\x03" * 8)
+        load_one(store, b"\x03" * 8)
     assert not list((tmp_path / "batches").iterdir())
 
 
@@ -118,7 +127,7 @@ def test_restart_deletes_what_no_entry_needs_and_keeps_foreign_files(tmp_path, c
     _entry(tier, [a, c], b"\xbb" * 16, 10)        # its snapshot file will be deleted by hand: c is orphaned
     _entry(tier, [bytes([4]) * 16], b"\xcc" * 16, 20)   # its batch file will be deleted: the snapshot is useless
     foreign = DiskStore(tmp_path, "model-b")
-    foreign.store_block(bytes([5]) * 16, _block(5))
+    store_one(foreign, bytes([5]) * 16, _block(5))
     foreign.flush()
     store.flush()
     store.snapshot_path(b"\xbb" * 16).unlink()
@@ -248,7 +257,7 @@ def test_a_block_in_two_batch_files_is_read_from_one_and_the_other_file_goes(tmp
     a, b = bytes([1]) * 16, bytes([2]) * 16
     store.store_blocks([a, b], {k: torch.stack([_block(0)[k], _block(1)[k]]) for k in _block(0)})
     store.drop_block(a)
-    store.store_block(a, _block(0))
+    store_one(store, a, _block(0))
     store.flush()
     assert len(list(store.batch_dir.iterdir())) == 2
     again = DiskStore(tmp_path, "model-a")
@@ -256,7 +265,7 @@ def test_a_block_in_two_batch_files_is_read_from_one_and_the_other_file_goes(tmp
     again.keep_only({a})       # whichever file serves a, the other goes: b was the other's only block, or none
     again.flush()
     assert len(list(store.batch_dir.iterdir())) == 1
-    assert torch.equal(again.load_block(a)["k.3"], _block(0)["k.3"])
+    assert torch.equal(load_one(again, a)["k.3"], _block(0)["k.3"])
     with pytest.raises(CorruptEntry, match="not in"):
         again.load_blocks([bytes([9]) * 16])
     again.batches[again.rows[a][0]].rows = 3       # as if the header named a block more than the file holds

@@ -39,7 +39,7 @@ def test_blocks_stored_together_load_as_one_run_of_views():
         assert all(t.data_ptr() == batch[name].data_ptr() for name, t in run.items())   # views of the store
     for row, block in enumerate([7, 2, 9, 0, 4]):
         for name, t in read_block(kv, block).items():
-            assert torch.equal(batch_rows(runs, [row])[name][0], t) and torch.equal(store.load_block(hs[row])[name], t)
+            assert torch.equal(batch_rows(runs, [row])[name][0], t) and torch.equal(store.load_blocks([hs[row]])[0][name][0], t)
     assert len(store.load_blocks([hs[0], hs[1], hs[3]])) == 2
 
 
@@ -47,7 +47,7 @@ def test_a_batch_is_freed_with_its_last_block():
     kv, store = pool(seed=2), HostStore()
     hs = hashes(4)     # one power-of-two piece: one batch
     store.store_blocks(hs, read_blocks(kv, [0, 1, 2, 3]))
-    store.store_block(b"single" * 3, read_block(kv, 5))
+    store.store_blocks([b"single" * 3], read_blocks(kv, [5]))
     for h in hs[:3]:
         store.drop_block(h)
     assert len(store.batches) == 2

@@ -72,10 +72,6 @@ class HostStore(TierStore):
         return [{name: t[first: first + n] for name, t in self.batches[batch_id].items()}
                 for batch_id, first, n in row_runs([self.rows[h] for h in hashes])]
 
-    def load_block(self, h: bytes) -> BlockData:
-        batch_id, row = self.rows[h]
-        return {name: t[row] for name, t in self.batches[batch_id].items()}
-
     def load_snapshot(self, key: bytes) -> SnapshotData:
         return self.snapshot_data[key]
 

@@ -66,9 +66,6 @@ class TierStore:
         """Several blocks at once, `batch` holding them as rows (name → [len(hashes), …])."""
         raise NotImplementedError
 
-    def store_block(self, h: bytes, data: BlockData) -> int:
-        return self.store_blocks([h], {name: t.unsqueeze(0) for name, t in data.items()})[0]
-
     def store_snapshot(self, key: bytes, snap: SnapshotData, meta: SnapshotMeta | None) -> int:
         """`meta` is what the index knows of the entry (the disk keeps it for a restart); None on ranks > 0."""
         raise NotImplementedError
@@ -76,9 +73,6 @@ class TierStore:
     def load_blocks(self, hashes: list[bytes]) -> list[BlockData]:
         """The blocks in order, as runs: batches whose rows, one run after the other, are the blocks."""
         raise NotImplementedError
-
-    def load_block(self, h: bytes) -> BlockData:
-        return {name: t[0] for name, t in self.load_blocks([h])[0].items()}
 
     def load_snapshot(self, key: bytes) -> SnapshotData:
         raise NotImplementedError
