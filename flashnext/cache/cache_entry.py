@@ -68,41 +68,48 @@ def run_rows(run: dict[str, torch.Tensor]) -> int:
     return len(next(iter(run.values())))
 
 
-def batch_rows(runs: list[dict[str, torch.Tensor]], rows: list[int]) -> dict[str, torch.Tensor]:
-    """Rows `rows` of the blocks that `runs` (batches whose rows, in order, are the blocks) hold, as one batch:
-    a view when they are consecutive rows of one run, else a copy."""
+def row_segments(runs: list[dict[str, torch.Tensor]], rows: list[int]) -> list[tuple[int, int, int]]:
+    """Rows `rows` of the blocks that `runs` (batches whose rows, in order, are the blocks) hold, as (run, first
+    row in it, rows) of each stretch of consecutive rows inside one run: a resumed entry's rows are one range
+    across its runs, so a few stretches, not a tensor a row (~3,600 rows for a 58K-token Flash-Next entry)."""
     starts, at = [], 0
     for run in runs:
         starts.append(at)
         at += run_rows(run)
-
-    def locate(row):
-        i = bisect.bisect_right(starts, row) - 1
-        return i, row - starts[i]
-
-    # (run, first row, rows) of each stretch of consecutive rows inside one run: a resumed entry's rows are one
-    # range across its runs, so a few slices, not a tensor a row (~3,600 rows for a 58K-token Flash-Next entry)
-    pieces: list[tuple[int, int, int]] = []
+    segments: list[tuple[int, int, int]] = []
     for row in rows:
-        i, j = locate(row)
-        if pieces and pieces[-1][0] == i and pieces[-1][1] + pieces[-1][2] == j:
-            pieces[-1] = (i, pieces[-1][1], pieces[-1][2] + 1)
+        i = bisect.bisect_right(starts, row) - 1
+        j = row - starts[i]
+        if segments and segments[-1][0] == i and segments[-1][1] + segments[-1][2] == j:
+            segments[-1] = (i, segments[-1][1], segments[-1][2] + 1)
         else:
-            pieces.append((i, j, 1))
-    if len(pieces) == 1:
-        i, j, count = pieces[0]
+            segments.append((i, j, 1))
+    return segments
+
+
+def batch_rows(runs: list[dict[str, torch.Tensor]], rows: list[int]) -> dict[str, torch.Tensor]:
+    """Rows `rows` of `runs` (see row_segments) as one batch: a view when they are consecutive rows of one run,
+    else a copy."""
+    segments = row_segments(runs, rows)
+    if len(segments) == 1:
+        i, j, count = segments[0]
         return {name: t[j: j + count] for name, t in runs[i].items()}
-    return {name: torch.cat([runs[i][name][j: j + count] for i, j, count in pieces]) for name in runs[0]}
+    return {name: torch.cat([runs[i][name][j: j + count] for i, j, count in segments]) for name in runs[0]}
 
 
 def write_blocks(kv, blocks: list[int], runs: list[dict[str, torch.Tensor]], rows: list[int]) -> None:
-    """Rows `rows` of `runs` (see batch_rows) into device blocks `blocks`: per WRITE_PIECE rows, one copy to the
-    device and one scatter per tensor of the pool."""
-    for at in range(0, len(blocks), WRITE_PIECE):
-        piece = batch_rows(runs, rows[at: at + WRITE_PIECE])
-        index = torch.tensor(blocks[at: at + WRITE_PIECE], dtype=torch.long, device=kv.device)
-        for name, t in _pool_tensors(kv):
-            t.index_copy_(0, index, piece[name].to(kv.device, non_blocking=True))
+    """Rows `rows` of `runs` (see row_segments) into device blocks `blocks`: per stretch of consecutive rows of one
+    run, at most WRITE_PIECE rows at a time, one copy to the device and one scatter per tensor of the pool — from
+    the run's own rows (page-locked in the host tier: an asynchronous copy), never joined on the host first (that
+    was a host memcpy into pageable memory, then a synchronous copy, for pieces across runs)."""
+    at = 0
+    for i, j, count in row_segments(runs, rows):
+        for first in range(j, j + count, WRITE_PIECE):
+            n = min(WRITE_PIECE, j + count - first)
+            index = torch.tensor(blocks[at: at + n], dtype=torch.long, device=kv.device)
+            for name, t in _pool_tensors(kv):
+                t.index_copy_(0, index, runs[i][name][first: first + n].to(kv.device, non_blocking=True))
+            at += n
 
 
 def tensor_bytes(tensors: dict[str, torch.Tensor] | None) -> int:
