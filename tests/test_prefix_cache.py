@@ -163,10 +163,10 @@ def test_host_tier_restore(flash):
 
 
 def test_an_idle_engine_copies_entries_down_ahead_of_their_eviction(flash):
-    """--kv-host-idle-copy (off by default): while no request runs, idle_work copies the device entries to the host tier, least
-    recently used first, one a call, keeping them on the device; their eviction later copies nothing; a resume from
+    """--kv-host-idle-copy (on by default): while no request runs, idle_work copies the device entries to the host
+    tier, least recently used first, one a call, keeping them on the device; their eviction later copies nothing; a resume from
     the host tier stays exact. An entry that would not fit the host tier without evicting is left alone."""
-    engine = make(loaded=flash.loaded, kv_host_gb=0.05, kv_host_idle_copy=True)
+    engine = make(loaded=flash.loaded, kv_host_gb=0.05)     # the default: on
     first = tokens(8, 70)
     reply, _ = run(engine, first, rid="a")
     run(engine, tokens(9, 50), rid="b")
@@ -185,7 +185,7 @@ def test_an_idle_engine_copies_entries_down_ahead_of_their_eviction(flash):
     small = make(loaded=flash.loaded, kv_host_gb=1e-6, kv_host_idle_copy=True)     # ~1 KB: no entry fits
     run(small, first)
     assert not small.idle_work() and not small.prefix_cache.lower.snaps
-    off = make(loaded=flash.loaded, kv_host_gb=0.05)     # the default: off
+    off = make(loaded=flash.loaded, kv_host_gb=0.05, kv_host_idle_copy=False)
     run(off, first)
     assert not off.idle_work() and not off.prefix_cache.lower.snaps
 
