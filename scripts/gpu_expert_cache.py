@@ -147,20 +147,27 @@ def main() -> int:
     prompts = [[random.Random(i).randrange(3, 480) for _ in range(30 + 7 * i)] for i in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     for name in ("tiny-flash-next", "tiny-qwen3-next"):
-        for budget in (None, 4e-5, 1e-4):   # all resident; 3 and 7 of 8 slots a layer on these presets
+        for budget, admission in ((None, None), (4e-5, "between-steps"), (1e-4, "between-steps"), (4e-5, "in-step"),
+                                  (1e-4, "in-step")):   # all resident; 3 and 7 of 8 slots a layer on these presets
             llm = LLM(name, dtype="float32", quantize="int4", expert_vram_gb=budget, max_num_seqs=4,
-                      enable_prefix_caching=False, kv_cache_gb=0.5)
+                      enable_prefix_caching=False, kv_cache_gb=0.5, expert_admission=admission or "between-steps")
             tokens = [c.token_ids for c in llm.generate(prompts, params)]
             if budget is None:
                 want = tokens
                 continue
             cache, graphs = llm.engine.loaded.expert_cache, llm.engine.runner.graphs
+            cache.graph_pool.settle()
             st = cache.stats
             same = tokens == want
-            ok &= same and graphs is not None and any(g is not None for g, _ in graphs.graphs.values())
-            print(f"{name:16} engine, graphs, {cache.slots_per_layer} slots a layer: "
-                  f"{'equal' if same else 'MISMATCH'} to all-resident; captured {len(graphs.graphs)} steps; "
-                  f"hits {st.hits} misses {st.misses} copied {st.bytes_copied} bytes")
+            # every resident slot holds its expert's words (in-step: written by the MoE kernels as they read)
+            held = all(torch.equal(getattr(layer.module, n)[int(layer.slot_of[e])], layer.host[n][e].cuda())
+                       for layer in cache.layers for e in (layer.slot_of >= 0).nonzero().flatten().tolist()
+                       for n in layer.names)
+            ok &= same and held and graphs is not None and any(g is not None for g, _ in graphs.graphs.values())
+            print(f"{name:16} engine, graphs, {admission}, {cache.slots_per_layer} slots a layer: "
+                  f"{'equal' if same else 'MISMATCH'} to all-resident; slots {'hold' if held else 'DO NOT hold'} "
+                  f"their experts; captured {len(graphs.graphs)} steps; hits {st.hits} misses {st.misses} "
+                  f"copied {st.bytes_copied} bytes")
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 

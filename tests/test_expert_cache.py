@@ -207,6 +207,43 @@ def test_pools_adapting_between_graph_steps_keep_outputs_exact(model, copies, mo
             assert all(torch.equal(getattr(layer.module, n)[slot], layer.host[n][expert]) for n in layer.names)
 
 
+@pytest.mark.parametrize("model", PRESETS[:2])
+def test_pools_admitting_inside_the_graph_step_keep_outputs_exact(model):
+    """--expert-admission in-step (cache/expert_claim_pool.py; on a CPU the fixed-shape step runs uncaptured): each
+    decode claims slots for its missed experts (LRU) and the MoE writes them there as it reads them — outputs equal
+    all-resident, experts were admitted, the counters add up, and after settling every resident slot holds its
+    expert's words, no slot twice, none free; an eager prefill in between keeps working on the settled pools."""
+    from flashnext.engine.cuda_graph import DecodeGraphs
+
+    run = lambda engine: _three_greedy(engine, 12)  # noqa: E731
+    args = EngineArgs(model=model, device="cpu", dtype="float32", quantize="int4", max_num_seqs=4,
+                      max_num_batched_tokens=64, max_model_len=256, enable_prefix_caching=False)
+    want = run(LLMEngine(args))
+    loaded = load_model(model, "cpu", torch.float32, quantize="int4", expert_vram_gb=4e-5)   # 3 of 8 slots a layer
+    engine = LLMEngine(EngineArgs(**{**vars(args), "expert_vram_gb": 4e-5}), loaded)
+    cache = loaded.expert_cache
+    runner = engine.runner
+    runner.graphs = DecodeGraphs(runner.model, engine.kv, engine.states, max_batch=4,
+                                 max_blocks_per_seq=engine.kv.blocks_for(engine.max_model_len))
+    pool = cache.enable_graphs(runner.graphs.max_batch, engine.config.num_experts_per_tok, "in-step")
+    runner.before_decode, runner.after_decode = pool.before_step, pool.after_step
+    assert all(not layer.free for layer in cache.layers)          # filled from the start
+    assert run(engine) == want
+    assert run(engine) == want                                     # prefills (eager) after graph steps, settled
+    pool.settle()
+    st = cache.stats
+    admitted = int(pool.counts[:, 2].sum())
+    assert admitted > 0 and st.bytes_copied >= admitted * cache.layers[0].bytes_per_expert
+    assert int(pool.counts[:, :2].sum()) > 0 and st.hits + st.misses >= int(pool.counts[:, :2].sum())
+    for layer in cache.layers:
+        assert torch.equal(layer.slot_table, layer.slot_of) and not layer.free
+        resident = layer.slot_of[layer.slot_of >= 0]
+        assert sorted(resident.tolist()) == list(range(layer.num_slots))
+        for expert in (layer.slot_of >= 0).nonzero().flatten().tolist():   # each slot holds its expert's words
+            slot = layer.slot_of[expert].item()
+            assert all(torch.equal(getattr(layer.module, n)[slot], layer.host[n][expert]) for n in layer.names)
+
+
 def test_graph_pools_trade_a_resident_only_for_a_more_valuable_expert(monkeypatch):
     """Between graph steps a layer's most valuable missed experts take free slots, else evict the least valuable
     residents only while worth more (they can be read from host memory meanwhile): a one-off never pushes out a hot

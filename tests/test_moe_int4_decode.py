@@ -206,3 +206,39 @@ def test_padding_rows_of_a_cached_step_are_skipped(monkeypatch):
         assert torch.equal(got[:n], want[:n]) and not got[n:].any()
         ref = moe_int4(x, ids, weights, w_gate_up, w_down, cached=CachedExperts(table, w_gate_up, w_down, live))
         assert rel_err(ref[:n], want[:n]) < 1e-5 and not ref[n:].any()
+
+
+@pytest.mark.parametrize("asym,act_order", [(False, False), (True, True)])
+def test_admitted_experts_are_written_into_their_slots_as_they_are_read(asym, act_order):
+    """An expert admitted in this step (table ≤ -2, ops/expert_claims.py) is read from the host store and written
+    into its slot by the kernels — every tensor of both weights, the slot's other rows and the other slots left
+    alone — as the CPU reference does; a padding row's experts are not written. The output is unchanged."""
+    from flashnext.ops.moe_int4 import CachedExperts, moe_int4
+    from flashnext.ops.moe_int4_decode_triton import DecodeConfig, moe_int4_decode
+
+    x, ids, weights, w_gate_up, w_down = case(3, 3, 32, 16, asym, act_order, seed=5)
+    slots = 4
+    admitted = [ids[0, 0].item(), ids[1, 2].item()]
+    padding_only = next(e for e in range(E) if e not in ids[:2].flatten().tolist())
+    ids[2] = padding_only                   # the third row is padding: its expert must not be written
+    table = torch.full((E,), -1, dtype=torch.long)
+    table[admitted[0]], table[admitted[1]], table[padding_only] = -(2 + 2), -(0 + 2), -(3 + 2)
+    live = torch.tensor([2], dtype=torch.int32)
+    config = DecodeConfig(block_n=32, block_k=32, split_k=2, split_down=2)
+    want = moe_int4_decode(x, ids, weights, w_gate_up, w_down, config)
+    for run in ("kernels", "reference"):
+        pools = [pool_of(w, [0] * slots, slots) for w in (w_gate_up, w_down)]
+        for pool in pools:
+            for t in pool.tensors().values():
+                t.zero_()
+        cached = CachedExperts(table, w_gate_up, w_down, live)
+        if run == "kernels":
+            got = moe_int4_decode(x, ids, weights, *pools, config, cached=cached)
+            assert torch.equal(got[:2], want[:2])
+        else:
+            moe_int4(x, ids, weights, *pools, cached=cached)
+        for pool, w in zip(pools, (w_gate_up, w_down)):
+            for name, t in pool.tensors().items():
+                host = getattr(w, name)
+                assert torch.equal(t[2], host[admitted[0]]) and torch.equal(t[0], host[admitted[1]]), (run, name)
+                assert not t[1].any() and not t[3].any(), (run, name)    # a slot nobody was admitted to, the padding's

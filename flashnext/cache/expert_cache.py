@@ -135,9 +135,10 @@ class LayerExpertCache:
         self.slot_of = torch.full((self.num_experts,), -1, dtype=torch.long)        # expert → slot (host copy)
         self.slot_table = torch.full((self.num_experts,), -1, dtype=torch.long, device=device)
         self.free = list(range(num_slots))
-        # Set by a GraphPool (cache/expert_graph_pool.py) for captured decode steps: the kernels read the pool through
-        # the slot table and a missing expert from its host row (`cached`); the step's routed ids go to `observed`.
-        self.graph_pool, self.observed, self.cached = None, None, None
+        # Set by the pools' keeper for captured decode steps (ExpertCache.enable_graphs: a GraphPool or ClaimPool):
+        # the kernels read the pool through the slot table and a missing expert from its host row (`cached`); the
+        # step's routed ids go to the keeper (`routed`) under this layer's index.
+        self.graph_pool, self.pool_index, self.cached = None, None, None
         module.expert_cache = self
 
     def host_weight(self, prefix: str) -> Int4Weight:
@@ -152,7 +153,7 @@ class LayerExpertCache:
         step: LLMEngine), `forward`."""
         if self.graph_pool is None or not moe_ops.runs_cached_experts(x):
             return self.forward(x, weights, ids, shared)
-        self.observed[:ids.numel()].copy_(ids.reshape(-1))
+        self.graph_pool.routed(self, ids)
         return moe_ops.moe_int4(x, ids, weights, self.module.weight_int4("gate_up"), self.module.weight_int4("down"),
                                 shared=shared, cached=self.cached)
 
@@ -308,9 +309,16 @@ class ExpertCache:
     def graph_pool(self):
         return self.layers[0].graph_pool
 
-    def enable_graphs(self, max_rows: int, top_k: int):
-        """Decode steps read the pools through their slot tables (they may be captured); → the GraphPool, whose
-        before_step / after_step the engine calls around each such step."""
+    def enable_graphs(self, max_rows: int, top_k: int, admission: str = "between-steps"):
+        """Decode steps read the pools through their slot tables (they may be captured); → the pools' keeper, whose
+        before_step / after_step the engine calls around each such step: a GraphPool (between-steps: learning and
+        copies between steps) or a ClaimPool (in-step: admission inside the step, cache/expert_claim_pool.py)."""
+        if admission == "in-step":
+            from flashnext.cache.expert_claim_pool import ClaimPool
+
+            return ClaimPool(self.layers, max_rows, top_k)
+        if admission != "between-steps":
+            raise ValueError(f"--expert-admission {admission!r}: between-steps or in-step")
         from flashnext.cache.expert_graph_pool import GraphPool
 
         return GraphPool(self.layers, max_rows, top_k)

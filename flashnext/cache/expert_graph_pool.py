@@ -87,10 +87,14 @@ class GraphPool:
         self._copy_tables = table_row_copy([t for layer in layers for t in layer.sources],
                                            [t for layer in layers for t in layer.destinations])
         for i, layer in enumerate(layers):
-            layer.graph_pool, layer.observed = self, self.observed[i]
+            layer.graph_pool, layer.pool_index = self, i
             layer.slot_of, layer.slot_table = self.slot_of[i], self.tables[i]
             layer.cached = CachedExperts(layer.slot_table, layer.host_weight("gate_up"), layer.host_weight("down"),
                                          self.live_rows)
+
+    def routed(self, layer, ids: torch.Tensor) -> None:
+        """A layer's decode, before its MoE kernels: its routed ids into the step's observation."""
+        self.observed[layer.pool_index, :ids.numel()].copy_(ids.reshape(-1))
 
     def before_step(self, rows: int) -> None:
         """Before a decode step of `rows` real rows is queued (ModelRunner's before_decode)."""

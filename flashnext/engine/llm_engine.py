@@ -132,7 +132,7 @@ class LLMEngine:
             graphs = DecodeGraphs(self.loaded.model, self.kv, self.states, graph_rows,
                                   self.kv.blocks_for(self.max_model_len))
             if experts is not None:
-                pool = experts.enable_graphs(graphs.max_batch, cfg.num_experts_per_tok)
+                pool = experts.enable_graphs(graphs.max_batch, cfg.num_experts_per_tok, args.expert_admission)
         self.runner = ModelRunner(self.loaded.model, self.kv, self.states, self.eos_token_ids, self.device, args.seed,
                                   graphs, before_decode=pool and pool.before_step, after_decode=pool and pool.after_step)
         self.requests: dict[str, Request] = {}

@@ -88,12 +88,22 @@ def _activation(x_ptr, perm_ptr, k, HAS_PERM: tl.constexpr):
 
 @triton.jit
 def _tile_dot(x_ptr, perm_ptr, qweight_ptr, scales_ptr, zeros_ptr, k0, offs_n, n_ok, N, GROUP: tl.constexpr,
-              HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+              HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+              write_q, write_s, write_z, write, WRITE: tl.constexpr):
     """[BLOCK_K // 8, BLOCK_N] fp32 terms whose column sums are x[k0:k0+BLOCK_K] @ W[k0:k0+BLOCK_K, offs_n].
+    WRITE and `write` (an expert admitted into a pool slot in this step, ops/expert_claims.py): the tile's words and
+    its group's scales (and zeros) are also stored at write_q / write_s / write_z, the slot's.
 
     The row reduction is left to the caller (once per program, not once per tile)."""
     words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     low = tl.load(qweight_ptr + words[:, None] * N + offs_n[None, :], mask=n_ok[None, :], other=0)
+    if WRITE:
+        stored = tl.where(write, n_ok, False)   # (not n_ok & write: the interpreter makes that an int32 mask)
+        tl.store(write_q + words[:, None] * N + offs_n[None, :], low, mask=stored[None, :])
+        group = k0 // GROUP
+        tl.store(write_s + group * N + offs_n, tl.load(scales_ptr + group * N + offs_n, mask=stored), mask=stored)
+        if HAS_ZEROS:
+            tl.store(write_z + group * N + offs_n, tl.load(zeros_ptr + group * N + offs_n, mask=stored), mask=stored)
     high = low >> 12  # rows 4..7 of each word to bits 4..19 (the sign bits this drags in are masked off)
     zero, scale = group_zero_scale(zeros_ptr, scales_ptr, k0 // GROUP, N, offs_n, n_ok, HAS_ZEROS, BLOCK_N)
     rows = 8 * words
@@ -127,9 +137,12 @@ def _slot_weights(ids_ptr, token, slot, qweight_ptr, scales_ptr, zeros_ptr, perm
                   shared_z_ptr, table_ptr, host_q_ptr, host_s_ptr, host_z_ptr, host_perm_ptr, K, N,
                   GROUP: tl.constexpr, TOP_K: tl.constexpr, CACHED: tl.constexpr):
     """The [K, N] weight a (token, slot) pair reads: its routed expert's in the stacks, or at slot TOP_K the shared
-    expert's (SLOTS = TOP_K + 1) → (qweight, scales, zeros, perm) pointers. CACHED (an expert cache): the stacks
-    are a pool of slots, table[expert] the expert's slot or -1, and a missing expert is read from its row of the
-    host store, in page-locked memory the GPU reads over PCIe."""
+    expert's (SLOTS = TOP_K + 1) → (qweight, scales, zeros, perm) pointers, then where to write it and whether.
+    CACHED (an expert cache): the stacks are a pool of slots, table[expert] the expert's slot, or -1, or ≤ -2 (just
+    admitted into slot −t−2, ops/expert_claims.py); a missing expert is read from its row of the host store, in
+    page-locked memory the GPU reads over PCIe — and an admitted one written into its slot as it is read."""
+    write_row = tl.full((), -1, tl.int64)
+    pool_q, pool_s, pool_z, pool_perm = qweight_ptr, scales_ptr, zeros_ptr, perm_ptr
     if slot == TOP_K:
         qweight, scales, zeros = shared_q_ptr, shared_s_ptr, shared_z_ptr
     else:
@@ -138,13 +151,27 @@ def _slot_weights(ids_ptr, token, slot, qweight_ptr, scales_ptr, zeros_ptr, perm
             row = tl.load(table_ptr + expert).to(tl.int64)
             if row < 0:
                 qweight_ptr, scales_ptr, zeros_ptr, perm_ptr = host_q_ptr, host_s_ptr, host_z_ptr, host_perm_ptr
+                write_row = tl.where(row <= -2, -row - 2, -1)
                 row = expert
             expert = row
         qweight = qweight_ptr + expert * (K // 8) * N
         scales = scales_ptr + expert * (K // GROUP) * N
         zeros = zeros_ptr + expert * (K // GROUP) * N
         perm_ptr += expert * K
-    return qweight, scales, zeros, perm_ptr
+    at = tl.maximum(write_row, 0)
+    return (qweight, scales, zeros, perm_ptr, pool_q + at * (K // 8) * N, pool_s + at * (K // GROUP) * N,
+            pool_z + at * (K // GROUP) * N, pool_perm + at * K, write_row >= 0)
+
+
+@triton.jit
+def _write_perm(perm_ptr, write_perm, write, K, HAS_PERM: tl.constexpr, WRITE: tl.constexpr):
+    """An admitted expert's act-order permutation [K] into its slot (one program of its pair does it)."""
+    if WRITE:
+        if HAS_PERM:
+            for k in range(0, K, 1024):
+                offs = k + tl.arange(0, 1024)
+                ok = tl.where(write, offs < K, False)
+                tl.store(write_perm + offs, tl.load(perm_ptr + offs, mask=ok), mask=ok)
 
 
 @triton.jit
@@ -161,9 +188,11 @@ def _gate_up_kernel(x_ptr, ids_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr
         if token >= tl.load(live_rows_ptr):   # a padding row: h unused (down skips it too), no counter touched
             return
     N = 2 * I
-    qweight, scales, zeros, perm_ptr = _slot_weights(
+    qweight, scales, zeros, perm_ptr, write_q, write_s, write_z, write_perm, write = _slot_weights(
         ids_ptr, token, slot, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, shared_q_ptr, shared_s_ptr, shared_z_ptr,
         table_ptr, host_q_ptr, host_s_ptr, host_z_ptr, host_perm_ptr, H, N, GROUP, TOP_K, CACHED)
+    if (tile == 0) & (split == 0):
+        _write_perm(perm_ptr, write_perm, write, H, HAS_PERM, CACHED)
     x_ptr += token * H
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
@@ -172,9 +201,9 @@ def _gate_up_kernel(x_ptr, ids_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr
     k_start = split * k_per_split
     for k0 in tl.range(k_start, tl.minimum(k_start + k_per_split, H), BLOCK_K, num_stages=NUM_STAGES):
         gate += _tile_dot(x_ptr, perm_ptr, qweight, scales, zeros, k0, offs_n, n_ok, N, GROUP,
-                          HAS_ZEROS, HAS_PERM, BLOCK_K, BLOCK_N)
+                          HAS_ZEROS, HAS_PERM, BLOCK_K, BLOCK_N, write_q, write_s, write_z, write, CACHED)
         up += _tile_dot(x_ptr, perm_ptr, qweight, scales, zeros, k0, I + offs_n, n_ok, N, GROUP,
-                        HAS_ZEROS, HAS_PERM, BLOCK_K, BLOCK_N)
+                        HAS_ZEROS, HAS_PERM, BLOCK_K, BLOCK_N, write_q, write_s, write_z, write, CACHED)
     g = tl.sum(gate, axis=0)
     u = tl.sum(up, axis=0)
     if SPLIT > 1:
@@ -208,9 +237,11 @@ def _down_kernel(h_ptr, ids_ptr, topk_weights_ptr, qweight_ptr, scales_ptr, zero
                 tl.store(out_ptr + token * H + offs, tl.zeros((BLOCK_N,), tl.float32).to(out_ptr.dtype.element_ty),
                          mask=offs < H)
             return
-    qweight, scales, zeros, perm_ptr = _slot_weights(
+    qweight, scales, zeros, perm_ptr, write_q, write_s, write_z, write_perm, write = _slot_weights(
         ids_ptr, token, slot, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, shared_q_ptr, shared_s_ptr, shared_z_ptr,
         table_ptr, host_q_ptr, host_s_ptr, host_z_ptr, host_perm_ptr, I, H, GROUP, TOP_K, CACHED)
+    if (tile == 0) & (split == 0):
+        _write_perm(perm_ptr, write_perm, write, I, HAS_PERM, CACHED)
     if slot == TOP_K:   # the shared expert, gated by sigmoid of its logit
         weight = tl.sigmoid(tl.load(shared_logit_ptr + token * stride_logit).to(tl.float32))
     else:
@@ -221,7 +252,7 @@ def _down_kernel(h_ptr, ids_ptr, topk_weights_ptr, qweight_ptr, scales_ptr, zero
     k_start = split * k_per_split
     for k0 in tl.range(k_start, tl.minimum(k_start + k_per_split, I), BLOCK_K, num_stages=NUM_STAGES):
         acc += _tile_dot(h_ptr + pair * I, perm_ptr, qweight, scales, zeros, k0, offs_n, n_ok, H, GROUP,
-                         HAS_ZEROS, HAS_PERM, BLOCK_K, BLOCK_N)
+                         HAS_ZEROS, HAS_PERM, BLOCK_K, BLOCK_N, write_q, write_s, write_z, write, CACHED)
     y = tl.sum(acc, axis=0) * weight
     parts = SLOTS * SPLIT  # a constexpr
     if parts > 1:

@@ -1,0 +1,105 @@
+"""An expert cache's pools adapted inside the captured decode step (`--expert-admission in-step`).
+
+Each layer's decode first runs ops/expert_claims.py on its routed ids: the residents routed become the most recently
+used, and each missing expert takes the slot of the least recently used resident not routed in this step; the MoE
+decode kernels then read it from host memory and write it into that slot as they read it. So an admitted expert
+crosses PCIe once, in the step that missed it — where the pools adapted between steps (cache/expert_graph_pool.py,
+`between-steps`, the default) learn from the routed ids a step or more later and copy the admitted experts in
+afterwards: read twice (on the H200, calibrated trace, 24 GiB: ~75 misses and ~62 copies a token of 2.5 MB each,
+~7 ms of PCIe a token beside a 4.6 ms step; session 12). The policy is LRU (the calibrated trace's replay: LRU
+86.9% at 211 slots a layer, as lfu-decay), every miss admitted while a resident not routed now is left.
+
+All of it is on the device: the host only reads the counters (copied behind the steps, never waited for) and, before
+the eager path (prefill) touches the pools, settles: it waits for the queued steps and takes the tables back.
+The pools start full (free slots filled with experts not resident): an admission only ever takes a resident's slot.
+"""
+from __future__ import annotations
+
+import torch
+
+from flashnext.ops.expert_claims import claim_slots
+from flashnext.ops.moe_int4 import CachedExperts
+
+
+class ClaimPool:
+    def __init__(self, layers: list, max_rows: int, top_k: int):
+        self.layers, self.device = layers, layers[0].device
+        self.gpu = self.device.type == "cuda"
+        self.last_upload = None        # no table uploads between steps (LayerExpertCache's prefetch asks)
+        num_experts = layers[0].num_experts
+        self.last_used = torch.zeros(len(layers), num_experts, dtype=torch.long, device=self.device)
+        self.clock = torch.zeros(len(layers), 1, dtype=torch.long, device=self.device)
+        self.counts = torch.zeros(len(layers), 3, dtype=torch.long, device=self.device)   # hits, misses, admitted
+        self.counted = torch.zeros(3, dtype=torch.long)    # what the stats have of them
+        self.counts_host = torch.zeros(3, dtype=torch.long, pin_memory=self.gpu)
+        self.reading: torch.cuda.Event | None = None      # a copy of the counts on its way to counts_host
+        self.steps = 0
+        self.unsettled = False         # graph steps ran since the last settle
+        # the real rows of the next captured step (the rest of its bucket is padding, which the kernels skip)
+        self.live_rows = torch.full((1,), max_rows, dtype=torch.int32, device=self.device)
+        for i, layer in enumerate(layers):
+            self._fill(layer)
+            layer.graph_pool, layer.pool_index = self, i
+            layer.cached = CachedExperts(layer.slot_table, layer.host_weight("gate_up"), layer.host_weight("down"),
+                                         self.live_rows)
+
+    @staticmethod
+    def _fill(layer) -> None:
+        """Free slots filled with the first experts not resident (eager copies, once)."""
+        if not layer.free:
+            return
+        absent = (layer.slot_of < 0).nonzero().flatten()[:len(layer.free)]
+        slots = torch.tensor([layer.free.pop() for _ in range(len(absent))], dtype=torch.long)
+        layer.slot_of[absent] = slots
+        layer._copy_rows(absent, slots)
+        layer._upload_table()
+
+    def routed(self, layer, ids: torch.Tensor) -> None:
+        """A layer's decode, before its MoE kernels: the routed ids claim their slots."""
+        i = layer.pool_index
+        claim_slots(layer.slot_table, self.last_used[i], self.clock[i], self.counts[i], ids, self.live_rows)
+
+    def before_step(self, rows: int) -> None:
+        """Before a decode step of `rows` real rows is queued (ModelRunner's before_decode)."""
+        self.live_rows.fill_(rows)
+
+    def after_step(self, rows: int) -> None:
+        """After a decode step (ModelRunner's after_decode): the counters, read behind the steps now and then."""
+        self.steps += 1
+        self.unsettled = True
+        if self.reading is not None and self.reading.query():
+            self._count(self.counts_host)
+            self.reading = None
+        if self.reading is None and self.steps % 16 == 0:
+            self.counts_host.copy_(self.counts.sum(0), non_blocking=self.gpu)
+            if self.gpu:
+                self.reading = torch.cuda.Event()
+                self.reading.record(torch.cuda.current_stream(self.device))
+            else:
+                self._count(self.counts_host)
+
+    def _count(self, totals: torch.Tensor) -> None:
+        hits, misses, admitted = (totals - self.counted).tolist()
+        self.counted = totals.clone()
+        stats = self.layers[0].stats
+        stats.hits += hits
+        stats.misses += misses
+        stats.bytes_copied += admitted * self.layers[0].bytes_per_expert
+
+    def settle(self) -> None:
+        """Before the eager path touches the pools: the queued steps done, their admissions resident, the tables
+        and free lists on the host as the device has them, the counters taken."""
+        if not self.unsettled:
+            return
+        self.unsettled = False
+        if self.gpu:
+            torch.cuda.current_stream(self.device).synchronize()
+        self.reading = None
+        self._count(self.counts.sum(0).cpu())
+        for layer in self.layers:
+            table = layer.slot_table.cpu()
+            table = torch.where(table <= -2, -table - 2, table)     # their steps have run: the slots hold them
+            layer.slot_of.copy_(table)
+            held = set(table[table >= 0].tolist())
+            layer.free = [s for s in range(layer.num_slots) if s not in held]
+            layer._upload_table()

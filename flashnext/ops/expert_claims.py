@@ -1,0 +1,112 @@
+"""Expert-cache admission inside a captured decode step: a routed expert missing from a layer's slot pool takes the
+slot of the least recently used resident, on the device, before the MoE kernels run — and they write it into that
+slot as they read it from host memory (ops/moe_int4_decode_triton.py), so an admitted expert crosses PCIe once.
+The pools that adapt between steps instead (cache/expert_graph_pool.py) copy an admitted expert after the step
+that missed it read it: twice (on the H200 ~75 misses and ~62 copies a token of 2.5 MB each, session 12).
+
+One layer's state, all on the device, updated in place:
+    table     [E] int64  expert → its slot (≥ 0); -1 not resident (read from host memory); ≤ -2 admitted in this
+                         step into slot −t−2 (read from host memory and written there); the next call makes it
+                         resident (its step has ended: the slot holds it)
+    last_used [E] int64  the step the expert was last routed in
+    clock     [1] int64  this layer's step count (the call adds one)
+    counts    [3] int64  hits, misses, admitted — summed (each distinct routed expert of a step counted once)
+    ids [rows, k] routed experts; `rows` of them real (an int32 [1] tensor on the device, or all: None)
+
+A miss evicts the resident least recently used (ties: the lower expert id) among those not routed in this step;
+when every resident is, it is read from host memory and not admitted. `claim_slots_reference` is the definition;
+`claim_slots` sends CUDA tensors to one Triton program (a layer's state is one vector of E; the routed ids are few).
+FLASHNEXT_EXPERT_CLAIMS=reference forces the reference.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from flashnext.ops.pdl import launch_options, wait_for_inputs
+
+
+def claim_slots_reference(table: torch.Tensor, last_used: torch.Tensor, clock: torch.Tensor, counts: torch.Tensor,
+                          ids: torch.Tensor, rows: torch.Tensor | None) -> None:
+    admitted = table <= -2
+    table[admitted] = -table[admitted] - 2
+    clock += 1
+    now = int(clock)
+    live = ids.shape[0] if rows is None else min(int(rows), ids.shape[0])
+    for e in ids[:live].flatten().tolist():
+        if last_used[e] == now:
+            continue
+        if table[e] >= 0:
+            counts[0] += 1
+        else:
+            counts[1] += 1
+            candidates = (table >= 0) & (last_used < now)
+            if candidates.any():
+                victim = int(torch.where(candidates, last_used, torch.iinfo(torch.int64).max).argmin())
+                slot = int(table[victim])
+                table[victim] = -1
+                table[e] = -slot - 2
+                counts[2] += 1
+        last_used[e] = now
+
+
+@triton.jit
+def _claim_kernel(table_ptr, last_used_ptr, clock_ptr, counts_ptr, ids_ptr, rows_ptr, max_rows, E,
+                  TOP_K: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
+    offs = tl.arange(0, BLOCK_E)
+    ok = offs < E
+    table = tl.load(table_ptr + offs, mask=ok, other=-1)
+    last = tl.load(last_used_ptr + offs, mask=ok, other=0)
+    table = tl.where(table <= -2, -table - 2, table)
+    now = tl.load(clock_ptr) + 1
+    rows = max_rows
+    if HAS_ROWS:
+        rows = tl.minimum(tl.load(rows_ptr).to(tl.int32), max_rows)
+    hits = tl.full((), 0, tl.int64)
+    misses = tl.full((), 0, tl.int64)
+    admitted = tl.full((), 0, tl.int64)
+    never = tl.full((), 9223372036854775807, tl.int64)   # no candidate's last use
+    for i in range(0, rows * TOP_K):
+        e = tl.load(ids_ptr + i)
+        here = offs == e
+        seen = tl.sum(tl.where(here & (last == now), 1, 0), axis=0)
+        if seen == 0:
+            t = tl.sum(tl.where(here, table, 0), axis=0)
+            if t >= 0:
+                hits += 1
+            else:
+                misses += 1
+                candidate = (table >= 0) & (last < now) & ok
+                if tl.sum(candidate.to(tl.int32), axis=0) > 0:
+                    oldest = tl.min(tl.where(candidate, last, never), axis=0)
+                    victim = tl.min(tl.where(candidate & (last == oldest), offs, BLOCK_E), axis=0)
+                    slot = tl.sum(tl.where(offs == victim, table, 0), axis=0)
+                    table = tl.where(offs == victim, -1, table)
+                    table = tl.where(here, -slot - 2, table)
+                    admitted += 1
+            last = tl.where(here, now, last)
+    tl.store(table_ptr + offs, table, mask=ok)
+    tl.store(last_used_ptr + offs, last, mask=ok)
+    tl.store(clock_ptr, now)
+    tl.store(counts_ptr, tl.load(counts_ptr) + hits)
+    tl.store(counts_ptr + 1, tl.load(counts_ptr + 1) + misses)
+    tl.store(counts_ptr + 2, tl.load(counts_ptr + 2) + admitted)
+
+
+def claim_slots(table: torch.Tensor, last_used: torch.Tensor, clock: torch.Tensor, counts: torch.Tensor,
+                ids: torch.Tensor, rows: torch.Tensor | None) -> None:
+    """claim_slots_reference, on CUDA in one launch without a host sync (CUDA-graph capturable)."""
+    if not ids.is_cuda or os.environ.get("FLASHNEXT_EXPERT_CLAIMS", "triton") == "reference":
+        return claim_slots_reference(table, last_used, clock, counts, ids, rows)
+    _claim_launch(table, last_used, clock, counts, ids, rows)
+
+
+def _claim_launch(table, last_used, clock, counts, ids, rows) -> None:
+    flat = ids.reshape(-1).contiguous()
+    _claim_kernel[(1,)](table, last_used, clock, counts, flat, flat if rows is None else rows, ids.shape[0],
+                        table.shape[0], TOP_K=ids.shape[1], HAS_ROWS=rows is not None,
+                        BLOCK_E=triton.next_power_of_2(table.shape[0]), **launch_options(ids.device))
