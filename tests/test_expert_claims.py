@@ -3,6 +3,7 @@ counted and admitted once, padding rows skipped, the admitted made resident by t
 resident is routed), and the Triton program (interpreted on CPU) equal to the reference over random steps."""
 import random
 
+import pytest
 import torch
 
 from flashnext.ops import expert_claims
@@ -17,7 +18,11 @@ def state(num_experts: int, residents: dict[int, int]):
         torch.zeros(3, dtype=torch.long)
 
 
-def test_admission_rule_step_by_step():
+IMPLEMENTATIONS = [claim_slots_reference, expert_claims._claim_launch]
+
+
+@pytest.mark.parametrize("claim_slots_reference", IMPLEMENTATIONS, ids=["reference", "program"])
+def test_admission_rule_step_by_step(claim_slots_reference):
     table, last, clock, counts = state(8, {0: 0, 1: 1, 2: 2})
     # step 1: 0 hits; 5 misses and takes the least recently used resident not routed now (1: ties → lower id)
     claim_slots_reference(table, last, clock, counts, torch.tensor([[0, 5]]), None)
@@ -31,9 +36,17 @@ def test_admission_rule_step_by_step():
     assert table.tolist()[:7] == [0, -1, -1, -1, -1, 1, 2] and counts.tolist() == [3 + 3, 2 + 1, 2]
 
 
-def run(fn, steps, num_experts, seed):
+@pytest.mark.parametrize("claim", IMPLEMENTATIONS, ids=["reference", "program"])
+def test_a_resident_routed_later_in_the_step_is_not_evicted(claim):
+    table, last, clock, counts = state(8, {0: 0, 1: 1, 2: 2})
+    claim(table, last, clock, counts, torch.tensor([[0, 2]]), None)
+    claim(table, last, clock, counts, torch.tensor([[5, 1]]), None)     # 5 misses before 1 is met: 1 stays
+    assert table[1] == 1 and table[5] == -(0 + 2) and table[0] == -1 and counts.tolist() == [3, 1, 1]
+
+
+def run(fn, steps, num_experts, slots, seed):
     rng = random.Random(seed)
-    table, last, clock, counts = state(num_experts, {e: s for s, e in enumerate(rng.sample(range(num_experts), 9))})
+    table, last, clock, counts = state(num_experts, {e: s for s, e in enumerate(rng.sample(range(num_experts), slots))})
     history = []
     for _ in range(steps):
         rows, k = rng.randrange(1, 5), 3
@@ -44,13 +57,14 @@ def run(fn, steps, num_experts, seed):
     return history
 
 
-def test_the_program_equals_the_reference():
+@pytest.mark.parametrize("num_experts,slots", [(37, 9), (7, 3)])   # 7 and 3: often every resident routed
+def test_the_program_equals_the_reference(num_experts, slots):
     for seed in range(3):
-        want = run(claim_slots_reference, 12, 37, seed)
-        got = run(expert_claims._claim_launch, 12, 37, seed)
+        want = run(claim_slots_reference, 12, num_experts, slots, seed)
+        got = run(expert_claims._claim_launch, 12, num_experts, slots, seed)
         for a, b in zip(want, got):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
-        for table, *_ in want:     # no slot held twice (resident or admitted), none lost: 9 slots throughout
+        for table, *_ in want:     # no slot held twice (resident or admitted), none lost
             held = torch.where(table <= -2, -table - 2, table)
             held = held[held >= 0]
-            assert sorted(held.tolist()) == list(range(9))
+            assert sorted(held.tolist()) == list(range(slots))

@@ -208,15 +208,15 @@ def test_padding_rows_of_a_cached_step_are_skipped(monkeypatch):
         assert rel_err(ref[:n], want[:n]) < 1e-5 and not ref[n:].any()
 
 
-@pytest.mark.parametrize("asym,act_order", [(False, False), (True, True)])
-def test_admitted_experts_are_written_into_their_slots_as_they_are_read(asym, act_order):
+@pytest.mark.parametrize("asym,act_order,g_up", [(False, False, 32), (True, True, 64)])   # 64: two K tiles a group
+def test_admitted_experts_are_written_into_their_slots_as_they_are_read(asym, act_order, g_up):
     """An expert admitted in this step (table ≤ -2, ops/expert_claims.py) is read from the host store and written
     into its slot by the kernels — every tensor of both weights, the slot's other rows and the other slots left
     alone — as the CPU reference does; a padding row's experts are not written. The output is unchanged."""
     from flashnext.ops.moe_int4 import CachedExperts, moe_int4
     from flashnext.ops.moe_int4_decode_triton import DecodeConfig, moe_int4_decode
 
-    x, ids, weights, w_gate_up, w_down = case(3, 3, 32, 16, asym, act_order, seed=5)
+    x, ids, weights, w_gate_up, w_down = case(3, 3, g_up, 16, asym, act_order, seed=5)
     slots = 4
     admitted = [ids[0, 0].item(), ids[1, 2].item()]
     padding_only = next(e for e in range(E) if e not in ids[:2].flatten().tolist())
@@ -231,7 +231,7 @@ def test_admitted_experts_are_written_into_their_slots_as_they_are_read(asym, ac
         for pool in pools:
             for t in pool.tensors().values():
                 t.zero_()
-        cached = CachedExperts(table, w_gate_up, w_down, live)
+        cached = CachedExperts(table, w_gate_up, w_down, live, admits=True)
         if run == "kernels":
             got = moe_int4_decode(x, ids, weights, *pools, config, cached=cached)
             assert torch.equal(got[:2], want[:2])

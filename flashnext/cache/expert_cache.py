@@ -24,8 +24,8 @@ FLASHNEXT_MOE_PREFILL=dequant).
 Counting: one read per (layer, forward, distinct routed expert): hits + misses = reads.
 
 That is the eager path (prefill; decode without CUDA graphs). A captured decode step reads through the slot table
-instead, missing experts straight from the host store, and the pools adapt between steps
-(`decode`, cache/expert_graph_pool.py, ExpertCache.enable_graphs).
+instead, missing experts straight from the host store, and the pools adapt between steps (cache/expert_graph_pool.py)
+or inside them (--expert-admission in-step, cache/expert_claim_pool.py): `decode`, ExpertCache.enable_graphs.
 """
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ class ExpertCacheStats:
     bytes_copied: int = 0
     prefetched: int = 0          # experts copied ahead of their layer (counted in bytes_copied too)
     prefetch_used: int = 0       # of which the layer then read (hits thanks to the prefetch)
+    admitted: int = 0            # misses admitted inside a decode step (--expert-admission in-step: no copy)
     copied_seconds: float = 0.0  # time of the copies the forward waited for, counted once they have run
 
     def __post_init__(self):
@@ -148,7 +149,8 @@ class LayerExpertCache:
                           self.module.group_sizes[prefix == "down"])
 
     def decode(self, x, weights, ids, shared: moe_ops.SharedExpert | None = None):
-        """The graph-safe forward of a decode step when a GraphPool is installed: no host sync, no copy. Without
+        """The graph-safe forward of a decode step when the pools' keeper is installed (ExpertCache.enable_graphs):
+        no host sync, no copy. Without
         one, and for batches the decode kernels do not take (above DECODE_MAX_M rows; the engine captures no such
         step: LLMEngine), `forward`."""
         if self.graph_pool is None or not moe_ops.runs_cached_experts(x):

@@ -25,7 +25,7 @@ class ClaimPool:
     def __init__(self, layers: list, max_rows: int, top_k: int):
         self.layers, self.device = layers, layers[0].device
         self.gpu = self.device.type == "cuda"
-        self.last_upload = None        # no table uploads between steps (LayerExpertCache's prefetch asks)
+        self.last_upload: torch.cuda.Event | None = None   # the end of settle's table upload (a prefetch waits)
         num_experts = layers[0].num_experts
         self.last_used = torch.zeros(len(layers), num_experts, dtype=torch.long, device=self.device)
         self.clock = torch.zeros(len(layers), 1, dtype=torch.long, device=self.device)
@@ -34,14 +34,17 @@ class ClaimPool:
         self.counts_host = torch.zeros(3, dtype=torch.long, pin_memory=self.gpu)
         self.reading: torch.cuda.Event | None = None      # a copy of the counts on its way to counts_host
         self.steps = 0
-        self.unsettled = False         # graph steps ran since the last settle
+        self.unsettled = False         # decode steps claimed slots since the last settle
         # the real rows of the next captured step (the rest of its bucket is padding, which the kernels skip)
         self.live_rows = torch.full((1,), max_rows, dtype=torch.int32, device=self.device)
+        # every layer's device table a row of one [layers, experts] tensor: settle takes them back in one copy
+        self.tables = torch.stack([layer.slot_table for layer in layers])
         for i, layer in enumerate(layers):
+            layer.slot_table = self.tables[i]
             self._fill(layer)
             layer.graph_pool, layer.pool_index = self, i
             layer.cached = CachedExperts(layer.slot_table, layer.host_weight("gate_up"), layer.host_weight("down"),
-                                         self.live_rows)
+                                         self.live_rows, admits=True)
 
     @staticmethod
     def _fill(layer) -> None:
@@ -57,6 +60,7 @@ class ClaimPool:
     def routed(self, layer, ids: torch.Tensor) -> None:
         """A layer's decode, before its MoE kernels: the routed ids claim their slots."""
         i = layer.pool_index
+        self.unsettled = True   # (also worker ranks, which run steps without before_step / after_step, and warm-ups)
         claim_slots(layer.slot_table, self.last_used[i], self.clock[i], self.counts[i], ids, self.live_rows)
 
     def before_step(self, rows: int) -> None:
@@ -66,7 +70,6 @@ class ClaimPool:
     def after_step(self, rows: int) -> None:
         """After a decode step (ModelRunner's after_decode): the counters, read behind the steps now and then."""
         self.steps += 1
-        self.unsettled = True
         if self.reading is not None and self.reading.query():
             self._count(self.counts_host)
             self.reading = None
@@ -84,7 +87,7 @@ class ClaimPool:
         stats = self.layers[0].stats
         stats.hits += hits
         stats.misses += misses
-        stats.bytes_copied += admitted * self.layers[0].bytes_per_expert
+        stats.admitted += admitted
 
     def settle(self) -> None:
         """Before the eager path touches the pools: the queued steps done, their admissions resident, the tables
@@ -96,10 +99,15 @@ class ClaimPool:
             torch.cuda.current_stream(self.device).synchronize()
         self.reading = None
         self._count(self.counts.sum(0).cpu())
-        for layer in self.layers:
-            table = layer.slot_table.cpu()
-            table = torch.where(table <= -2, -table - 2, table)     # their steps have run: the slots hold them
+        tables = self.tables.cpu()
+        tables = torch.where(tables <= -2, -tables - 2, tables)     # their steps have run: the slots hold them
+        for layer, table in zip(self.layers, tables):
             layer.slot_of.copy_(table)
             held = set(table[table >= 0].tolist())
             layer.free = [s for s in range(layer.num_slots) if s not in held]
-            layer._upload_table()
+        if not self.gpu:
+            self.tables.copy_(tables)
+            return
+        self.tables.copy_(tables.pin_memory(), non_blocking=True)
+        self.last_upload = torch.cuda.Event()
+        self.last_upload.record(torch.cuda.current_stream(self.device))

@@ -25,8 +25,8 @@ class ModelRunner:
                  graphs: DecodeGraphs | None = None, before_decode: Callable[[int], None] | None = None,
                  after_decode: Callable[[int], None] | None = None):
         """`before_decode(rows)` / `after_decode(rows)`: called before / once a decode graph step of `rows` rows is
-        queued (the expert cache's kernels skip the bucket's padding rows, and its pools adapt between steps:
-        GraphPool.before_step, after_step)."""
+        queued (the expert cache's kernels skip the bucket's padding rows, and its pools adapt or count: the
+        keeper's before_step, after_step, ExpertCache.enable_graphs)."""
         self.model = model
         self.graphs = graphs
         self.before_decode, self.after_decode = before_decode, after_decode

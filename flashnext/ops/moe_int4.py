@@ -43,14 +43,16 @@ class CachedExperts:
     `moe_int4` are its device pool of slots, `table` [E] int64 on the device each expert's slot or -1, `gate_up` and
     `down` the stacked host store of every expert (page-locked on a GPU machine), from which the kernels read a
     missing expert's row straight over PCIe. The pool rows are copies of host rows, so the result is the
-    reference's over the host store. An entry ≤ -2 is an expert admitted in this step into slot −t−2
-    (ops/expert_claims.py): read from the host like a missing one, and written into that slot as it is read. `live_rows` (int32 [1] on the device, or None: every row): the rows of a
+    reference's over the host store. With `admits` (cache/expert_claim_pool.py) an entry ≤ -2 is an expert
+    admitted in this step into slot −t−2 (ops/expert_claims.py): read from the host like a missing one, and
+    written into that slot as it is read. `live_rows` (int32 [1] on the device, or None: every row): the rows of a
     captured decode step that are real; the kernels skip the padding rows past them (their outputs are zero), which
     would otherwise read their experts — routed from a padding token, never learned by the pools — over PCIe."""
     table: torch.Tensor
     gate_up: Int4Weight
     down: Int4Weight
     live_rows: torch.Tensor | None = None
+    admits: bool = False
 
 
 def shared_fits(w_gate_up: Int4Weight, w_down: Int4Weight, shared_gate_up: Int4Weight, shared_down: Int4Weight) -> bool:
@@ -127,9 +129,10 @@ def moe_int4(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weigh
     w_gate_up, w_down = (through_table(pool, host, cached.table)
                          for pool, host in ((w_gate_up, cached.gate_up), (w_down, cached.down)))
     out = moe_int4_reference(x, topk_ids, topk_weights, w_gate_up, w_down, shared)
-    rows = x.shape[0] if cached.live_rows is None else int(cached.live_rows)
-    for pool, host in ((pool_gate_up, cached.gate_up), (pool_down, cached.down)):
-        write_admitted(pool, host, cached.table, topk_ids[:rows])
+    if cached.admits:
+        rows = x.shape[0] if cached.live_rows is None else int(cached.live_rows)
+        for pool, host in ((pool_gate_up, cached.gate_up), (pool_down, cached.down)):
+            write_admitted(pool, host, cached.table, topk_ids[:rows])
     if cached.live_rows is None:
         return out
     live = torch.arange(x.shape[0], device=x.device) < cached.live_rows.to(x.device)

@@ -91,7 +91,8 @@ def _tile_dot(x_ptr, perm_ptr, qweight_ptr, scales_ptr, zeros_ptr, k0, offs_n, n
               HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
               write_q, write_s, write_z, write, WRITE: tl.constexpr):
     """[BLOCK_K // 8, BLOCK_N] fp32 terms whose column sums are x[k0:k0+BLOCK_K] @ W[k0:k0+BLOCK_K, offs_n].
-    WRITE and `write` (an expert admitted into a pool slot in this step, ops/expert_claims.py): the tile's words and
+    WRITE (the pool admits inside the step: CachedExperts.admits) and `write` (this expert was admitted into a pool
+    slot in this step, ops/expert_claims.py): the tile's words and
     its group's scales (and zeros) are also stored at write_q / write_s / write_z, the slot's.
 
     The row reduction is left to the caller (once per program, not once per tile)."""
@@ -179,8 +180,9 @@ def _gate_up_kernel(x_ptr, ids_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr
                     shared_z_ptr, table_ptr, host_q_ptr, host_s_ptr, host_z_ptr, host_perm_ptr, live_rows_ptr, h_ptr,
                     part_ptr, counter_ptr, H, I, k_per_split, GROUP: tl.constexpr,
                     TOP_K: tl.constexpr, SLOTS: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
-                    HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, CACHED: tl.constexpr, LIVE_ROWS: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+                    HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, CACHED: tl.constexpr, ADMITS: tl.constexpr,
+                    LIVE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                    PDL: tl.constexpr):
     wait_for_inputs(PDL)
     pair, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     token, slot = pair // SLOTS, pair % SLOTS
@@ -192,7 +194,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr
         ids_ptr, token, slot, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, shared_q_ptr, shared_s_ptr, shared_z_ptr,
         table_ptr, host_q_ptr, host_s_ptr, host_z_ptr, host_perm_ptr, H, N, GROUP, TOP_K, CACHED)
     if (tile == 0) & (split == 0):
-        _write_perm(perm_ptr, write_perm, write, H, HAS_PERM, CACHED)
+        _write_perm(perm_ptr, write_perm, write, H, HAS_PERM, ADMITS)
     x_ptr += token * H
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
@@ -201,9 +203,9 @@ def _gate_up_kernel(x_ptr, ids_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr
     k_start = split * k_per_split
     for k0 in tl.range(k_start, tl.minimum(k_start + k_per_split, H), BLOCK_K, num_stages=NUM_STAGES):
         gate += _tile_dot(x_ptr, perm_ptr, qweight, scales, zeros, k0, offs_n, n_ok, N, GROUP,
-                          HAS_ZEROS, HAS_PERM, BLOCK_K, BLOCK_N, write_q, write_s, write_z, write, CACHED)
+                          HAS_ZEROS, HAS_PERM, BLOCK_K, BLOCK_N, write_q, write_s, write_z, write, ADMITS)
         up += _tile_dot(x_ptr, perm_ptr, qweight, scales, zeros, k0, I + offs_n, n_ok, N, GROUP,
-                        HAS_ZEROS, HAS_PERM, BLOCK_K, BLOCK_N, write_q, write_s, write_z, write, CACHED)
+                        HAS_ZEROS, HAS_PERM, BLOCK_K, BLOCK_N, write_q, write_s, write_z, write, ADMITS)
     g = tl.sum(gate, axis=0)
     u = tl.sum(up, axis=0)
     if SPLIT > 1:
@@ -225,8 +227,8 @@ def _down_kernel(h_ptr, ids_ptr, topk_weights_ptr, qweight_ptr, scales_ptr, zero
                  live_rows_ptr, shared_logit_ptr, stride_logit, out_ptr, part_ptr, counter_ptr, H, I,
                  k_per_split, GROUP: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, SPLIT: tl.constexpr,
                  PARTS_P2: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, CACHED: tl.constexpr,
-                 LIVE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                 PDL: tl.constexpr):
+                 ADMITS: tl.constexpr, LIVE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
     pair, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     token, slot = pair // SLOTS, pair % SLOTS
@@ -241,7 +243,7 @@ def _down_kernel(h_ptr, ids_ptr, topk_weights_ptr, qweight_ptr, scales_ptr, zero
         ids_ptr, token, slot, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, shared_q_ptr, shared_s_ptr, shared_z_ptr,
         table_ptr, host_q_ptr, host_s_ptr, host_z_ptr, host_perm_ptr, I, H, GROUP, TOP_K, CACHED)
     if (tile == 0) & (split == 0):
-        _write_perm(perm_ptr, write_perm, write, I, HAS_PERM, CACHED)
+        _write_perm(perm_ptr, write_perm, write, I, HAS_PERM, ADMITS)
     if slot == TOP_K:   # the shared expert, gated by sigmoid of its logit
         weight = tl.sigmoid(tl.load(shared_logit_ptr + token * stride_logit).to(tl.float32))
     else:
@@ -252,7 +254,7 @@ def _down_kernel(h_ptr, ids_ptr, topk_weights_ptr, qweight_ptr, scales_ptr, zero
     k_start = split * k_per_split
     for k0 in tl.range(k_start, tl.minimum(k_start + k_per_split, I), BLOCK_K, num_stages=NUM_STAGES):
         acc += _tile_dot(h_ptr + pair * I, perm_ptr, qweight, scales, zeros, k0, offs_n, n_ok, H, GROUP,
-                         HAS_ZEROS, HAS_PERM, BLOCK_K, BLOCK_N, write_q, write_s, write_z, write, CACHED)
+                         HAS_ZEROS, HAS_PERM, BLOCK_K, BLOCK_N, write_q, write_s, write_z, write, ADMITS)
     y = tl.sum(acc, axis=0) * weight
     parts = SLOTS * SPLIT  # a constexpr
     if parts > 1:
@@ -325,20 +327,21 @@ def moe_int4_decode(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: In
     if shared is not None:
         assert shared_fits(w_gate_up, w_down, shared.gate_up, shared.down), "see shared_fits"
     skip_padding = cached is not None and cached.live_rows is not None
+    admits = cached is not None and cached.admits     # the write code only where entries may be ≤ -2
     live_rows = cached.live_rows if skip_padding else ids    # a dummy pointer, never read without LIVE_ROWS
     zeros, perm, flags = optional(w_gate_up)
     _gate_up_kernel[(pairs, tiles_up, split_up)](
         x, ids, w_gate_up.qweight, w_gate_up.scales, zeros, perm, *shared_pointers(w_gate_up),
         *cache_pointers(w_gate_up), live_rows, h, part_up, counters, hidden, inter, per_up, GROUP=w_gate_up.group_size,
         TOP_K=top_k, SLOTS=slots, SPLIT=split_up, SPLIT_P2=triton.next_power_of_2(split_up), CACHED=cached is not None,
-        LIVE_ROWS=skip_padding, BLOCK_N=cfg.block_n, BLOCK_K=bk_up, **flags, **launch)
+        ADMITS=admits, LIVE_ROWS=skip_padding, BLOCK_N=cfg.block_n, BLOCK_K=bk_up, **flags, **launch)
     zeros, perm, flags = optional(w_down)
     logit = shared.logit if shared is not None else topk_weights
     _down_kernel[(pairs, tiles_down, split_down)](
         h, ids, topk_weights.reshape(-1).contiguous(), w_down.qweight, w_down.scales, zeros, perm,
         *shared_pointers(w_down), *cache_pointers(w_down), live_rows, logit, logit.stride(0), out, part_down, counters,
         hidden, inter, per_down, GROUP=w_down.group_size, TOP_K=top_k, SLOTS=slots, SPLIT=split_down,
-        PARTS_P2=triton.next_power_of_2(parts_down), CACHED=cached is not None, LIVE_ROWS=skip_padding,
+        PARTS_P2=triton.next_power_of_2(parts_down), CACHED=cached is not None, ADMITS=admits, LIVE_ROWS=skip_padding,
         BLOCK_N=down_block_n, BLOCK_K=bk_down, **flags, **launch)
     return out
 

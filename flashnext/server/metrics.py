@@ -63,7 +63,9 @@ class _EngineCollector:
                                        "time on the compute stream).", st.stall_seconds),
                     ("prefetched", "Experts copied in ahead of their layer (a guess through its router).",
                      st.prefetched),
-                    ("prefetch_used", "Prefetched experts their layer then read.", st.prefetch_used)):
+                    ("prefetch_used", "Prefetched experts their layer then read.", st.prefetch_used),
+                    ("admitted", "Missed experts admitted into a pool slot inside the decode step, written there as "
+                                 "they were read (--expert-admission in-step; no copy).", st.admitted)):
                 c = CounterMetricFamily(f"flashnext_expert_cache_{name}", doc, labels=["model_name"])
                 c.add_metric(labels, value)
                 yield c

@@ -107,7 +107,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--expert-admission", choices=["between-steps", "in-step"],
          help="with --expert-vram-gb, captured decode steps: the pools learn between steps and copy experts in "
               "(between-steps), or a missed expert takes the least recently used slot inside the step and is "
-              "written there as it is read (in-step; docs/expert_cache.md; default between-steps)")
+              "written there as it is read (in-step: LRU inside the step, --expert-cache-policy then applies to "
+              "the eager path only; docs/expert_cache.md; default between-steps)")
     _add(parser, "--expert-cache-policy", choices=["lfu-decay", "lru"],
          help="which cached expert to evict: decayed hit count or least recently used (default lfu-decay)")
     _add(parser, "--routing-trace", choices=["calibrated"],

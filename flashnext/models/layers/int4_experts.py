@@ -74,9 +74,9 @@ class Int4Experts(nn.Module):
 
     def decode(self, x, weights, ids, shared: SharedExpert | None = None):
         """The fused kernels need no host sync, so a captured decode step runs `forward` as it is. With an expert
-        cache whose pools adapt between graph steps (ExpertCache.enable_graphs), through its slot tables; without,
-        the cache runs eagerly."""
-        if self.expert_cache is not None:   # through the slot tables when its pools adapt between graph steps
+        cache whose pools adapt to graph steps (ExpertCache.enable_graphs), through its slot tables; without, the
+        cache runs eagerly."""
+        if self.expert_cache is not None:   # through the slot tables when its pools adapt to graph steps
             return self.expert_cache.decode(x, weights, ids, shared)
         return self.forward(x, weights, ids, shared=shared)
 
