@@ -157,27 +157,35 @@ def test_load_with_budget_keeps_experts_in_host_memory(checkpoint, tmp_path):
     assert torch.equal(_greedy(loaded.model, _prompt(41)), _greedy(resident, _prompt(41)))
 
 
-@pytest.mark.parametrize("model,copies", [(PRESETS[0], 1), (PRESETS[1], 1), (PRESETS[0], 10)])  # 10: more than E
-def test_pools_adapting_between_graph_steps_keep_outputs_exact(model, copies, monkeypatch):
-    """The decode graph's path (cache/expert_graph_pool.py; on a CPU the fixed-shape step runs uncaptured): decode
-    reads through the slot tables, missing experts from the host store, and the pools take in the missed experts
-    between steps — outputs equal all-resident, the counters add up, the tables end up holding what was copied."""
-    from flashnext.cache import expert_graph_pool
+def _graph_step_engine(model: str, admission: str):
+    """An engine on the CPU whose decode runs the fixed-shape graph step (uncaptured here) with an expert cache of 3
+    of 8 slots a layer and its pools' keeper hooked in → (run: three greedy requests, their all-resident tokens,
+    the engine, the cache, the keeper)."""
     from flashnext.engine.cuda_graph import DecodeGraphs
 
-    monkeypatch.setattr(expert_graph_pool, "COPIES_PER_LAYER", copies)
     run = lambda engine: _three_greedy(engine, 12)  # noqa: E731
     args = EngineArgs(model=model, device="cpu", dtype="float32", quantize="int4", max_num_seqs=4,
                       max_num_batched_tokens=64, max_model_len=256, enable_prefix_caching=False)
     want = run(LLMEngine(args))
     loaded = load_model(model, "cpu", torch.float32, quantize="int4", expert_vram_gb=4e-5)   # 3 of 8 slots a layer
     engine = LLMEngine(EngineArgs(**{**vars(args), "expert_vram_gb": 4e-5}), loaded)
-    cache = loaded.expert_cache
     runner = engine.runner
     runner.graphs = DecodeGraphs(runner.model, engine.kv, engine.states, max_batch=4,
                                  max_blocks_per_seq=engine.kv.blocks_for(engine.max_model_len))
-    pool = cache.enable_graphs(runner.graphs.max_batch, engine.config.num_experts_per_tok)
+    pool = loaded.expert_cache.enable_graphs(runner.graphs.max_batch, engine.config.num_experts_per_tok, admission)
     runner.before_decode, runner.after_decode = pool.before_step, pool.after_step
+    return run, want, engine, loaded.expert_cache, pool
+
+
+@pytest.mark.parametrize("model,copies", [(PRESETS[0], 1), (PRESETS[1], 1), (PRESETS[0], 10)])  # 10: more than E
+def test_pools_adapting_between_graph_steps_keep_outputs_exact(model, copies, monkeypatch):
+    """The decode graph's path (cache/expert_graph_pool.py; on a CPU the fixed-shape step runs uncaptured): decode
+    reads through the slot tables, missing experts from the host store, and the pools take in the missed experts
+    between steps — outputs equal all-resident, the counters add up, the tables end up holding what was copied."""
+    from flashnext.cache import expert_graph_pool
+
+    monkeypatch.setattr(expert_graph_pool, "COPIES_PER_LAYER", copies)
+    run, want, engine, cache, pool = _graph_step_engine(model, "between-steps")
     learned, copied = [], []
     learn, admitted = pool._learn, pool.admitted
 
@@ -213,20 +221,8 @@ def test_pools_admitting_inside_the_graph_step_keep_outputs_exact(model):
     decode claims slots for its missed experts (LRU) and the MoE writes them there as it reads them — outputs equal
     all-resident, experts were admitted, the counters add up, and after settling every resident slot holds its
     expert's words, no slot twice, none free; an eager prefill in between keeps working on the settled pools."""
-    from flashnext.engine.cuda_graph import DecodeGraphs
-
-    run = lambda engine: _three_greedy(engine, 12)  # noqa: E731
-    args = EngineArgs(model=model, device="cpu", dtype="float32", quantize="int4", max_num_seqs=4,
-                      max_num_batched_tokens=64, max_model_len=256, enable_prefix_caching=False)
-    want = run(LLMEngine(args))
-    loaded = load_model(model, "cpu", torch.float32, quantize="int4", expert_vram_gb=4e-5)   # 3 of 8 slots a layer
-    engine = LLMEngine(EngineArgs(**{**vars(args), "expert_vram_gb": 4e-5}), loaded)
-    cache = loaded.expert_cache
+    run, want, engine, cache, pool = _graph_step_engine(model, "in-step")
     runner = engine.runner
-    runner.graphs = DecodeGraphs(runner.model, engine.kv, engine.states, max_batch=4,
-                                 max_blocks_per_seq=engine.kv.blocks_for(engine.max_model_len))
-    pool = cache.enable_graphs(runner.graphs.max_batch, engine.config.num_experts_per_tok, "in-step")
-    runner.before_decode, runner.after_decode = pool.before_step, pool.after_step
     assert all(not layer.free for layer in cache.layers)          # filled from the start
 
     def consistent():
