@@ -14,10 +14,10 @@ One layer's state, all on the device, updated in place:
     ids [rows, k] routed experts; `rows` of them real (an int32 [1] tensor on the device, or all: None)
 
 First every routed expert is marked used in this step (the residents among them count as hits); then each miss, in
-the order routed, evicts the resident least recently used (ties: the lower expert id) — never one routed in this
-step; when every resident is, the miss is read from host memory and not admitted. `claim_slots_reference` is the
-definition; `claim_slots` sends CUDA tensors to one Triton program of one warp (a layer's state is one vector of E,
-the misses few: ~1.5 a layer a token at 87% hits). FLASHNEXT_EXPERT_CLAIMS=reference forces the reference (it
+expert order, evicts the resident least recently used (ties: the lower expert id) — never one routed in this step;
+when every resident is, the miss is read from host memory and not admitted. `claim_slots_reference` is the
+definition; `claim_slots` sends CUDA tensors to one Triton program of one warp: the routed ids against the E experts
+in one [ids, E] comparison, then a loop over the misses alone (~1.5 a layer a token at 87% hits). FLASHNEXT_EXPERT_CLAIMS=reference forces the reference (it
 syncs with the host: on CUDA the step then cannot be captured and runs eagerly).
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ def claim_slots_reference(table: torch.Tensor, last_used: torch.Tensor, clock: t
     clock += 1
     now = int(clock)
     live = ids.shape[0] if rows is None else min(int(rows), ids.shape[0])
-    routed = list(dict.fromkeys(ids[:live].flatten().tolist()))     # distinct, in the order routed
+    routed = sorted(set(ids[:live].flatten().tolist()))
     last_used[routed] = now
     missed = [e for e in routed if table[e] < 0]
     counts[0] += len(routed) - len(missed)
@@ -55,7 +55,8 @@ def claim_slots_reference(table: torch.Tensor, last_used: torch.Tensor, clock: t
 
 @triton.jit
 def _claim_kernel(table_ptr, last_used_ptr, clock_ptr, counts_ptr, ids_ptr, rows_ptr, max_rows, E,
-                  TOP_K: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+                  TOP_K: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_IDS: tl.constexpr,
+                  PDL: tl.constexpr):
     wait_for_inputs(PDL)
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
@@ -66,32 +67,28 @@ def _claim_kernel(table_ptr, last_used_ptr, clock_ptr, counts_ptr, ids_ptr, rows
     rows = max_rows
     if HAS_ROWS:
         rows = tl.minimum(tl.load(rows_ptr).to(tl.int32), max_rows)
-    # pass 1: every routed expert used now; `missed`: the routed experts not resident, each once
-    hits = tl.full((), 0, tl.int64)
-    missed = offs < 0
-    for i in range(0, rows * TOP_K):
-        here = offs == tl.load(ids_ptr + i)
-        first = tl.sum(tl.where(here & (last != now), 1, 0), axis=0) > 0
-        resident = tl.sum(tl.where(here & (table >= 0), 1, 0), axis=0) > 0
-        hits += tl.where(first & resident, 1, 0).to(tl.int64)
-        missed = missed | (here & (table < 0))
-        last = tl.where(here, now, last)
+    # every routed expert used now: the ids against the experts in one comparison
+    at = tl.arange(0, BLOCK_IDS)
+    ids = tl.load(ids_ptr + at, mask=at < rows * TOP_K, other=-1)
+    routed = tl.max((ids[:, None] == offs[None, :]).to(tl.int32), axis=0) > 0
+    hits = tl.sum((routed & (table >= 0)).to(tl.int64), axis=0)
+    missed = routed & (table < 0)
     misses = tl.sum(missed.to(tl.int64), axis=0)
-    # pass 2: the misses in the order routed, each into the least recently used resident's slot while one is left
+    last = tl.where(routed, now, last)
+    # the misses in expert order, each into the least recently used resident's slot while one is left
     admitted = tl.full((), 0, tl.int64)
     never = tl.full((), 9223372036854775807, tl.int64)   # no candidate's last use
-    for i in range(0, rows * TOP_K):
-        here = offs == tl.load(ids_ptr + i)
-        if tl.sum(tl.where(here & missed, 1, 0), axis=0) > 0:
-            missed = missed & ~here
-            candidate = (table >= 0) & (last < now) & ok
-            if tl.sum(candidate.to(tl.int32), axis=0) > 0:
-                oldest = tl.min(tl.where(candidate, last, never), axis=0)
-                victim = tl.min(tl.where(candidate & (last == oldest), offs, BLOCK_E), axis=0)
-                slot = tl.sum(tl.where(offs == victim, table, 0), axis=0)
-                table = tl.where(offs == victim, -1, table)
-                table = tl.where(here, -slot - 2, table)
-                admitted += 1
+    for _ in range(0, misses):
+        e = tl.min(tl.where(missed, offs, BLOCK_E), axis=0)
+        missed = missed & (offs != e)
+        candidate = (table >= 0) & (last < now) & ok
+        if tl.sum(candidate.to(tl.int32), axis=0) > 0:
+            oldest = tl.min(tl.where(candidate, last, never), axis=0)
+            victim = tl.min(tl.where(candidate & (last == oldest), offs, BLOCK_E), axis=0)
+            slot = tl.sum(tl.where(offs == victim, table, 0), axis=0)
+            table = tl.where(offs == victim, -1, table)
+            table = tl.where(offs == e, -slot - 2, table)
+            admitted += 1
     tl.store(table_ptr + offs, table, mask=ok)
     tl.store(last_used_ptr + offs, last, mask=ok)
     tl.store(clock_ptr, now)
@@ -112,4 +109,5 @@ def _claim_launch(table, last_used, clock, counts, ids, rows) -> None:
     flat = ids.reshape(-1).contiguous()
     _claim_kernel[(1,)](table, last_used, clock, counts, flat, flat if rows is None else rows, ids.shape[0],
                         table.shape[0], TOP_K=ids.shape[1], HAS_ROWS=rows is not None,
-                        BLOCK_E=triton.next_power_of_2(table.shape[0]), num_warps=1, **launch_options(ids.device))
+                        BLOCK_E=triton.next_power_of_2(table.shape[0]), BLOCK_IDS=triton.next_power_of_2(flat.numel()),
+                        num_warps=1, **launch_options(ids.device))
