@@ -4,6 +4,9 @@ add up; then through the engine, whose decode steps run in CUDA graphs reading t
 and missing experts from pinned host memory (cache/expert_graph_pool.py): greedy tokens of three prompts equal the
 all-resident engine's (fp32), and the pools adapted between steps. Exits non-zero on a mismatch. Speed: `flashnext bench experts --model mem:flash-next --server-args
 "--quantize int4 --routing-trace calibrated --expert-vram-gb 24"` (docs/expert_cache.md).
+Also: the pools' row-copy kernel and the in-step admission program (ops/expert_claims.py) against their
+references, with their times; the engine with both admissions (--expert-admission), each slot checked against the
+host store.
 Run: python3 scripts/gpu_expert_cache.py"""
 import random
 import sys
@@ -117,8 +120,45 @@ def row_copier() -> bool:
     return same
 
 
+def claims() -> bool:
+    """ops/expert_claims.py's program on the GPU: the same state as the reference over random steps (512 experts,
+    211 slots, top-10, 1-8 rows), and its time a call in a CUDA graph (48 calls a decode step with
+    --expert-admission in-step)."""
+    import random
+
+    import triton
+
+    from flashnext.ops.expert_claims import _claim_launch, claim_slots_reference
+
+    def state(device):
+        table = torch.full((512,), -1, dtype=torch.long)
+        table[torch.randperm(512, generator=torch.Generator().manual_seed(0))[:211]] = torch.arange(211)
+        return [t.to(device) for t in (table, torch.zeros(512, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                                       torch.zeros(3, dtype=torch.long))]
+
+    rng = random.Random(0)
+    want, got = state("cpu"), state("cuda")
+    same = True
+    for _ in range(200):
+        rows = rng.choice([1, 1, 1, 3, 8])
+        ids = torch.tensor([rng.sample(range(512), 10) for _ in range(rows)])
+        live = torch.tensor([rng.randrange(1, rows + 1)], dtype=torch.int32)
+        claim_slots_reference(*want, ids, live)
+        _claim_launch(*got, ids.cuda(), live.cuda())
+        same &= all(torch.equal(a, b.cpu()) for a, b in zip(want, got))
+    times = []
+    for rows in (1, 8):
+        ids = torch.randint(0, 512, (rows, 10), device="cuda")
+        live = torch.tensor([rows], dtype=torch.int32, device="cuda")
+        times.append(triton.testing.do_bench_cudagraph(lambda: _claim_launch(*got, ids, live)))
+    print(f"expert claims: {'equal' if same else 'MISMATCH'} to the reference over 200 steps; "
+          f"{1e3 * times[0]:.1f} / {1e3 * times[1]:.1f} µs a call at 1 / 8 rows in a graph (48 a step)")
+    return same
+
+
 def main() -> int:
     ok = row_copier()
+    ok &= claims()
     ok &= kernels()
     for name in ("tiny-flash-next", "tiny-qwen3-next"):
         for dtype in (torch.float32, torch.bfloat16):
