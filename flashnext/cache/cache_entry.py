@@ -141,10 +141,14 @@ def copy_tensors(tensors: dict[str, torch.Tensor], device, pin: bool = False,
     call on the H200's host, and a snapshot of full-size Flash-Next is 86 state tensors (one allocation and one
     synchronous copy each cost a 32K-token agent turn ~200 ms before the first token)."""
     if torch.device(device).type != "cpu":
+        # asynchronous from page-locked memory (a host-tier entry's buffers), as write_blocks copies its blocks: the
+        # host goes on to schedule the resumed request while the copies run, and a buffer given back to the
+        # tier's arena is handed out again only after an event recorded behind them (pinned_arena.py); 86 state
+        # tensors of a Flash-Next snapshot had each waited for the stream, the entry's ~1.6 GB of blocks first
         out = {}
         for name, t in tensors.items():
             out[name] = torch.empty(t.shape, dtype=t.dtype, device=device)
-            out[name].copy_(t)
+            out[name].copy_(t, non_blocking=True)
         return out
     starts = _offsets(tensors)
     flat = into if into is not None else torch.empty(starts[-1], dtype=torch.uint8, pin_memory=pin)
