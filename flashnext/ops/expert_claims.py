@@ -16,8 +16,8 @@ One layer's state, all on the device, updated in place:
 First every routed expert is marked used in this step (the residents among them count as hits); then each miss, in
 expert order, evicts the resident least recently used (ties: the lower expert id) — never one routed in this step;
 when every resident is, the miss is read from host memory and not admitted. `claim_slots_reference` is the
-definition; `claim_slots` sends CUDA tensors to one Triton program of one warp: the routed ids against the E experts
-in one [ids, E] comparison, then a loop over the misses alone (~1.5 a layer a token at 87% hits). FLASHNEXT_EXPERT_CLAIMS=reference forces the reference (it
+definition; `claim_slots` sends CUDA tensors to one Triton program of one warp: the step's clock stored at the routed
+ids and the E last uses read back whole, then a loop over the misses alone (~1.5 a layer a token at 87% hits). FLASHNEXT_EXPERT_CLAIMS=reference forces the reference (it
 syncs with the host: on CUDA the step then cannot be captured and runs eagerly).
 """
 from __future__ import annotations
@@ -61,16 +61,18 @@ def _claim_kernel(table_ptr, last_used_ptr, clock_ptr, counts_ptr, ids_ptr, rows
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
     table = tl.load(table_ptr + offs, mask=ok, other=-1)
-    last = tl.load(last_used_ptr + offs, mask=ok, other=0)
     table = tl.where(table <= -2, -table - 2, table)
     now = tl.load(clock_ptr) + 1
     rows = max_rows
     if HAS_ROWS:
         rows = tl.minimum(tl.load(rows_ptr).to(tl.int32), max_rows)
-    # every routed expert used now: the ids against the experts in one comparison
+    # every routed expert used now: stored at the routed ids (an id twice stores the same), then read back whole
     at = tl.arange(0, BLOCK_IDS)
-    ids = tl.load(ids_ptr + at, mask=at < rows * TOP_K, other=-1)
-    routed = tl.max((ids[:, None] == offs[None, :]).to(tl.int32), axis=0) > 0
+    live = at < rows * TOP_K
+    tl.store(last_used_ptr + tl.load(ids_ptr + at, mask=live, other=0), now, mask=live)
+    tl.debug_barrier()
+    last = tl.load(last_used_ptr + offs, mask=ok, other=0)
+    routed = last == now
     hits = tl.sum((routed & (table >= 0)).to(tl.int64), axis=0)
     missed = routed & (table < 0)
     misses = tl.sum(missed.to(tl.int64), axis=0)
