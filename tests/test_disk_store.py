@@ -12,7 +12,6 @@ from flashnext.cache.disk_tier import HASH_BYTES, HEADER_BYTES, DiskStore
 from flashnext.cache.tier_index import SnapshotMeta
 
 
-
 def store_one(store, h, block):
     """One block stored as a batch of one → the bytes it takes."""
     return store.store_blocks([h], {name: t[None] for name, t in block.items()})[0]
@@ -20,6 +19,7 @@ def store_one(store, h, block):
 
 def load_one(store, h):
     return {name: t[0] for name, t in store.load_blocks([h])[0].items()}
+
 
 def _dead_pid() -> int:
     """The pid of a process that has exited (an interrupted write's temporary file names its writer)."""

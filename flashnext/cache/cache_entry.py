@@ -102,11 +102,15 @@ def write_blocks(kv, blocks: list[int], runs: list[dict[str, torch.Tensor]], row
     run, at most WRITE_PIECE rows at a time, one copy to the device and one scatter per tensor of the pool — from
     the run's own rows (page-locked in the host tier: an asynchronous copy), never joined on the host first (that
     was a host memcpy into pageable memory, then a synchronous copy, for pieces across runs)."""
+    # the block ids sent once, without a host wait (torch.tensor(..., device=) would wait for the stream each time)
+    targets = torch.tensor(blocks, dtype=torch.long)
+    if kv.device.type == "cuda":
+        targets = targets.pin_memory().to(kv.device, non_blocking=True)
     at = 0
     for i, j, count in row_segments(runs, rows):
         for first in range(j, j + count, WRITE_PIECE):
             n = min(WRITE_PIECE, j + count - first)
-            index = torch.tensor(blocks[at: at + n], dtype=torch.long, device=kv.device)
+            index = targets[at: at + n]
             for name, t in _pool_tensors(kv):
                 t.index_copy_(0, index, runs[i][name][first: first + n].to(kv.device, non_blocking=True))
             at += n

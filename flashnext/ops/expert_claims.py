@@ -69,14 +69,14 @@ def _claim_kernel(table_ptr, last_used_ptr, clock_ptr, counts_ptr, ids_ptr, rows
     # every routed expert used now: stored at the routed ids (an id twice stores the same), then read back whole
     at = tl.arange(0, BLOCK_IDS)
     live = at < rows * TOP_K
-    tl.store(last_used_ptr + tl.load(ids_ptr + at, mask=live, other=0), now, mask=live)
+    ids = tl.load(ids_ptr + at, mask=live, other=0)
+    tl.store(last_used_ptr + ids, now, mask=live & (ids >= 0) & (ids < E))
     tl.debug_barrier()
     last = tl.load(last_used_ptr + offs, mask=ok, other=0)
-    routed = last == now
+    routed = (last == now) & ok
     hits = tl.sum((routed & (table >= 0)).to(tl.int64), axis=0)
     missed = routed & (table < 0)
     misses = tl.sum(missed.to(tl.int64), axis=0)
-    last = tl.where(routed, now, last)
     # the misses in expert order, each into the least recently used resident's slot while one is left
     admitted = tl.full((), 0, tl.int64)
     never = tl.full((), 9223372036854775807, tl.int64)   # no candidate's last use
@@ -92,7 +92,6 @@ def _claim_kernel(table_ptr, last_used_ptr, clock_ptr, counts_ptr, ids_ptr, rows
             table = tl.where(offs == e, -slot - 2, table)
             admitted += 1
     tl.store(table_ptr + offs, table, mask=ok)
-    tl.store(last_used_ptr + offs, last, mask=ok)
     tl.store(clock_ptr, now)
     tl.store(counts_ptr, tl.load(counts_ptr) + hits)
     tl.store(counts_ptr + 1, tl.load(counts_ptr + 1) + misses)

@@ -139,7 +139,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
          help="write every finished turn to the host and disk tiers at once (default false)")
     _add(parser, "--kv-host-idle-copy", type=_bool,
          help="while no request runs, copy device prefix-cache entries to the host tier ahead of their eviction, "
-              "so a request that needs their blocks does not wait for the copy (default true; only with --kv-host-gb)")
+              "so a request that needs their blocks does not wait for the copy (default true; only with --kv-host-gb, on one "
+              "device)")
     _add(parser, "--kv-disk-dir", help="disk tier directory: cached conversations survive a restart")
     _add(parser, "--kv-disk-gb", type=float, help="size of the disk tier (default 16)")
     _add(parser, "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
