@@ -34,8 +34,8 @@ def timed_parts(engine, tokens: int) -> dict[str, float]:
                (runner, "_sample"), (torch.cuda.CUDAGraph, "replay"), (engine, "_append_token"), (engine, "_output")]
     pool = engine.loaded.expert_cache and engine.loaded.expert_cache.graph_pool
     if pool is not None:   # the expert pools' keeper (--expert-vram-gb): its parts that this keeper has
-        wrapped += [(runner, "after_decode")] + [(pool, name) for name in ("_learn", "_copy_rows", "_upload_tables")
-                                                 if hasattr(pool, name)]
+        wrapped += [(pool, name) for name in ("after_step", "_learn", "_copy_rows", "_upload_tables")
+                    if hasattr(pool, name)]
     originals = [(owner, name, getattr(owner, name)) for owner, name in wrapped if owner is not None]
 
     def timer(name, fn):

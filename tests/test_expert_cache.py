@@ -173,7 +173,7 @@ def _graph_step_engine(model: str, admission: str):
     runner.graphs = DecodeGraphs(runner.model, engine.kv, engine.states, max_batch=4,
                                  max_blocks_per_seq=engine.kv.blocks_for(engine.max_model_len))
     pool = loaded.expert_cache.enable_graphs(runner.graphs.max_batch, engine.config.num_experts_per_tok, admission)
-    runner.before_decode, runner.after_decode = pool.before_step, pool.after_step
+    runner.graphs.keeper = pool
     return run, want, engine, loaded.expert_cache, pool
 
 
@@ -242,10 +242,22 @@ def test_pools_admitting_inside_the_graph_step_keep_outputs_exact(model):
     admitted = int(pool.counts[:, 2].sum())
     assert admitted > 0 and st.admitted == admitted
     assert int(pool.counts[:, :2].sum()) > 0 and st.hits + st.misses >= int(pool.counts[:, :2].sum())
-    # as on worker ranks: steps without before_step / after_step still settle before the eager path and after
-    runner.before_decode = runner.after_decode = None
-    assert run(engine) == want
+    # a replayed step: the keeper is told, the recorded claim programs run, no Python `routed` — settle still
+    # takes the device's tables back
+    from flashnext.ops.expert_claims import claim_slots
+
+    layer = cache.layers[0]
+    pool.before_step(1)
+    claim_slots(layer.slot_table, pool.last_used[0], pool.clock[0], pool.counts[0],
+                (layer.slot_of < 0).nonzero()[:2].T, None)
+    pool.after_step(1)
+    assert not torch.equal(layer.slot_table, layer.slot_of)
+    write = torch.where(layer.slot_table <= -2, -layer.slot_table - 2, -1)    # what that step's kernels wrote
+    for expert in (write >= 0).nonzero().flatten().tolist():
+        for n in layer.names:
+            getattr(layer.module, n)[write[expert]] = layer.host[n][expert]
     consistent()
+    assert run(engine) == want
 
 
 def test_graph_pools_trade_a_resident_only_for_a_more_valuable_expert(monkeypatch):

@@ -313,7 +313,7 @@ class ExpertCache:
 
     def enable_graphs(self, max_rows: int, top_k: int, admission: str = "between-steps"):
         """Decode steps read the pools through their slot tables (they may be captured); → the pools' keeper, whose
-        before_step / after_step the engine calls around each such step: a GraphPool (between-steps: learning and
+        before_step / after_step DecodeGraphs calls around each such step (its `keeper`): a GraphPool (between-steps: learning and
         copies between steps) or a ClaimPool (in-step: admission inside the step, cache/expert_claim_pool.py)."""
         if admission == "in-step":
             from flashnext.cache.expert_claim_pool import ClaimPool

@@ -60,15 +60,17 @@ class ClaimPool:
     def routed(self, layer, ids: torch.Tensor) -> None:
         """A layer's decode, before its MoE kernels: the routed ids claim their slots."""
         i = layer.pool_index
-        self.unsettled = True   # (also worker ranks, which run steps without before_step / after_step, and warm-ups)
+        self.unsettled = True   # claims queued outside a step too: the captures of warm-up (capture_widths)
         claim_slots(layer.slot_table, self.last_used[i], self.clock[i], self.counts[i], ids, self.live_rows)
 
     def before_step(self, rows: int) -> None:
-        """Before a decode step of `rows` real rows is queued (ModelRunner's before_decode)."""
+        """Before a decode step of `rows` real rows is queued (DecodeGraphs.keeper): a replayed step claims slots
+        without running `routed`."""
+        self.unsettled = True
         self.live_rows.fill_(rows)
 
     def after_step(self, rows: int) -> None:
-        """After a decode step (ModelRunner's after_decode): the counters, read behind the steps now and then."""
+        """After a decode step (DecodeGraphs.keeper): the counters, read behind the steps now and then."""
         self.steps += 1
         if self.reading is not None and self.reading.query():
             self._count(self.counts_host)

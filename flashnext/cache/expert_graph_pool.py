@@ -78,7 +78,7 @@ class GraphPool:
         self.value = torch.zeros(self.slot_of.shape, dtype=torch.float64)
         self.clock = 0
         # the real rows of the next captured step (the rest of its bucket is padding, which the kernels skip): all of
-        # them until before_step says otherwise (worker ranks never do)
+        # them until before_step says otherwise
         self.live_rows = torch.full((1,), max_rows, dtype=torch.int32, device=self.device)
         # every layer's store rows → pool slots, for all tensors of an expert (table i·len(names) + j: layer i's
         # tensor j): one kernel a learning step on the GPU, where a torch copy a row cost ~25 µs of host time each
@@ -97,11 +97,11 @@ class GraphPool:
         self.observed[layer.pool_index, :ids.numel()].copy_(ids.reshape(-1))
 
     def before_step(self, rows: int) -> None:
-        """Before a decode step of `rows` real rows is queued (ModelRunner's before_decode)."""
+        """Before a decode step of `rows` real rows is queued (DecodeGraphs.keeper)."""
         self.live_rows.fill_(rows)
 
     def after_step(self, rows: int) -> None:
-        """After a decode step of `rows` rows (ModelRunner's after_decode)."""
+        """After a decode step of `rows` rows (DecodeGraphs.keeper)."""
         self._publish(wait=False)
         while self.reading and (self.reading[0][0] is None or self.reading[0][0].query()):
             _, read_rows, buffer = self.reading.pop(0)

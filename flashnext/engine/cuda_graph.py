@@ -50,6 +50,9 @@ class DecodeGraphs:
         # Several GPUs: rank 0 tells the workers each step's inputs before it runs (parallel/runtime.py), so that
         # every rank replays its own graph and the all-reduces inside meet.
         self.announce = None
+        # An expert cache's pools' keeper (ExpertCache.enable_graphs), told before and after every step on every
+        # rank: its kernels skip the bucket's padding rows, and its pools adapt or count around the steps
+        self.keeper = None
         long = dict(dtype=torch.long, device=self.device)
         # The static inputs, one row each (token, position, slot), filled by one host→device copy per step.
         self.inputs = torch.zeros(3, self.max_batch, **long)
@@ -128,9 +131,14 @@ class DecodeGraphs:
         self.inputs[:, :size].copy_(host, non_blocking=True)
         if on_device:
             self.input_ids[:n].copy_(input_ids)
+        if self.keeper is not None:
+            self.keeper.before_step(n)
         if graph is None:
-            return self._step(size, width)[:n]
-        graph.replay()
+            logits = self._step(size, width)
+        else:
+            graph.replay()
+        if self.keeper is not None:
+            self.keeper.after_step(n)
         return logits[:n]
 
     def _staged(self, rows: list) -> torch.Tensor:

@@ -124,7 +124,7 @@ class LLMEngine:
                                    decode_steps_between_prefill=args.decode_steps_between_prefill)
         eos = set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(e for e in eos if e < cfg.vocab_size)
-        graphs = pool = None
+        graphs = None
         experts = self.loaded.expert_cache
         if use_graphs:
             # with an expert cache, batches up to what the decode kernels take read its pools in the graph
@@ -132,9 +132,10 @@ class LLMEngine:
             graphs = DecodeGraphs(self.loaded.model, self.kv, self.states, graph_rows,
                                   self.kv.blocks_for(self.max_model_len))
             if experts is not None:
-                pool = experts.enable_graphs(graphs.max_batch, cfg.num_experts_per_tok, args.expert_admission)
+                graphs.keeper = experts.enable_graphs(graphs.max_batch, cfg.num_experts_per_tok,
+                                                      args.expert_admission)
         self.runner = ModelRunner(self.loaded.model, self.kv, self.states, self.eos_token_ids, self.device, args.seed,
-                                  graphs, before_decode=pool and pool.before_step, after_decode=pool and pool.after_step)
+                                  graphs)
         self.requests: dict[str, Request] = {}
         self._in_flight: tuple[list[Request], SamplerOutput] | None = None   # a decode step launched ahead (step)
         self._tokens_read_at = 0.0   # when the last sampled tokens reached the host (the pacer's decode step time)

@@ -22,14 +22,9 @@ from flashnext.models.context import ForwardContext, Segment
 
 class ModelRunner:
     def __init__(self, model, kv: KVPool, states: StatePool, eos_token_ids, device, seed: int = 0,
-                 graphs: DecodeGraphs | None = None, before_decode: Callable[[int], None] | None = None,
-                 after_decode: Callable[[int], None] | None = None):
-        """`before_decode(rows)` / `after_decode(rows)`: called before / once a decode graph step of `rows` rows is
-        queued (the expert cache's kernels skip the bucket's padding rows, and its pools adapt or count: the
-        keeper's before_step, after_step, ExpertCache.enable_graphs)."""
+                 graphs: DecodeGraphs | None = None):
         self.model = model
         self.graphs = graphs
-        self.before_decode, self.after_decode = before_decode, after_decode
         self.kv = kv
         self.states = states
         self.eos_token_ids = sorted(eos_token_ids)
@@ -113,13 +108,8 @@ class ModelRunner:
         num_computed, or `input_ids` on the device (a step ahead)."""
         if input_ids is None:
             input_ids = [r.tokens(r.num_computed, r.num_computed + 1)[0] for r in requests]
-        if self.before_decode is not None:
-            self.before_decode(len(requests))
-        logits = self.graphs.run(input_ids, [r.num_computed for r in requests], [r.slot for r in requests],
-                                 [r.blocks for r in requests])
-        if self.after_decode is not None:
-            self.after_decode(len(requests))
-        return logits
+        return self.graphs.run(input_ids, [r.num_computed for r in requests], [r.slot for r in requests],
+                               [r.blocks for r in requests])
 
     def _graph_chunks(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """The chunks the decode graph can run: one token each (a decode, or a prompt token fed alone), all of

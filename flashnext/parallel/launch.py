@@ -83,17 +83,17 @@ def _worker(rank: int, args: EngineArgs, port: int) -> None:
         from flashnext.cache.routing_trace import install_routing_trace
 
         install_routing_trace(loaded.model, args.routing_trace, args.seed)
+    keeper = None
     if loaded.expert_cache is not None and device.type == "cuda":
-        # decode steps read the pools through their slot tables, as rank 0's (LLMEngine); between steps these
-        # pools do not adapt (rank 0 alone sees the steps end), misses are read from host memory — in-step
-        # admission (--expert-admission in-step) runs on every rank, inside its steps
+        # decode steps read the pools through their slot tables, as rank 0's (LLMEngine), and the keeper, told
+        # around each step (DecodeGraphs.keeper), adapts this rank's pools as rank 0's keeper does its own
         from flashnext.engine.cuda_graph import bucket
         from flashnext.ops.moe_int4 import DECODE_MAX_M
 
         # rows as rank 0's graphs take them: a bucket (5 sequences run as 8)
-        loaded.expert_cache.enable_graphs(bucket(min(args.max_num_seqs, DECODE_MAX_M)),
-                                          loaded.config.num_experts_per_tok, args.expert_admission)
-    steps = worker_loop(loaded.model, dtype, device, WorkerCache(_tier_stores(args, loaded, dtype, rank)))
+        keeper = loaded.expert_cache.enable_graphs(bucket(min(args.max_num_seqs, DECODE_MAX_M)),
+                                                   loaded.config.num_experts_per_tok, args.expert_admission)
+    steps = worker_loop(loaded.model, dtype, device, WorkerCache(_tier_stores(args, loaded, dtype, rank)), keeper)
     log.debug("rank %d: %d forwards, stopping", rank, steps)
     dist.destroy_process_group()
 

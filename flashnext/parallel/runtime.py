@@ -137,7 +137,7 @@ def broadcast_decode(graphs, input_ids: list[int], positions: list[int], slots: 
 
 
 def _decode_on_worker(graphs_of: dict, key: tuple, model, kv: KVPool, states: StatePool, values: list[int],
-                      n: int, n_delta: int, n_ids: int) -> None:
+                      n: int, n_delta: int, n_ids: int, keeper=None) -> None:
     """A worker's half of broadcast_decode: its own DecodeGraphs over its twin pools, the same step."""
     from flashnext.engine.cuda_graph import DecodeGraphs
 
@@ -152,6 +152,7 @@ def _decode_on_worker(graphs_of: dict, key: tuple, model, kv: KVPool, states: St
         offset += count
     if key not in graphs_of:
         graphs_of[key] = DecodeGraphs(model, kv, states, max_batch, max_width, scratch=(scratch_slot, scratch_block))
+        graphs_of[key].keeper = keeper
     graphs_of[key].step(input_ids, positions, slots, width, deltas)
 
 
@@ -168,9 +169,10 @@ def attach_broadcaster(model: torch.nn.Module, mirror: SnapshotMirror | None = N
 
 @torch.inference_mode()
 def worker_loop(model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
-                cache: WorkerCache | None = None) -> int:
+                cache: WorkerCache | None = None, keeper=None) -> int:
     """Ranks > 0: run what rank 0 announces until it says stop; returns the number of forwards run. `cache` holds
-    this rank's stores of the prefix cache's lower tiers, when rank 0's cache has any."""
+    this rank's stores of the prefix cache's lower tiers, when rank 0's cache has any; `keeper` this rank's expert
+    pools' keeper (DecodeGraphs.keeper), when it has an expert cache."""
     pools: dict[tuple, tuple[KVPool, StatePool]] = {}
     graphs_of: dict[tuple, object] = {}      # pool key → this rank's DecodeGraphs over that pool
     cache = cache or WorkerCache()
@@ -203,7 +205,7 @@ def worker_loop(model: torch.nn.Module, dtype: torch.dtype, device: torch.device
             continue
         if cmd == DECODE:
             cache.apply(ops, kv, states)
-            _decode_on_worker(graphs_of, key, model, kv, states, values, n_tok, n_seg, n_blk)
+            _decode_on_worker(graphs_of, key, model, kv, states, values, n_tok, n_seg, n_blk, keeper)
             steps += 1
             continue
         ids = payload[:n_tok]
