@@ -84,11 +84,12 @@ def test_expert_table_reports_stall_per_token_and_prefetch():
     from flashnext.bench.experts import table
 
     run = lambda t, **kw: {"traffic": t, "decode_tok_s": 100.0, "completion_tokens": 200, **kw}  # noqa: E731
-    full = dict(hits=80, misses=20, bytes_copied=5e8, stall_seconds=0.1, prefetched=12, prefetch_used=9)
+    full = dict(hits=80, misses=20, bytes_copied=5e8, stall_seconds=0.1, prefetched=12, prefetch_used=9,
+                admitted=40)
     out = table({"samples": [run("repeated", **full), run("repeated", **full), run("varied")]})
     repeated, varied = [line for line in out.splitlines() if line.startswith("| repeated") or line.startswith("| varied")]
-    assert "| 80.0% | 1.00 | 0.500 | 24 (18 used) |" in repeated    # 0.2 s over 400 tokens
-    assert varied.endswith("| n/a | n/a | n/a | n/a |")             # a server without the counters
+    assert "| 80.0% | 1.00 | 0.500 | 24 (18 used) | 0.2 |" in repeated    # 0.2 s, 80 admitted over 400 tokens
+    assert varied.endswith("| n/a | n/a | n/a | n/a | n/a |")             # a server without the counters
 
 
 def test_model_bytes_from_props_log_or_checkpoint(tmp_path):

@@ -46,14 +46,6 @@ def test_reference_selects_the_top_blocks_in_order(rows, blocks, k, ratio):
         assert torch.equal(index[r, k * ratio:], tail.clamp(max=limit - 1))
 
 
-def test_ratio_one_lists_are_the_top_blocks():
-    """What qsa_top_blocks takes from the list kernel on CUDA: with one token a block, the lists are the blocks."""
-    scores, _ = scored(4, 60, 1, seed=5, ties=True)
-    last = torch.full((4,), 59)
-    index, valid = qsa_token_lists_reference(scores, last, 9, 1, 60)
-    assert index.shape == (4, 9) and valid.all() and torch.equal(index, qsa_top_blocks_reference(scores, 9))
-
-
 def test_reference_breaks_ties_toward_the_lower_block():
     scores = torch.tensor([[1.0, 2.0, -0.0, 2.0, 0.0, 0.0, float("-inf")]])
     index, _ = qsa_token_lists_reference(scores, torch.tensor([27]), 4, 4, 28)
@@ -95,6 +87,16 @@ def test_kernel_rows_longer_than_its_chunk(kernel, monkeypatch, ties, blocks, k)
     got = kernel.qsa_token_lists_triton(scores, pos, k, 4, 4 * blocks)
     want = qsa_token_lists_reference(scores, pos, k, 4, 4 * blocks)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_kernel_top_blocks_equal_the_reference(kernel, ties):
+    """What qsa_top_blocks runs on CUDA (the mask path of short prompts): the list kernel with one token a block and
+    every block complete, whose list is the block list, against the reference's two sorts (−inf blocks included)."""
+    scores, _ = scored(4, 60, 1, seed=5, ties=ties)
+    scores[:, 50:] = float("-inf")
+    got = kernel.qsa_token_lists_triton(scores, torch.full((4,), 59), 9, 1, 60)[0]
+    assert torch.equal(got, qsa_top_blocks_reference(scores, 9))
 
 
 def test_fits_says_where_the_kernels_select():

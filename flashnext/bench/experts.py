@@ -19,7 +19,8 @@ METRICS = {"hits": "flashnext_expert_cache_hits_total", "misses": "flashnext_exp
            "bytes_copied": "flashnext_expert_cache_bytes_copied_total",
            "stall_seconds": "flashnext_expert_cache_stall_seconds_total",
            "prefetched": "flashnext_expert_cache_prefetched_total",
-           "prefetch_used": "flashnext_expert_cache_prefetch_used_total"}
+           "prefetch_used": "flashnext_expert_cache_prefetch_used_total",
+           "admitted": "flashnext_expert_cache_admitted_total"}
 RUNS = 5
 _LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
@@ -89,16 +90,17 @@ def table(result: dict) -> str:
         hits = sum(s.get("hits", 0) for s in group) if all("hits" in s for s in group) else None
         misses = sum(s.get("misses", 0) for s in group) if all("misses" in s for s in group) else None
         total = lambda key: sum(s[key] for s in group) if all(key in s for s in group) else None  # noqa: E731
-        copied, stall, prefetched, used = (total(k) for k in ("bytes_copied", "stall_seconds", "prefetched",
-                                                              "prefetch_used"))
+        copied, stall, prefetched, used, admitted = (total(k) for k in ("bytes_copied", "stall_seconds", "prefetched",
+                                                                        "prefetch_used", "admitted"))
         tokens = sum(s["completion_tokens"] or 0 for s in group)
         hr = hit_rate(hits, misses)
         rows.append([traffic, len(group), md.num(rate["mean"]), md.num(rate["min"]), md.num(rate["max"]),
                      "n/a" if hr is None else f"{100 * hr:.1f}%", md.num(None if copied is None else copied / 1e9, 2),
                      md.num(None if stall is None or not tokens else 1e3 * stall / tokens, 3),
-                     "n/a" if prefetched is None else f"{prefetched:.0f} ({used or 0:.0f} used)"])
+                     "n/a" if prefetched is None else f"{prefetched:.0f} ({used or 0:.0f} used)",
+                     md.num(None if admitted is None or not tokens else admitted / tokens, 1)])
     return md.table(["traffic", "runs", "decode tok/s mean", "min", "max", "expert hit rate", "GB copied",
-                     "stall ms/token", "prefetched (used)"], rows)
+                     "stall ms/token", "prefetched (used)", "admitted in step / token"], rows)
 
 
 def plot(result: dict, stem) -> list:
