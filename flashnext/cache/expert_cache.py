@@ -42,7 +42,7 @@ from flashnext.cache.expert_policy import make_policy
 from flashnext.ops import moe_int4 as moe_ops
 from flashnext.ops.row_copy import table_row_copy
 from flashnext.weights.int4_layout import Int4Weight, dequantize
-from flashnext.weights.pinned import host_empty, pin_in_place
+from flashnext.weights.pinned import host_empty, pin_in_place, upload
 
 log = logging.getLogger("flashnext.expert_cache")
 
@@ -55,12 +55,11 @@ class ExpertCacheStats:
     prefetched: int = 0          # experts copied ahead of their layer (counted in bytes_copied too)
     prefetch_used: int = 0       # of which the layer then read (hits thanks to the prefetch)
     admitted: int = 0            # misses admitted inside a decode step (--expert-admission in-step: no copy)
-    copied_seconds: float = 0.0  # time of the copies the forward waited for, counted once they have run
 
     def __post_init__(self):
-        # (start, end) events around copies queued on a GPU's compute stream, not counted yet, and the lock the
-        # engine thread (adding) and the metrics (reading) share (not fields: the stats stay plain numbers for
-        # dataclasses.asdict)
+        # the copies' time counted so far (stall_seconds), the (start, end) events around copies queued on a GPU's
+        # compute stream not counted yet, and the lock the engine thread (adding) and /metrics (reading) share
+        self._stalled = 0.0
         self._timed: collections.deque = collections.deque()
         self._lock = threading.Lock()
 
@@ -70,11 +69,11 @@ class ExpertCacheStats:
         stream (what the layer's kernels queued after them waited), on a CPU the copies' wall time."""
         with self._lock:
             self._count_finished()
-            return self.copied_seconds
+            return self._stalled
 
     def add_stall(self, seconds: float) -> None:
         with self._lock:
-            self.copied_seconds += seconds
+            self._stalled += seconds
 
     def add_stall_events(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
         """Copies between `start` and `end` on the stream: counted once they have run (only those in flight wait)."""
@@ -85,7 +84,7 @@ class ExpertCacheStats:
     def _count_finished(self) -> None:
         while self._timed and self._timed[0][1].query():
             start, end = self._timed.popleft()
-            self.copied_seconds += start.elapsed_time(end) / 1e3
+            self._stalled += start.elapsed_time(end) / 1e3
 
     @property
     def hit_rate(self) -> float:
@@ -218,13 +217,11 @@ class LayerExpertCache:
 
     def _copy_rows(self, experts: torch.Tensor, slots: torch.Tensor) -> None:
         """Store rows `experts` → pool slots `slots`, every tensor of the layout, on the current stream."""
-        tables = torch.arange(len(self.names)).repeat(len(experts))
-        self._copy_tables(tables, experts.repeat_interleave(len(self.names)), slots.repeat_interleave(len(self.names)))
+        copy_expert_rows(self._copy_tables, len(self.names), torch.zeros_like(experts), experts, slots)
 
     def _upload_table(self) -> None:
         """The device slot table becomes slot_of in stream order, without a host wait (from page-locked memory)."""
-        self.slot_table.copy_(self.slot_of.pin_memory() if self.slot_table.is_cuda else self.slot_of,
-                              non_blocking=True)
+        upload(self.slot_table, self.slot_of)
 
     def _copy_in(self, experts: torch.Tensor, slots: torch.Tensor) -> None:
         """Misses in before the layer's kernels read them: on the GPU queued on the compute stream, so the kernels
@@ -295,6 +292,30 @@ class LayerExpertCache:
         moe_ops.add_shared_reference(out, xf, shared)
         self._start_prefetch(guess_ids)
         return out.to(x.dtype)
+
+
+def copy_expert_rows(copy_tables, names: int, layers: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor) -> None:
+    """Every tensor of each (layer, expert) → its slot, through `copy_tables` (ops/row_copy.table_row_copy over the
+    layers' `names` tensors each: table layer·names + j is a layer's tensor j)."""
+    tables = (layers[:, None] * names + torch.arange(names)).flatten()
+    copy_tables(tables, experts.repeat_interleave(names), slots.repeat_interleave(names))
+
+
+def attach_keeper(keeper, layers: list[LayerExpertCache], max_rows: int, admits: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a keeper of captured decode steps (GraphPool, ClaimPool) sets up alike: every layer's device table a row
+    of one [layers, experts] tensor (one copy each way), the step's real rows (the kernels skip a bucket's padding
+    rows past them: all until the keeper's before_step says otherwise), each layer's view for graph steps (`cached`,
+    the keeper and its index). → (tables, live_rows)."""
+    device = layers[0].device
+    tables = torch.stack([layer.slot_table for layer in layers])
+    live_rows = torch.full((1,), max_rows, dtype=torch.int32, device=device)
+    for i, layer in enumerate(layers):
+        layer.slot_table = tables[i]
+        layer.graph_pool, layer.pool_index = keeper, i
+        layer.cached = moe_ops.CachedExperts(layer.slot_table, layer.host_weight("gate_up"),
+                                             layer.host_weight("down"), live_rows, admits)
+    return tables, live_rows
 
 
 class ExpertCache:

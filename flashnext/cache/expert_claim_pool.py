@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from flashnext.ops.expert_claims import claim_slots
-from flashnext.ops.moe_int4 import CachedExperts
+from flashnext.cache.expert_cache import attach_keeper
+from flashnext.weights.pinned import upload
 
 
 class ClaimPool:
@@ -35,27 +36,12 @@ class ClaimPool:
         self.reading: torch.cuda.Event | None = None      # a copy of the counts on its way to counts_host
         self.steps = 0
         self.unsettled = False         # decode steps claimed slots since the last settle
-        # the real rows of the next captured step (the rest of its bucket is padding, which the kernels skip)
-        self.live_rows = torch.full((1,), max_rows, dtype=torch.int32, device=self.device)
-        # every layer's device table a row of one [layers, experts] tensor: settle takes them back in one copy
-        self.tables = torch.stack([layer.slot_table for layer in layers])
-        for i, layer in enumerate(layers):
-            layer.slot_table = self.tables[i]
-            self._fill(layer)
-            layer.graph_pool, layer.pool_index = self, i
-            layer.cached = CachedExperts(layer.slot_table, layer.host_weight("gate_up"), layer.host_weight("down"),
-                                         self.live_rows, admits=True)
-
-    @staticmethod
-    def _fill(layer) -> None:
-        """Free slots filled with the first experts not resident (eager copies, once)."""
-        if not layer.free:
-            return
-        absent = (layer.slot_of < 0).nonzero().flatten()[:len(layer.free)]
-        slots = torch.tensor([layer.free.pop() for _ in range(len(absent))], dtype=torch.long)
-        layer.slot_of[absent] = slots
-        layer._copy_rows(absent, slots)
-        layer._upload_table()
+        self.tables, self.live_rows = attach_keeper(self, layers, max_rows, admits=True)
+        for layer in layers:           # free slots filled with the first experts not resident (eager copies, once)
+            if layer.free:
+                absent = (layer.slot_of < 0).nonzero().flatten()[:len(layer.free)]
+                layer._copy_rows(absent, layer._claim(absent, pinned=absent))
+                layer._upload_table()
 
     def routed(self, layer, ids: torch.Tensor) -> None:
         """A layer's decode, before its MoE kernels: the routed ids claim their slots."""
@@ -105,11 +91,9 @@ class ClaimPool:
         tables = torch.where(tables <= -2, -tables - 2, tables)     # their steps have run: the slots hold them
         for layer, table in zip(self.layers, tables):
             layer.slot_of.copy_(table)
-            held = set(table[table >= 0].tolist())
-            layer.free = [s for s in range(layer.num_slots) if s not in held]
+            assert not layer.free   # full from the start; an admission or an eager load only trades a slot
+        upload(self.tables, tables)
         if not self.gpu:
-            self.tables.copy_(tables)
             return
-        self.tables.copy_(tables.pin_memory(), non_blocking=True)
         self.last_upload = torch.cuda.Event()
         self.last_upload.record(torch.cuda.current_stream(self.device))

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from flashnext.ops.moe_int4 import CachedExperts
+from flashnext.cache.expert_cache import attach_keeper, copy_expert_rows
 from flashnext.ops.row_copy import table_row_copy
+from flashnext.weights.pinned import upload
 
 # Experts copied in per layer and per learning step at most (the copies share PCIe with the kernels' reads of
 # missing experts), MAX_COPIES_PER_STEP in all, the layers taking turns.
@@ -66,10 +67,12 @@ class GraphPool:
         self.reading: list[tuple[torch.cuda.Event | None, int, int]] = []
         self.next_buffer = 0
         self.pending: list[PendingCopy] = []
-        # every layer's slot_of and device slot table become rows of one [layers, experts] tensor each, so learning is
-        # a few whole-tensor ops and the tables take one host-to-device copy
+        # every layer's slot_of (and device table: attach_keeper) becomes a row of one [layers, experts] tensor, so
+        # learning is a few whole-tensor ops and the tables take one host-to-device copy
         self.slot_of = torch.stack([layer.slot_of for layer in layers])
-        self.tables = torch.stack([layer.slot_table for layer in layers])
+        for i, layer in enumerate(layers):
+            layer.slot_of = self.slot_of[i]
+        self.tables, self.live_rows = attach_keeper(self, layers, max_rows)
         self.last_upload: torch.cuda.Event | None = None   # the end of the last table upload (a prefetch waits)
         self.tables_stale = False   # slot_of changed since the last upload (published copies): one upload a step
         self.copying = torch.zeros(self.slot_of.shape, dtype=torch.bool)   # experts whose copy is under way
@@ -77,20 +80,12 @@ class GraphPool:
         self.decay = getattr(policy, "decay", None)     # lfu-decay: counts decayed per learned step; lru: None
         self.value = torch.zeros(self.slot_of.shape, dtype=torch.float64)
         self.clock = 0
-        # the real rows of the next captured step (the rest of its bucket is padding, which the kernels skip): all of
-        # them until before_step says otherwise
-        self.live_rows = torch.full((1,), max_rows, dtype=torch.int32, device=self.device)
         # every layer's store rows → pool slots, for all tensors of an expert (table i·len(names) + j: layer i's
         # tensor j): one kernel a learning step on the GPU, where a torch copy a row cost ~25 µs of host time each
         self.names = layers[0].names
         assert all(layer.names == self.names for layer in layers)
         self._copy_tables = table_row_copy([t for layer in layers for t in layer.sources],
                                            [t for layer in layers for t in layer.destinations])
-        for i, layer in enumerate(layers):
-            layer.graph_pool, layer.pool_index = self, i
-            layer.slot_of, layer.slot_table = self.slot_of[i], self.tables[i]
-            layer.cached = CachedExperts(layer.slot_table, layer.host_weight("gate_up"), layer.host_weight("down"),
-                                         self.live_rows)
 
     def routed(self, layer, ids: torch.Tensor) -> None:
         """A layer's decode, before its MoE kernels: its routed ids into the step's observation."""
@@ -139,14 +134,11 @@ class GraphPool:
         self.pending = still
 
     def _upload_tables(self) -> None:
-        """The device tables become slot_of, in stream order after the steps queued so far, without a host wait: from
-        a page-locked copy (torch's caching host allocator reuses it once the upload has run), where from pageable
-        memory the driver may synchronise the stream first (CUDA's API sync notes), the host behind the queued steps."""
+        """The device tables become slot_of, in stream order after the steps queued so far, without a host wait."""
         self.tables_stale = False
+        upload(self.tables, self.slot_of)
         if not self.gpu:
-            self.tables.copy_(self.slot_of)
             return
-        self.tables.copy_(self.slot_of.pin_memory(), non_blocking=True)
         self.last_upload = torch.cuda.Event()
         self.last_upload.record(torch.cuda.current_stream(self.device))
 
@@ -223,7 +215,4 @@ class GraphPool:
 
     def _copy_rows(self, layers: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor) -> None:
         """Every tensor of each (layer, expert) → its slot, on the current stream."""
-        names = len(self.names)
-        tables = (layers[:, None] * names + torch.arange(names)).flatten()
-        rows = (experts.repeat_interleave(names), slots.repeat_interleave(names))
-        self._copy_tables(tables, *rows)
+        copy_expert_rows(self._copy_tables, len(self.names), layers, experts, slots)

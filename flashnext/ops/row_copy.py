@@ -5,7 +5,7 @@
     tables, source_rows, destination_rows  [n] int64 on the host: which pair, which rows
 
 `copy_table_rows` is the reference (a torch copy a row). `RowCopier` is the fast path for the expert pools'
-copies between decode steps (cache/expert_graph_pool.py): hundreds of rows of ~5 tensors of 48 layers a step.
+copies (between decode steps, cache/expert_graph_pool.py, and on the eager path, cache/expert_cache.py): hundreds of rows of ~5 tensors of 48 layers a step.
 As torch copies they were one cudaMemcpyAsync each, ~25 µs of host time apiece on the H200 (810 a token with
 random routing at a 24 GiB pool: 20.9 ms a token of host time, the GPU waiting). The copier computes every row's
 source and destination address on the host in a few tensor ops, uploads the [3, n·tensors] plan once, and a
@@ -18,7 +18,6 @@ FLASHNEXT_ROW_COPY=reference, to bisect a wrong answer on the GPU).
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
 from collections.abc import Callable
@@ -28,10 +27,10 @@ import triton
 import triton.language as tl
 
 from flashnext.ops.device import num_sms
+from flashnext.weights.pinned import device_address, upload
 
 WORD = 8              # bytes a lane moves at a time
 BLOCK = 1024          # words a program moves per loop step
-_CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3
 
 
 def copy_table_rows(sources: list[torch.Tensor], destinations: list[torch.Tensor], tables: torch.Tensor,
@@ -45,34 +44,18 @@ def table_row_copy(sources: list[torch.Tensor], destinations: list[torch.Tensor]
                    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
     """copy_table_rows over these tables: → a function of (tables, source_rows, destination_rows)."""
     if (destinations[0].is_cuda and os.environ.get("FLASHNEXT_ROW_COPY", "triton") != "reference"
-            and all(_row_bytes(t) % WORD == 0 for t in sources)):
+            and words_fit(sources + destinations)):
         return RowCopier(sources, destinations).copy
     return functools.partial(copy_table_rows, sources, destinations)
 
 
+def words_fit(tables: list[torch.Tensor]) -> bool:
+    """Whether every table starts at, and has rows of, whole words (what the kernel moves)."""
+    return all(t.data_ptr() % WORD == 0 and _row_bytes(t) % WORD == 0 for t in tables)
+
+
 def _row_bytes(table: torch.Tensor) -> int:
     return table[0].numel() * table.element_size()
-
-
-@functools.cache
-def _libcuda() -> ctypes.CDLL:
-    return ctypes.CDLL("libcuda.so.1")
-
-
-def device_address(tensor: torch.Tensor, device: torch.device) -> int:
-    """Where a kernel on `device` finds `tensor`: its own address for memory of that device (or off a GPU, where
-    the interpreter reads host memory); for page-locked, mapped host memory the device pointer the driver gives
-    (what Triton's launcher asks for a tensor argument: cuPointerGetAttribute)."""
-    if device.type != "cuda" or tensor.device.type == "cuda":
-        return tensor.data_ptr()
-    if not tensor.is_pinned():
-        raise ValueError("a kernel can read host memory only when it is page-locked and mapped")
-    out = ctypes.c_uint64()
-    err = _libcuda().cuPointerGetAttribute(ctypes.byref(out), _CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
-                                           ctypes.c_uint64(tensor.data_ptr()))
-    if err:
-        raise RuntimeError(f"cuPointerGetAttribute failed ({err}) for a host tensor")
-    return out.value
 
 
 @triton.jit
@@ -106,7 +89,7 @@ class RowCopier:
         self.row_bytes = torch.tensor(row_bytes, dtype=torch.long)
         self.source_base = torch.tensor([device_address(t, self.device) for t in sources], dtype=torch.long)
         self.destination_base = torch.tensor([device_address(t, self.device) for t in destinations], dtype=torch.long)
-        if bool((self.row_bytes % WORD).any() | (self.source_base % WORD).any() | (self.destination_base % WORD).any()):
+        if not words_fit(sources + destinations):
             raise ValueError(f"rows and tables must be multiples of {WORD} bytes to be copied as words")
 
     def copy(self, tables: torch.Tensor, source_rows: torch.Tensor, destination_rows: torch.Tensor) -> None:
@@ -116,9 +99,7 @@ class RowCopier:
         row_bytes = self.row_bytes[tables]
         plan = torch.stack([self.source_base[tables] + source_rows * row_bytes,
                             self.destination_base[tables] + destination_rows * row_bytes, row_bytes // WORD])
-        if self.device.type == "cuda":
-            # page-locked: the upload is asynchronous (torch's host allocator keeps the buffer until it has run)
-            plan = plan.pin_memory().to(self.device, non_blocking=True)
+        plan = upload(torch.empty(plan.shape, dtype=plan.dtype, device=self.device), plan)
         # enough programs to keep a few hundred loads in flight over PCIe, whatever the number of rows
         parts = max(1, min(64, triton.cdiv(2 * num_sms(self.device), n)))
         _copy_rows_kernel[(n, parts)](plan, n, BLOCK=BLOCK)

@@ -1,4 +1,5 @@
-"""Page-locked host memory of exactly the size asked for.
+"""Page-locked host memory of exactly the size asked for; small uploads that do not make the host wait (`upload`);
+the address a kernel reads page-locked memory at (`device_address`).
 
 Not torch.empty(pin_memory=True) / .pin_memory(): torch's caching host allocator rounds every block up to a
 power of two, so a 51 GB PLE table would lock 64 GiB (a 102 GB one 128 GiB) and 63 GB of INT4 experts 64 GiB.
@@ -8,11 +9,14 @@ addressing, and unregistered when the storage dies. Registering faults every pag
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import weakref
 
 import torch
 
 _CUDA_HOST_REGISTER_PORTABLE_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+_CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3
 
 
 def pin_in_place(tensor: torch.Tensor, what: str = "host memory") -> torch.Tensor:
@@ -38,3 +42,31 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, what: str 
         tensor.view(-1).view(torch.uint8)[::4096].zero_()  # fault the pages in (one byte per page, in parallel)
         pin_in_place(tensor, what)
     return tensor
+
+
+def upload(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """dst ← the host tensor src, in stream order and without a host wait when dst is on a GPU: through a page-locked
+    copy (torch's caching host allocator reuses it only once the upload has run), where from pageable memory the
+    driver may synchronise the stream first and the host waits behind the steps queued. → dst."""
+    return dst.copy_(src.pin_memory() if dst.is_cuda and not src.is_pinned() else src, non_blocking=True)
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def device_address(tensor: torch.Tensor, device: torch.device) -> int:
+    """Where a kernel on `device` finds `tensor`: its own address for memory of that device (or off a GPU, where
+    the interpreter reads host memory); for page-locked, mapped host memory the device pointer the driver gives
+    (what Triton's launcher asks for a tensor argument: cuPointerGetAttribute)."""
+    if device.type != "cuda" or tensor.device.type == "cuda":
+        return tensor.data_ptr()
+    if not tensor.is_pinned():
+        raise ValueError("a kernel can read host memory only when it is page-locked and mapped")
+    out = ctypes.c_uint64()
+    err = _libcuda().cuPointerGetAttribute(ctypes.byref(out), _CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
+                                           ctypes.c_uint64(tensor.data_ptr()))
+    if err:
+        raise RuntimeError(f"cuPointerGetAttribute failed ({err}) for a host tensor")
+    return out.value
