@@ -136,7 +136,8 @@ def test_triton_split_and_tile_choices_agree(kernels, split_k, block_m, in_tile)
         x = torch.randn(rows, 384).to(device)
         got = kernels.w4a16_matmul(x, w, cfg)
         assert rel_err(got, w4a16_linear_reference(x, w)) < 1e-5
-        assert torch.equal(kernels.w4a16_matmul(x, w, cfg), got)   # the splits summed in one order
+        # the splits summed in one order (meaningful on a GPU, where programs run at once; run by gpu_w4a16.py)
+        assert torch.equal(kernels.w4a16_matmul(x, w, cfg), got)
     assert kernels.w4a16_matmul(x[:0], w).shape == (0, 96)
     from flashnext.ops.arrival import buffers   # the split tiles' last programs left their counters at zero
 

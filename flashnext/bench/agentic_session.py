@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from flashnext.bench.text import varied_text
 from flashnext.bench.tools import SYSTEM_PROMPT, TOOLS, USER_TASK
 
-# Bytes per token of code, logs and markdown under Qwen's tokenizer; used to estimate history size only.
+# Bytes per token of code, logs and markdown under Qwen's tokenizer: the history size estimate, and what
+# --scale auto sizes the tool results to on the server's tokenizer.
 BYTES_PER_TOKEN = 3.4
 MIN_RESULT_BYTES = 40  # the floor of a scaled-down result, so that even tiny runs carry real text
 

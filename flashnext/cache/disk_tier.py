@@ -339,7 +339,7 @@ class DiskTier(TierIndex):
         self.fit()
         self._collect(deleted)
 
-    def _collect(self, removed: int = 0) -> None:
+    def _collect(self, removed: int) -> None:
         """Delete the files of ours that no indexed entry needs, in this store and the other ranks': batches none of
         whose blocks an entry names (a crash between the writes, a snapshot deleted by hand, entries dropped to fit
         --kv-disk-gb), snapshots the index dropped, and temporary files of interrupted writes. Otherwise they

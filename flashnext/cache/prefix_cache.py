@@ -342,8 +342,9 @@ class PrefixCache:
         """Copy the least recently used device entry that the host tier lacks into it, kept on the device too, when
         it fits there without evicting anything: False when there is none (or no host tier). Run while no request
         does (LLMEngine.idle_work), so that the eviction of such an entry, when a request needs its blocks, finds
-        it written and costs no copy (an idle conversation resumed on the H200 waited 0.08–0.31 s in the queue; on
-        the dev machine a profile of such a resume spent most of its time writing down the entry it evicted)."""
+        it written and costs no copy (the H200's server log put an idle conversation's resume 0.08–0.31 s in the
+        queue, session 11, not kept; on the dev machine a profile of such a resume spent most of its time writing
+        down the entry it evicted)."""
         host = self.lower
         if host is None or host.name != "host" or self.mirror is not None:
             return False
@@ -353,8 +354,7 @@ class PrefixCache:
                 continue
             snap = node.snapshots[tail]
             path = node.path()
-            size = (sum(n.hash not in host.block_refs for n in path) * block_bytes + tensor_bytes(snap.state)
-                    + tensor_bytes(snap.tail_kv))
+            size = sum(n.hash not in host.block_refs for n in path) * block_bytes + snap.nbytes
             if host.used_bytes + size > host.capacity:
                 return False
             self._write_down(host, node, key, snap)
@@ -458,7 +458,7 @@ class PrefixCache:
             if tier is None:
                 node, tail = self.lru[key]
                 snap = node.snapshots[tail]
-                hashes, snapshot = [n.hash for n in node.path()], tensor_bytes(snap.state) + tensor_bytes(snap.tail_kv)
+                hashes, snapshot = [n.hash for n in node.path()], snap.nbytes
             else:
                 hashes, snapshot = tier.snaps[key].blocks, tier.snaps[key].nbytes
             new = {h for h in hashes if h not in counted}

@@ -1,4 +1,5 @@
-"""Triton hyper-connection mix (two launches) and inject (one), for decode (N ≤ 16 rows; any N is correct).
+"""Triton hyper-connection mix (two launches) and inject (one), for decode (up to DECODE_MAX_ROWS rows of
+ops/hyper_connection.py; any N is correct).
 
 The mix reads two [R, hc·H] weights (2 × 6.5 MB at Flash-Next's shapes) and little else: it is a chain of
 latency (launch, first DRAM loads, a reduction) unless every launch loads its whole share of a weight at once,
@@ -33,7 +34,7 @@ from flashnext.ops.rounding import round_to_dtype
 
 
 @triton.jit
-def sigmoid(v):
+def _sigmoid(v):
     return 1.0 / (1.0 + tl.exp(-v))
 
 
@@ -111,9 +112,9 @@ def _hc_up_kernel(x_ptr, nw_ptr, part_ptr, sumsq_ptr, wu_ptr, out_ptr, inj_ptr, 
         sumsq = tl.load(sumsq_ptr + m * HC + offs_s, mask=s_ok, other=0.0)
         rstd = tl.where(s_ok, tl.math.rsqrt(sumsq / H + eps), 0.0)
         v = _down_rows(part_ptr, rstd, offs_s, s_ok, N, m, rows, offs_k, k_ok, HC, dtype)
-        mix = round_to_dtype(v * sigmoid(v), dtype)
+        mix = round_to_dtype(v * _sigmoid(v), dtype)
         up = round_to_dtype(tl.sum(w.to(tl.float32) * mix[None, None, :], axis=2), dtype)
-        gate = round_to_dtype(sigmoid(up), dtype)
+        gate = round_to_dtype(_sigmoid(up), dtype)
         xv = tl.load(x_ptr + m * stride_x + sh, mask=sh_ok, other=0.0).to(tl.float32)
         normed = round_to_dtype(xv * rstd[:, None] * scale, dtype)
         total = tl.sum(tl.where(sh_ok, round_to_dtype(gate * normed, dtype), 0.0), axis=0)
@@ -121,7 +122,7 @@ def _hc_up_kernel(x_ptr, nw_ptr, part_ptr, sumsq_ptr, wu_ptr, out_ptr, inj_ptr, 
         if HAS_INJECT:
             if pid_h == 0:
                 v_inj = _down_rows(part_ptr, rstd, offs_s, s_ok, N, m, rows, R + offs_s, s_ok, HC, dtype)
-                tl.store(inj_ptr + m * HC + offs_s, 2.0 * round_to_dtype(sigmoid(v_inj), dtype), mask=s_ok)
+                tl.store(inj_ptr + m * HC + offs_s, 2.0 * round_to_dtype(_sigmoid(v_inj), dtype), mask=s_ok)
 
 
 @triton.jit
@@ -246,7 +247,7 @@ def _hc_combine_kernel(up_ptr, normed_ptr, out_ptr, H, stride_up, stride_normed,
     for s in tl.static_range(HC):
         up = tl.load(up_ptr + row * stride_up + s * H + offs, mask=mask, other=0.0).to(tl.float32)
         normed = tl.load(normed_ptr + row * stride_normed + s * H + offs, mask=mask, other=0.0).to(tl.float32)
-        total += round_to_dtype(round_to_dtype(sigmoid(up), dtype) * normed, dtype)
+        total += round_to_dtype(round_to_dtype(_sigmoid(up), dtype) * normed, dtype)
     tl.store(out_ptr + row * stride_out + offs, (total / HC).to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -364,6 +364,15 @@ def reduce_rows(block_m: int, block_n: int, num_warps: int) -> int:
     return min(32, max(1, 32 * 32 * num_warps // (block_m * block_n)))
 
 
+def _split_buffers(x: torch.Tensor, m: int, n: int, split: int, tiles: int):
+    """The output [m, n], and for a split K the fp32 partials [split, m, n] and arrival counters for `tiles` tiles
+    (_sum_splits; the output stands in for both, never read, without a split)."""
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if split == 1:
+        return out, out, out
+    return out, torch.empty(split, m, n, dtype=torch.float32, device=x.device), arrival_counters(x.device, tiles)
+
+
 def _gemv(x: torch.Tensor, w: Int4Weight, cfg: GemvConfig) -> torch.Tensor:
     m, k = x.shape
     n = w.out_features
@@ -374,9 +383,7 @@ def _gemv(x: torch.Tensor, w: Int4Weight, cfg: GemvConfig) -> torch.Tensor:
     per = triton.cdiv(tiles, max(1, min(cfg.split_k, tiles)))
     split = triton.cdiv(tiles, per)
     blocks = triton.cdiv(n, cfg.block_n)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    counters = arrival_counters(x.device, blocks) if split > 1 else out
+    out, part, counters = _split_buffers(x, m, n, split, blocks)
     zeros, perm = optional_tensors(w)
     block_m = 16 if cfg.use_dot else m_bucket(m)
     _w4a16_gemv_kernel[(blocks, split)](
@@ -413,9 +420,7 @@ def w4a16_matmul(x: torch.Tensor, w: Int4Weight, config: LaunchConfig | GemvConf
     k_per_split = triton.cdiv(steps, cfg.split_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, cfg.block_m))
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    counters = arrival_counters(x.device, grid[0] * grid[2]) if split > 1 else out
+    out, part, counters = _split_buffers(x, m, n, split, grid[0] * grid[2])
     zeros, perm = optional_tensors(w)
     _w4a16_kernel[grid](
         x, w.qweight, w.scales, zeros, perm, out, part, counters,
