@@ -36,8 +36,9 @@ from flashnext.weights.pinned import upload
 COPIES_PER_LAYER = max(1, int(os.environ.get("FLASHNEXT_EXPERT_COPIES_PER_LAYER", "10")))
 MAX_COPIES_PER_STEP = max(1, int(os.environ.get("FLASHNEXT_EXPERT_COPIES_PER_STEP", "480")))
 # Observations (a step's routed ids on their way to page-locked memory) in flight at once: with one, the pools
-# learned from every other step on the H200 once the decode inputs came from page-locked memory (session 11: ~240
-# expert reads counted a token of Flash-Next's 480, hit rate 83% → 72%; the host runs two steps ahead now).
+# learned from about every other step on the H200 once the decode inputs came from page-locked memory (session 11:
+# 244–333 expert reads counted a token of Flash-Next's 480, hit rate 83% → 72%; the host runs two steps ahead now).
+# With three, session 12 counted 82% / 73% again.
 OBSERVATIONS_IN_FLIGHT = max(1, int(os.environ.get("FLASHNEXT_EXPERT_OBSERVATIONS", "3")))
 # A learning step is ~30 tensor ops over [layers, experts] plus the copies it starts: 1.6 ms of host time for all 48
 # layers of Flash-Next's shapes (512 experts, top-10, 196 slots) with 16 copies on the 2-core dev machine (copies

@@ -16,7 +16,7 @@ without any snapshot below it is useless and is pruned at once.
 Device memory is LRU by bytes: snapshots under --prefix-cache-gb, KV blocks when the pool runs short
 (the scheduler calls free_blocks before preempting). Over the snapshot budget, snapshots taken inside a prefill
 that nothing has resumed from go first (oldest first), then the rest (ends of prompts and replies): a long
-prompt takes one at each chunk end past an interval mark (8-64 for 65K tokens in chunks of 8K-1K; ~110 MB each
+prompt takes one at each chunk end past an interval mark (8-64 for 65K tokens in chunks of 8K-1K; ~116 MB each
 for Flash-Next), and under plain LRU eight 65K-token conversations pushed each other's ends out of the 1 GiB
 default, so none came back warm (bench concurrency, H200, session 12). An evicted snapshot moves to the next
 tier down (host RAM, then disk) with its prefix blocks; a hit in a lower tier is copied back in before resuming.
