@@ -382,3 +382,30 @@ def test_shutdown_persists_to_disk(flash, tmp_path, host_gb):
     assert out == expected and cached >= 64
     pools_idle(second)
     pools_idle(first)
+
+
+def test_conversations_resumed_in_turn_keep_their_ends_under_the_default_budget(flash):
+    # The H200's `bench concurrency` (session 13): 8 conversations prefilled and answered together, then each
+    # resumed in turn from its history's end (a chat template renders the reply anew, so the reply-end snapshot
+    # does not lie on the next prompt). With room for ~9 snapshots (the old fixed 1 GiB), the first resumes
+    # missed and each miss's new end pushed out the next conversation's: none hit. The default budget holds
+    # three snapshots a sequence slot.
+    n, length = 8, 200
+    engine = make(loaded=flash.loaded, max_num_seqs=n)
+    prompts = [tokens(100 + i, length) for i in range(n)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    def together(requests):
+        for rid, prompt in requests:
+            engine.add_request(rid, prompt, params)
+        outs = {}
+        while engine.has_work():
+            for o in engine.step():
+                outs.setdefault(o.request_id, []).append(o)
+        return {rid: outs[rid][-1].cached_tokens for rid, _ in requests}
+
+    together([(f"a{i}", p) for i, p in enumerate(prompts)])
+    cached = together([(f"b{i}", p + tokens(300 + i, 30)) for i, p in enumerate(prompts)])
+    assert cached == {f"b{i}": length for i in range(n)}
+    per_snapshot = engine.memory_plan.state_bytes // n + engine.kv.bytes_per_block(engine.config, BS, engine.dtype)
+    assert engine.prefix_cache.snapshot_budget == 3 * n * per_snapshot

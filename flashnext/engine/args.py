@@ -41,7 +41,7 @@ class EngineArgs:
     # Prefix cache (docs/prefix_cache.md)
     enable_prefix_caching: bool = True
     prefix_snapshot_interval: int = 1024  # a snapshot at the first chunk end past each multiple (0: none)
-    prefix_cache_gb: float = 1.0          # device memory for state snapshots
+    prefix_cache_gb: float | None = None  # device memory for state snapshots (None: SNAPSHOTS_PER_SEQUENCE a slot)
     kv_host_gb: float = 0.0               # host-RAM tier for evicted entries (0: none); per rank on several GPUs
     kv_host_write_through: bool = False   # write every finished turn down to the lower tiers at once
     kv_host_idle_copy: bool = True        # while no request runs, copy device entries down to the host tier

@@ -34,6 +34,12 @@ from flashnext.tokenizer.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("flashnext.engine")
 
+# The default snapshot budget, in snapshots a sequence slot: each running conversation leaves two ends (its
+# history's, where a chat's next turn resumes, and its reply's, where a plain continuation does) plus room for
+# one more. Fewer, and conversations resumed in turn push each other's ends out before their turn comes: the
+# H200's `bench concurrency` (8 streams, session 13) resumed none with a fixed 1 GiB (~9 Flash-Next snapshots).
+SNAPSHOTS_PER_SEQUENCE = 3
+
 
 @dataclass
 class EngineStats:
@@ -62,12 +68,14 @@ class MemoryPlan:
     kv_bytes: int
     state_slots: int
     state_bytes: int
+    snapshot_bytes: int
 
     def __str__(self) -> str:
         gib = 1 << 30
         return (f"{self.device} {self.dtype}: weights {self.weight_bytes / gib:.2f} GiB, KV {self.kv_blocks} blocks × "
                 f"{self.block_size} tokens = {self.kv_bytes / gib:.2f} GiB ({self.kv_blocks * self.block_size} tokens), "
-                f"{self.state_slots} state slots = {self.state_bytes / gib:.2f} GiB")
+                f"{self.state_slots} state slots = {self.state_bytes / gib:.2f} GiB, prefix-cache snapshots up to "
+                f"{self.snapshot_bytes / gib:.2f} GiB")
 
 
 def request_timing(request: Request) -> str:
@@ -113,7 +121,7 @@ class LLMEngine:
         self.states = StatePool(cfg, args.max_num_seqs + use_graphs, self.dtype, self.device)
         self.memory_plan = MemoryPlan(str(self.device), str(self.dtype).replace("torch.", ""), self.loaded.weight_bytes,
                                       num_blocks, block_size, num_blocks * KVPool.bytes_per_block(cfg, block_size, self.dtype),
-                                      args.max_num_seqs, args.max_num_seqs * slot_bytes)
+                                      args.max_num_seqs, args.max_num_seqs * slot_bytes, self._snapshot_budget(block_size, slot_bytes))
         self.prefix_cache = self._build_prefix_cache(block_size)
         pacer = None
         if args.decode_step_budget_ms > 0:
@@ -172,7 +180,7 @@ class LLMEngine:
 
             host_bytes = int(args.kv_host_gb * gib)
             lower = TierIndex(HostStore(host_bytes), host_bytes, block_size, lower)
-        return PrefixCache(self.kv, self.states, int(args.prefix_cache_gb * gib), lower, args.kv_host_write_through)
+        return PrefixCache(self.kv, self.states, self.memory_plan.snapshot_bytes, lower, args.kv_host_write_through)
 
     def _chunk_activation_bytes(self) -> int:
         """The largest tensors one prefill chunk of max_num_batched_tokens holds at once, per token: the routed
@@ -184,6 +192,16 @@ class LLMEngine:
         per_token += 2 * cfg.hc_hidden_size * item
         return 2 * per_token * self.args.max_num_batched_tokens
 
+    def _snapshot_budget(self, block_size: int, slot_bytes: int) -> int:
+        """Device bytes for prefix-cache snapshots: --prefix-cache-gb, by default room for SNAPSHOTS_PER_SEQUENCE
+        a sequence slot (a snapshot holds one slot's states and the KV of its partial block)."""
+        if not self.args.enable_prefix_caching:
+            return 0
+        if self.args.prefix_cache_gb is not None:
+            return int(self.args.prefix_cache_gb * (1 << 30))
+        snapshot = slot_bytes + KVPool.bytes_per_block(self.config, block_size, self.dtype)
+        return SNAPSHOTS_PER_SEQUENCE * self.args.max_num_seqs * snapshot
+
     def _plan_kv_blocks(self, block_size: int, slot_bytes: int) -> int:
         per_block = KVPool.bytes_per_block(self.config, block_size, self.dtype)
         if self.args.kv_cache_gb is not None:
@@ -192,7 +210,7 @@ class LLMEngine:
             free, total = torch.cuda.mem_get_info(self.device)
             reserve = total * (1 - self.args.gpu_memory_fraction)
             activations = (1 << 30) + self._chunk_activation_bytes()
-            snapshots = self.args.prefix_cache_gb * (1 << 30) if self.args.enable_prefix_caching else 0
+            snapshots = self._snapshot_budget(block_size, slot_bytes)
             budget = int(free - reserve - activations - self.args.max_num_seqs * slot_bytes - snapshots)
         else:
             # CPU: enough for every sequence at full length, capped at 4 GiB

@@ -133,7 +133,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--prefix-snapshot-interval", type=int,
          help="a state snapshot at the first prefill chunk end past every multiple of this many prompt tokens "
               "(chunks are never cut for it); 0: none (default 1024)")
-    _add(parser, "--prefix-cache-gb", type=float, help="device memory for prefix-cache state snapshots (default 1)")
+    _add(parser, "--prefix-cache-gb", type=float,
+         help="device memory for prefix-cache state snapshots (default: room for 3 a sequence slot, --max-num-seqs "
+              "× 3 × one slot's states; the log's memory plan prints it)")
     _add(parser, "--kv-host-gb", type=float, help="host-RAM tier for evicted prefix-cache entries (default 0: off)")
     _add(parser, "--kv-host-write-through", type=_bool,
          help="write every finished turn to the host and disk tiers at once (default false)")
