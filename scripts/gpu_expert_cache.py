@@ -1,12 +1,12 @@
 """On the GPU machine: the expert cache (--expert-vram-gb) gives the all-resident logits bit for bit, with and
 without prefetch, at small slot budgets, fp32 and bf16 (tiny presets: 8 experts, top-2, 4 layers), and its counters
 add up; then through the engine, whose decode steps run in CUDA graphs reading the pools through their slot tables
-and missing experts from pinned host memory (cache/expert_graph_pool.py): greedy tokens of three prompts equal the
-all-resident engine's (fp32), and the pools adapted between steps. Exits non-zero on a mismatch. Speed: `flashnext bench experts --model mem:flash-next --server-args
+and missing experts from pinned host memory, admitting them inside the step (cache/expert_claim_pool.py): greedy
+tokens of three prompts equal the all-resident engine's (fp32), each slot checked against the host store. Exits
+non-zero on a mismatch. Speed: `flashnext bench experts --model mem:flash-next --server-args
 "--quantize int4 --routing-trace calibrated --expert-vram-gb 24"` (docs/expert_cache.md).
 Also: the pools' row-copy kernel and the in-step admission program (ops/expert_claims.py) against their
-references, with their times; the engine with both admissions (--expert-admission), each slot checked against the
-host store.
+references, with their times.
 Run: python3 scripts/gpu_expert_cache.py"""
 import random
 import sys
@@ -122,8 +122,7 @@ def row_copier() -> bool:
 
 def claims() -> bool:
     """ops/expert_claims.py's program on the GPU: the same state as the reference over random steps (512 experts,
-    211 slots, top-10, 1-8 rows), and its time a call in a CUDA graph (48 calls a decode step with
-    --expert-admission in-step)."""
+    211 slots, top-10, 1-8 rows), and its time a call in a CUDA graph (48 calls a decode step)."""
     import random
 
     import triton
@@ -187,26 +186,25 @@ def main() -> int:
     prompts = [[random.Random(i).randrange(3, 480) for _ in range(30 + 7 * i)] for i in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     for name in ("tiny-flash-next", "tiny-qwen3-next"):
-        for budget, admission in ((None, None), (4e-5, "between-steps"), (1e-4, "between-steps"), (4e-5, "in-step"),
-                                  (1e-4, "in-step")):   # all resident; 3 and 7 of 8 slots a layer on these presets
+        for budget in (None, 4e-5, 1e-4):   # all resident; 3 and 7 of 8 slots a layer on these presets
             llm = LLM(name, dtype="float32", quantize="int4", expert_vram_gb=budget, max_num_seqs=4,
-                      enable_prefix_caching=False, kv_cache_gb=0.5, expert_admission=admission or "between-steps")
+                      enable_prefix_caching=False, kv_cache_gb=0.5)
             tokens = [c.token_ids for c in llm.generate(prompts, params)]
-            # again on the same engine: its graphs now replay (no capture runs the pools' Python between steps)
+            # again on the same engine: its graphs now replay (no capture runs the pools' Python `routed`)
             again = [c.token_ids for c in llm.generate(prompts, params)]
             if budget is None:
                 want = tokens
                 continue
             cache, graphs = llm.engine.loaded.expert_cache, llm.engine.runner.graphs
-            cache.graph_pool.settle()
+            cache.claim_pool.settle()
             st = cache.stats
             same = tokens == want and again == want
-            # every resident slot holds its expert's words (in-step: written by the MoE kernels as they read)
+            # every resident slot holds its expert's words (admitted ones written by the MoE kernels as they read)
             held = all(torch.equal(getattr(layer.module, n)[int(layer.slot_of[e])], layer.host[n][e].cuda())
                        for layer in cache.layers for e in (layer.slot_of >= 0).nonzero().flatten().tolist()
                        for n in layer.names)
             ok &= same and held and graphs is not None and any(g is not None for g, _ in graphs.graphs.values())
-            print(f"{name:16} engine, graphs, {admission}, {cache.slots_per_layer} slots a layer: "
+            print(f"{name:16} engine, graphs, {cache.slots_per_layer} slots a layer: "
                   f"{'equal' if same else 'MISMATCH'} to all-resident; slots {'hold' if held else 'DO NOT hold'} "
                   f"their experts; captured {len(graphs.graphs)} steps; hits {st.hits} misses {st.misses} "
                   f"copied {st.bytes_copied} bytes")

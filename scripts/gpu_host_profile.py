@@ -32,10 +32,9 @@ def timed_parts(engine, tokens: int) -> dict[str, float]:
     parts: dict[str, float] = {}
     wrapped = [(engine.scheduler, "schedule"), (runner, "_sampling_batch"), (runner.graphs, "_table_delta"),
                (runner, "_sample"), (torch.cuda.CUDAGraph, "replay"), (engine, "_append_token"), (engine, "_output")]
-    pool = engine.loaded.expert_cache and engine.loaded.expert_cache.graph_pool
-    if pool is not None:   # the expert pools' keeper (--expert-vram-gb): its parts that this keeper has
-        wrapped += [(pool, name) for name in ("after_step", "_learn", "_copy_rows", "_upload_tables")
-                    if hasattr(pool, name)]
+    pool = engine.loaded.expert_cache and engine.loaded.expert_cache.claim_pool
+    if pool is not None:   # the expert pools' keeper (--expert-vram-gb)
+        wrapped.append((pool, "after_step"))
     originals = [(owner, name, getattr(owner, name)) for owner, name in wrapped if owner is not None]
 
     def timer(name, fn):
@@ -80,12 +79,11 @@ def main() -> int:
     ap.add_argument("--quantize", default="int4")
     ap.add_argument("--expert-vram-gb", type=float, default=None,
                     help="an expert cache of this size (its pools' after_step is timed as a part)")
-    ap.add_argument("--expert-admission", default="between-steps", choices=["between-steps", "in-step"])
     ap.add_argument("--tokens", type=int, default=150, help="decode steps timed (40-token prompt: 150 stay in the first "
                     "graph width bucket, so no capture falls inside)")
     args = ap.parse_args()
     llm = LLM(args.model, quantize=args.quantize or None, max_num_seqs=4, enable_prefix_caching=False, kv_cache_gb=8.0,
-              expert_vram_gb=args.expert_vram_gb, expert_admission=args.expert_admission)
+              expert_vram_gb=args.expert_vram_gb)
     engine = llm.engine
     params = SamplingParams(temperature=0.6, top_p=0.95, top_k=20, max_tokens=args.tokens + 8, ignore_eos=True)
     llm.generate([list(range(20, 60))], SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True))  # graphs

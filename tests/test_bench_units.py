@@ -385,13 +385,13 @@ def test_command_line_carries_the_flashnext_switches(monkeypatch):
     nor other variables."""
     from flashnext.bench.results import command_line
 
-    monkeypatch.setenv("FLASHNEXT_EXPERT_COPIES_PER_LAYER", "4")
+    monkeypatch.setenv("FLASHNEXT_EXPERT_CLAIMS", "reference")
     monkeypatch.setenv("FLASHNEXT_BENCH_RUNS", "2")
     monkeypatch.setenv("FLASHNEXT_COMMIT", "abc1234")
     monkeypatch.setenv("FLASHNEXT_CACHE", "/tmp/somewhere")
     monkeypatch.setenv("OTHER_SETTING", "x")
     got = command_line(["flashnext", "bench", "experts"])
-    assert "FLASHNEXT_EXPERT_COPIES_PER_LAYER=4" in got and "FLASHNEXT_BENCH_RUNS=2" in got
+    assert "FLASHNEXT_EXPERT_CLAIMS=reference" in got and "FLASHNEXT_BENCH_RUNS=2" in got
     assert not any(name in got for name in ("FLASHNEXT_COMMIT", "FLASHNEXT_CACHE", "OTHER_SETTING"))
     assert got.endswith("flashnext bench experts")
 

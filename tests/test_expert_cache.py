@@ -157,10 +157,10 @@ def test_load_with_budget_keeps_experts_in_host_memory(checkpoint, tmp_path):
     assert torch.equal(_greedy(loaded.model, _prompt(41)), _greedy(resident, _prompt(41)))
 
 
-def _graph_step_engine(model: str, admission: str):
+def _graph_step_engine(model: str):
     """An engine on the CPU whose decode runs the fixed-shape graph step (uncaptured here) with an expert cache of 3
-    of 8 slots a layer and its pools' keeper hooked in → (run: three greedy requests, their all-resident tokens,
-    the engine, the cache, the keeper)."""
+    of 8 slots a layer and its ClaimPool hooked in → (run: three greedy requests, their all-resident tokens, the
+    engine, the cache, the ClaimPool)."""
     from flashnext.engine.cuda_graph import DecodeGraphs
 
     run = lambda engine: _three_greedy(engine, 12)  # noqa: E731
@@ -172,57 +172,18 @@ def _graph_step_engine(model: str, admission: str):
     runner = engine.runner
     runner.graphs = DecodeGraphs(runner.model, engine.kv, engine.states, max_batch=4,
                                  max_blocks_per_seq=engine.kv.blocks_for(engine.max_model_len))
-    pool = loaded.expert_cache.enable_graphs(runner.graphs.max_batch, engine.config.num_experts_per_tok, admission)
+    pool = loaded.expert_cache.enable_graphs(runner.graphs.max_batch)
     runner.graphs.keeper = pool
     return run, want, engine, loaded.expert_cache, pool
 
 
-@pytest.mark.parametrize("model,copies", [(PRESETS[0], 1), (PRESETS[1], 1), (PRESETS[0], 10)])  # 10: more than E
-def test_pools_adapting_between_graph_steps_keep_outputs_exact(model, copies, monkeypatch):
-    """The decode graph's path (cache/expert_graph_pool.py; on a CPU the fixed-shape step runs uncaptured): decode
-    reads through the slot tables, missing experts from the host store, and the pools take in the missed experts
-    between steps — outputs equal all-resident, the counters add up, the tables end up holding what was copied."""
-    from flashnext.cache import expert_graph_pool
-
-    monkeypatch.setattr(expert_graph_pool, "COPIES_PER_LAYER", copies)
-    run, want, engine, cache, pool = _graph_step_engine(model, "between-steps")
-    learned, copied = [], []
-    learn, admitted = pool._learn, pool.admitted
-
-    def admit(candidates, resident):
-        experts, victims = admitted(candidates, resident)
-        copied.extend((cache.layers[i], [e for e in row if e >= 0]) for i, row in enumerate(experts) if row[0] >= 0)
-        return experts, victims
-
-    pool._learn = lambda observed: learned.append(observed.clone()) or learn(observed)
-    pool.admitted = admit
-    before = cache.stats.hits + cache.stats.misses
-    assert run(engine) == want
-    assert learned and copied and all(1 <= len(e) <= copies for _, e in copied)
-    # the graph path's reads: every routed (layer, step) expert counted once, hits + misses
-    graph_reads = sum(len(ids[ids >= 0].unique()) for observed in learned for ids in observed)
-    assert cache.stats.hits + cache.stats.misses - before >= graph_reads > 0
-    pool.settle()
-    assert not pool.pending
-    layer, experts = copied[-1]                          # the last copy landed in its table
-    assert all(layer.slot_of[e] >= 0 for e in experts)
-    for layer in cache.layers:                           # the device table is the host's view; slots are unique
-        assert torch.equal(layer.slot_table, layer.slot_of)
-        resident = layer.slot_of[layer.slot_of >= 0]
-        assert len(resident.unique()) == len(resident) and not set(resident.tolist()) & set(layer.free)
-        for expert in (layer.slot_of >= 0).nonzero().flatten().tolist():   # each slot holds its expert's words
-            slot = layer.slot_of[expert].item()
-            assert all(torch.equal(getattr(layer.module, n)[slot], layer.host[n][expert]) for n in layer.names)
-
-
-@pytest.mark.parametrize("model", PRESETS[:2])
+@pytest.mark.parametrize("model", PRESETS)
 def test_pools_admitting_inside_the_graph_step_keep_outputs_exact(model):
-    """--expert-admission in-step (cache/expert_claim_pool.py; on a CPU the fixed-shape step runs uncaptured): each
+    """The decode graph's path (cache/expert_claim_pool.py; on a CPU the fixed-shape step runs uncaptured): each
     decode claims slots for its missed experts (LRU) and the MoE writes them there as it reads them — outputs equal
     all-resident, experts were admitted, the counters add up, and after settling every resident slot holds its
     expert's words, no slot twice, none free; an eager prefill in between keeps working on the settled pools."""
-    run, want, engine, cache, pool = _graph_step_engine(model, "in-step")
-    runner = engine.runner
+    run, want, engine, cache, pool = _graph_step_engine(model)
     assert all(not layer.free for layer in cache.layers)          # filled from the start
 
     def consistent():
@@ -258,30 +219,3 @@ def test_pools_admitting_inside_the_graph_step_keep_outputs_exact(model):
             getattr(layer.module, n)[write[expert]] = layer.host[n][expert]
     consistent()
     assert run(engine) == want
-
-
-def test_graph_pools_trade_a_resident_only_for_a_more_valuable_expert(monkeypatch):
-    """Between graph steps a layer's most valuable missed experts take free slots, else evict the least valuable
-    residents only while worth more (they can be read from host memory meanwhile): a one-off never pushes out a hot
-    expert. Two layers decided at once, two copies a layer at most."""
-    from types import SimpleNamespace
-
-    from flashnext.cache import expert_graph_pool
-    from flashnext.cache.expert_graph_pool import GraphPool
-
-    monkeypatch.setattr(expert_graph_pool, "COPIES_PER_LAYER", 2)
-
-    pool = GraphPool.__new__(GraphPool)
-    pool.layers = [SimpleNamespace(free=[]), SimpleNamespace(free=[3])]
-    pool.value = torch.tensor([[9.0, 2.0, 0.0, 0.0, 0.0, 1.0, 5.0, 0.5],     # layer 0: 0, 1 resident (9, 2)
-                               [9.0, 2.0, 0.0, 0.0, 0.0, 1.0, 5.0, 0.5]])    # layer 1: the same, one slot free
-    resident = torch.zeros(2, 8, dtype=torch.bool)
-    resident[:, :2] = True
-    missed = torch.zeros(2, 8, dtype=torch.bool)
-    missed[:, [5, 6, 7]] = True
-    experts, victims = pool.admitted(missed, resident)
-    # layer 0: 6 (5) evicts 1 (2); 5 (1) is not worth 0 (9): stop. Layer 1: 6 takes the free slot; 5 (1) < 1 (2)
-    assert experts == [[6, -1], [6, -1]] and victims == [[1, -1], [-1, -1]]
-    pool.value[0, 5] = 3.0                    # now 5 is worth more than 1 but 6 goes first, then 5 against 0: no
-    experts, victims = pool.admitted(missed, resident)
-    assert experts[0] == [6, -1] and victims[0] == [1, -1]

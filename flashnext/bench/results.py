@@ -66,9 +66,9 @@ _LAUNCHERS = {"cli.py": ["python", "-m", "flashnext.cli"]}
 
 def command_line(argv: list[str] | None = None) -> str:
     """The command that reproduces a run, with the FLASHNEXT_* settings of the environment: the bench's own
-    (FLASHNEXT_BENCH_*) and the switches a server it starts inherits (e.g. FLASHNEXT_EXPERT_COPIES_PER_LAYER, which
-    session 10's expert-cache results could not show). Not FLASHNEXT_COMMIT (the result names its commit apart) nor
-    FLASHNEXT_CACHE (a place on this machine, not a setting)."""
+    (FLASHNEXT_BENCH_*) and the switches a server it starts inherits (e.g. FLASHNEXT_EXPERT_CLAIMS=reference, which
+    the flags alone would not show). Not FLASHNEXT_COMMIT (the result names its commit apart) nor FLASHNEXT_CACHE (a
+    place on this machine, not a setting)."""
     env = [f"{k}={v}" for k, v in sorted(os.environ.items())
            if k.startswith("FLASHNEXT_") and k not in ("FLASHNEXT_COMMIT", "FLASHNEXT_CACHE")]
     if argv is None:

@@ -24,8 +24,8 @@ FLASHNEXT_MOE_PREFILL=dequant).
 Counting: one read per (layer, forward, distinct routed expert): hits + misses = reads.
 
 That is the eager path (prefill; decode without CUDA graphs). A captured decode step reads through the slot table
-instead, missing experts straight from the host store, and the pools adapt between steps (cache/expert_graph_pool.py)
-or inside them (--expert-admission in-step, cache/expert_claim_pool.py): `decode`, ExpertCache.enable_graphs.
+instead, missing experts straight from the host store, and the pools adapt inside the step
+(cache/expert_claim_pool.py): `decode`, ExpertCache.enable_graphs.
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from flashnext.cache.expert_claim_pool import ClaimPool
 from flashnext.cache.expert_policy import make_policy
 from flashnext.ops import moe_int4 as moe_ops
 from flashnext.ops.row_copy import table_row_copy
@@ -54,7 +55,7 @@ class ExpertCacheStats:
     bytes_copied: int = 0
     prefetched: int = 0          # experts copied ahead of their layer (counted in bytes_copied too)
     prefetch_used: int = 0       # of which the layer then read (hits thanks to the prefetch)
-    admitted: int = 0            # misses admitted inside a decode step (--expert-admission in-step: no copy)
+    admitted: int = 0            # misses admitted inside a captured decode step (written as read: no copy)
 
     def __post_init__(self):
         # the copies' time counted so far (stall_seconds), the (start, end) events around copies queued on a GPU's
@@ -129,16 +130,15 @@ class LayerExpertCache:
         # store rows → pool slots, every tensor of an expert: on the GPU one kernel a call reading the page-locked
         # store over PCIe (ops/row_copy.py) — no host gather into staging rows, no host wait. The copies hold the
         # pools' and the store's addresses: neither moves after this.
-        self.sources = [self.host[name] for name in self.names]
-        self.destinations = [getattr(module, name) for name in self.names]
-        self._copy_tables = table_row_copy(self.sources, self.destinations)
+        self._copy_tables = table_row_copy([self.host[name] for name in self.names],
+                                           [getattr(module, name) for name in self.names])
         self.slot_of = torch.full((self.num_experts,), -1, dtype=torch.long)        # expert → slot (host copy)
         self.slot_table = torch.full((self.num_experts,), -1, dtype=torch.long, device=device)
         self.free = list(range(num_slots))
-        # Set by the pools' keeper for captured decode steps (ExpertCache.enable_graphs: a GraphPool or ClaimPool):
-        # the kernels read the pool through the slot table and a missing expert from its host row (`cached`); the
-        # step's routed ids go to the keeper (`routed`) under this layer's index.
-        self.graph_pool, self.pool_index, self.cached = None, None, None
+        # Set by the ClaimPool of captured decode steps (ExpertCache.enable_graphs): the kernels read the pool
+        # through the slot table and a missing expert from its host row (`cached`); the step's routed ids claim
+        # their slots there (`routed`) under this layer's index.
+        self.claim_pool, self.pool_index, self.cached = None, None, None
         module.expert_cache = self
 
     def host_weight(self, prefix: str) -> Int4Weight:
@@ -148,13 +148,13 @@ class LayerExpertCache:
                           self.module.group_sizes[prefix == "down"])
 
     def decode(self, x, weights, ids, shared: moe_ops.SharedExpert | None = None):
-        """The graph-safe forward of a decode step when the pools' keeper is installed (ExpertCache.enable_graphs):
+        """The graph-safe forward of a decode step when the ClaimPool is installed (ExpertCache.enable_graphs):
         no host sync, no copy. Without
         one, and for batches the decode kernels do not take (above DECODE_MAX_M rows; the engine captures no such
         step: LLMEngine), `forward`."""
-        if self.graph_pool is None or not moe_ops.runs_cached_experts(x):
+        if self.claim_pool is None or not moe_ops.runs_cached_experts(x):
             return self.forward(x, weights, ids, shared)
-        self.graph_pool.routed(self, ids)
+        self.claim_pool.routed(self, ids)
         return moe_ops.moe_int4(x, ids, weights, self.module.weight_int4("gate_up"), self.module.weight_int4("down"),
                                 shared=shared, cached=self.cached)
 
@@ -163,8 +163,8 @@ class LayerExpertCache:
         # the prefetched rows and slot table land before this layer reads them (or settle uploads a table)
         if self.prefetch_event is not None:
             torch.cuda.current_stream(self.device).wait_event(self.prefetch_event)
-        if self.graph_pool is not None:          # copies started between decode steps land first
-            self.graph_pool.settle()
+        if self.claim_pool is not None:          # the queued decode steps' admissions resident first
+            self.claim_pool.settle()
         need = torch.tensor(experts, dtype=torch.long)
         self.policy.access(need)
         missing = need[self.slot_of[need] < 0]
@@ -194,8 +194,8 @@ class LayerExpertCache:
             self._upload_table()
             return
         with torch.cuda.stream(self.copy_stream):
-            if self.graph_pool is not None and self.graph_pool.last_upload is not None:
-                self.copy_stream.wait_event(self.graph_pool.last_upload)   # an older table upload must land first
+            if self.claim_pool is not None and self.claim_pool.last_upload is not None:
+                self.copy_stream.wait_event(self.claim_pool.last_upload)   # an older table upload must land first
             self._copy_rows(missing, slots)
             self._upload_table()
             self.prefetch_event = torch.cuda.Event()
@@ -217,7 +217,9 @@ class LayerExpertCache:
 
     def _copy_rows(self, experts: torch.Tensor, slots: torch.Tensor) -> None:
         """Store rows `experts` → pool slots `slots`, every tensor of the layout, on the current stream."""
-        copy_expert_rows(self._copy_tables, len(self.names), torch.zeros_like(experts), experts, slots)
+        names = len(self.names)
+        self._copy_tables(torch.arange(names).repeat(len(experts)), experts.repeat_interleave(names),
+                          slots.repeat_interleave(names))
 
     def _upload_table(self) -> None:
         """The device slot table becomes slot_of in stream order, without a host wait (from page-locked memory)."""
@@ -294,30 +296,6 @@ class LayerExpertCache:
         return out.to(x.dtype)
 
 
-def copy_expert_rows(copy_tables, names: int, layers: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor) -> None:
-    """Every tensor of each (layer, expert) → its slot, through `copy_tables` (ops/row_copy.table_row_copy over the
-    layers' `names` tensors each: table layer·names + j is a layer's tensor j)."""
-    tables = (layers[:, None] * names + torch.arange(names)).flatten()
-    copy_tables(tables, experts.repeat_interleave(names), slots.repeat_interleave(names))
-
-
-def attach_keeper(keeper, layers: list[LayerExpertCache], max_rows: int, admits: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What a keeper of captured decode steps (GraphPool, ClaimPool) sets up alike: every layer's device table a row
-    of one [layers, experts] tensor (one copy each way), the step's real rows (the kernels skip a bucket's padding
-    rows past them: all until the keeper's before_step says otherwise), each layer's view for graph steps (`cached`,
-    the keeper and its index). → (tables, live_rows)."""
-    device = layers[0].device
-    tables = torch.stack([layer.slot_table for layer in layers])
-    live_rows = torch.full((1,), max_rows, dtype=torch.int32, device=device)
-    for i, layer in enumerate(layers):
-        layer.slot_table = tables[i]
-        layer.graph_pool, layer.pool_index = keeper, i
-        layer.cached = moe_ops.CachedExperts(layer.slot_table, layer.host_weight("gate_up"),
-                                             layer.host_weight("down"), live_rows, admits)
-    return tables, live_rows
-
-
 class ExpertCache:
     """All layers' slot pools of one model, with shared counters."""
 
@@ -329,22 +307,14 @@ class ExpertCache:
         return self.layers[0].num_slots
 
     @property
-    def graph_pool(self):
-        return self.layers[0].graph_pool
+    def claim_pool(self):
+        return self.layers[0].claim_pool
 
-    def enable_graphs(self, max_rows: int, top_k: int, admission: str = "between-steps"):
-        """Decode steps read the pools through their slot tables (they may be captured); → the pools' keeper, whose
-        before_step / after_step DecodeGraphs calls around each such step (its `keeper`): a GraphPool (between-steps: learning and
-        copies between steps) or a ClaimPool (in-step: admission inside the step, cache/expert_claim_pool.py)."""
-        if admission == "in-step":
-            from flashnext.cache.expert_claim_pool import ClaimPool
-
-            return ClaimPool(self.layers, max_rows, top_k)
-        if admission != "between-steps":
-            raise ValueError(f"--expert-admission {admission!r}: between-steps or in-step")
-        from flashnext.cache.expert_graph_pool import GraphPool
-
-        return GraphPool(self.layers, max_rows, top_k)
+    def enable_graphs(self, max_rows: int):
+        """Decode steps of up to `max_rows` rows read the pools through their slot tables (they may be captured) and
+        admit their misses inside the step; → the ClaimPool (cache/expert_claim_pool.py), whose before_step /
+        after_step DecodeGraphs calls around each such step (its `keeper`)."""
+        return ClaimPool(self.layers, max_rows)
 
     @property
     def device_bytes(self) -> int:

@@ -1,12 +1,12 @@
-"""An expert cache's pools adapted inside the captured decode step (`--expert-admission in-step`).
+"""An expert cache's pools adapted inside the captured decode step: how CUDA-graph decode steps admit experts.
 
 Each layer's decode first runs ops/expert_claims.py on its routed ids: the residents routed become the most recently
 used, and each missing expert takes the slot of the least recently used resident not routed in this step; the MoE
 decode kernels then read it from host memory and write it into that slot as they read it. So an admitted expert
-crosses PCIe once, in the step that missed it — where the pools adapted between steps (cache/expert_graph_pool.py,
-`between-steps`, the default) learn from the routed ids a step or more later and copy the admitted experts in
-afterwards: read twice (on the H200, calibrated trace, 24 GiB: ~75 misses and ~62 copies a token of 2.5 MB each,
-~7 ms of PCIe a token beside a 4.6 ms step; session 12). The policy is LRU (the calibrated trace's replay: LRU
+crosses PCIe once, in the step that missed it. (Pools that learned from the routed ids between steps and copied
+the admitted experts in afterwards read each twice: on the H200, bench experts, Flash-Next INT4, 24 GiB, calibrated
+trace, they decoded 67.9 / 66.3 tok/s at 81.8% / 73.3% hits against this pool's 105.5 / 105.1 at 85.3% / 76.4%,
+repeated / varied prompts; session 13, which removed them.) The policy is LRU (the calibrated trace's replay: LRU
 86.9% at 211 slots a layer, as lfu-decay), every miss admitted while a resident not routed now is left.
 
 All of it is on the device: the host only reads the counters (copied behind the steps, never waited for) and, before
@@ -18,12 +18,15 @@ from __future__ import annotations
 import torch
 
 from flashnext.ops.expert_claims import claim_slots
-from flashnext.cache.expert_cache import attach_keeper
+from flashnext.ops.moe_int4 import CachedExperts
 from flashnext.weights.pinned import upload
 
 
 class ClaimPool:
-    def __init__(self, layers: list, max_rows: int, top_k: int):
+    """The keeper of captured decode steps (DecodeGraphs.keeper) for all layers' pools (cache/expert_cache.py's
+    LayerExpertCache: `layers`), decode steps of up to `max_rows` rows."""
+
+    def __init__(self, layers: list, max_rows: int):
         self.layers, self.device = layers, layers[0].device
         self.gpu = self.device.type == "cuda"
         self.last_upload: torch.cuda.Event | None = None   # the end of settle's table upload (a prefetch waits)
@@ -36,7 +39,15 @@ class ClaimPool:
         self.reading: torch.cuda.Event | None = None      # a copy of the counts on its way to counts_host
         self.steps = 0
         self.unsettled = False         # decode steps claimed slots since the last settle
-        self.tables, self.live_rows = attach_keeper(self, layers, max_rows, admits=True)
+        # every layer's device table a row of one [layers, experts] tensor (settle: one copy each way); the step's
+        # real rows (the kernels skip a bucket's padding rows past them: all until before_step says otherwise)
+        self.tables = torch.stack([layer.slot_table for layer in layers])
+        self.live_rows = torch.full((1,), max_rows, dtype=torch.int32, device=self.device)
+        for i, layer in enumerate(layers):   # each layer's view for graph steps
+            layer.slot_table = self.tables[i]
+            layer.claim_pool, layer.pool_index = self, i
+            layer.cached = CachedExperts(layer.slot_table, layer.host_weight("gate_up"), layer.host_weight("down"),
+                                         self.live_rows, admits=True)
         for layer in layers:           # free slots filled with the first experts not resident (eager copies, once)
             if layer.free:
                 absent = (layer.slot_of < 0).nonzero().flatten()[:len(layer.free)]

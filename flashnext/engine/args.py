@@ -30,8 +30,7 @@ class EngineArgs:
     quantize: str | None = None           # "int4": dense projections INT4 in memory (RTN g128; docs/int4.md)
     # Expert cache (docs/expert_cache.md): routed INT4 experts in host memory, a pool of slots per layer on the device
     expert_vram_gb: float | None = None   # device memory for all layers' expert slots (None: every expert resident)
-    expert_cache_policy: str = "lfu-decay"  # or "lru"
-    expert_admission: str = "between-steps"  # or "in-step": how captured decode steps adapt the pools
+    expert_cache_policy: str = "lfu-decay"  # or "lru"; the eager path's (captured decode steps evict by LRU)
     expert_prefetch: bool = True          # copy the next layer's guessed experts in while a layer computes
     routing_trace: str | None = None      # "calibrated": stated-locality routing for benchmarks (cache/routing_trace.py)
     # Several GPUs of one host (docs/parallel.md): each 1 or the number of GPUs; flashnext.parallel.launch_engine

@@ -140,8 +140,7 @@ class LLMEngine:
             graphs = DecodeGraphs(self.loaded.model, self.kv, self.states, graph_rows,
                                   self.kv.blocks_for(self.max_model_len))
             if experts is not None:
-                graphs.keeper = experts.enable_graphs(graphs.max_batch, cfg.num_experts_per_tok,
-                                                      args.expert_admission)
+                graphs.keeper = experts.enable_graphs(graphs.max_batch)
         self.runner = ModelRunner(self.loaded.model, self.kv, self.states, self.eos_token_ids, self.device, args.seed,
                                   graphs)
         self.requests: dict[str, Request] = {}
@@ -153,9 +152,10 @@ class LLMEngine:
 
     def _use_cuda_graphs(self) -> bool:
         """Decode replays CUDA graphs on a GPU unless --enforce-eager — with an expert cache too, whose kernels read
-        missing experts from host memory and whose pools adapt between steps (cache/expert_graph_pool.py), and with
-        a routing trace, whose decode steps read tables drawn ahead (CalibratedRouting.decode_ids). With several
-        GPUs every rank replays its own graph, NCCL all-reduces inside (parallel/runtime.py broadcast_decode)."""
+        missing experts from host memory and admit them into its pools inside the step (cache/expert_claim_pool.py),
+        and with a routing trace, whose decode steps read tables drawn ahead (CalibratedRouting.decode_ids). With
+        several GPUs every rank replays its own graph, NCCL all-reduces inside (parallel/runtime.py
+        broadcast_decode)."""
         return self.device.type == "cuda" and not self.args.enforce_eager
 
     def _build_prefix_cache(self, block_size: int) -> PrefixCache | None:

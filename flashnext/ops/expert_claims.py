@@ -1,8 +1,7 @@
 """Expert-cache admission inside a captured decode step: a routed expert missing from a layer's slot pool takes the
 slot of the least recently used resident, on the device, before the MoE kernels run — and they write it into that
 slot as they read it from host memory (ops/moe_int4_decode_triton.py), so an admitted expert crosses PCIe once.
-The pools that adapt between steps instead (cache/expert_graph_pool.py) copy an admitted expert after the step
-that missed it read it: twice (on the H200 ~75 misses and ~62 copies a token of 2.5 MB each, session 12).
+The pools' keeper is cache/expert_claim_pool.py (ClaimPool).
 
 One layer's state, all on the device, updated in place:
     table     [E] int64  expert → its slot (≥ 0); -1 not resident (read from host memory); ≤ -2 admitted in this

@@ -43,11 +43,13 @@ class CachedExperts:
     `moe_int4` are its device pool of slots, `table` [E] int64 on the device each expert's slot or -1, `gate_up` and
     `down` the stacked host store of every expert (page-locked on a GPU machine), from which the kernels read a
     missing expert's row straight over PCIe. The pool rows are copies of host rows, so the result is the
-    reference's over the host store. With `admits` (cache/expert_claim_pool.py) an entry ≤ -2 is an expert
-    admitted in this step into slot −t−2 (ops/expert_claims.py): read from the host like a missing one, and
-    written into that slot as it is read. `live_rows` (int32 [1] on the device, or None: every row): the rows of a
-    captured decode step that are real; the kernels skip the padding rows past them (their outputs are zero), which
-    would otherwise read their experts — routed from a padding token, never learned by the pools — over PCIe."""
+    reference's over the host store. With `admits` (captured decode steps, cache/expert_claim_pool.py) an entry
+    ≤ -2 is an expert admitted in this step into slot −t−2 (ops/expert_claims.py): read from the host like a
+    missing one, and written into that slot as it is read. Without it (the eager path, whose table a settled pool
+    leaves ≥ -1) the kernels are compiled without the write code. `live_rows` (int32 [1] on the device, or None:
+    every row): the rows of a captured decode step that are real; the kernels skip the padding rows past them
+    (their outputs are zero), which would otherwise read their experts — routed from a padding token, never
+    claimed by the pools — over PCIe."""
     table: torch.Tensor
     gate_up: Int4Weight
     down: Int4Weight

@@ -6,7 +6,7 @@ and its tail, during which the GPU's bandwidth sits idle (BENCHMARKS.md: the GEM
 run at 15–25% of it). With PDL the next kernel's programs are already resident when this one ends and their
 weight loads are in flight. The protocol every PDL kernel follows (Triton: `launch_pdl=True` at launch):
 - before `wait_for_inputs`: loads of tensors no kernel of the step writes (weights, norm weights; not an
-  expert cache's pool slots, which the MoE kernels write with --expert-admission in-step) — nothing else: the previous kernel may still be writing activations, or reading memory the allocator has just handed
+  expert cache's pool slots, which the MoE kernels write in captured decode steps) — nothing else: the previous kernel may still be writing activations, or reading memory the allocator has just handed
   to this kernel's outputs;
 - `wait_for_inputs` in every program (it returns when the previous kernel has finished and its writes are
   visible, and so, transitively, everything before it), then `gdc_launch_dependents`, so that at most one

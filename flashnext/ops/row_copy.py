@@ -5,12 +5,12 @@
     tables, source_rows, destination_rows  [n] int64 on the host: which pair, which rows
 
 `copy_table_rows` is the reference (a torch copy a row). `RowCopier` is the fast path for the expert pools'
-copies (between decode steps, cache/expert_graph_pool.py, and on the eager path, cache/expert_cache.py): hundreds of rows of ~5 tensors of 48 layers a step.
-As torch copies they were one cudaMemcpyAsync each, ~25 µs of host time apiece on the H200 (810 a token with
-random routing at a 24 GiB pool: 20.9 ms a token of host time, the GPU waiting). The copier computes every row's
-source and destination address on the host in a few tensor ops, uploads the [3, n·tensors] plan once, and a
-kernel copies all rows: sources in page-locked host memory are read over PCIe through unified virtual addressing,
-as the MoE kernels read missing experts (ops/moe_int4_decode_triton.py).
+copies on the eager path (cache/expert_cache.py: misses and prefetches, ~5 tensors an expert). As torch copies
+they were one cudaMemcpyAsync each, ~25 µs of host time apiece on the H200 (session 12: 20.9 ms of host time a
+token for the 810 copies a token that pools then made between captured decode steps, the GPU waiting). The copier
+computes every row's source and destination address on the host in a few tensor ops, uploads the [3, n·tensors]
+plan once, and a kernel copies all rows: sources in page-locked host memory are read over PCIe through unified
+virtual addressing, as the MoE kernels read missing experts (ops/moe_int4_decode_triton.py).
 
 Rows are moved as 8-byte words: every row's size and every table's address must be a multiple of 8 bytes.
 `table_row_copy` picks: the kernel on CUDA where the tables allow it, else the reference (and with

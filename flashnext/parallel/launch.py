@@ -91,8 +91,7 @@ def _worker(rank: int, args: EngineArgs, port: int) -> None:
         from flashnext.ops.moe_int4 import DECODE_MAX_M
 
         # rows as rank 0's graphs take them: a bucket (5 sequences run as 8)
-        keeper = loaded.expert_cache.enable_graphs(bucket(min(args.max_num_seqs, DECODE_MAX_M)),
-                                                   loaded.config.num_experts_per_tok, args.expert_admission)
+        keeper = loaded.expert_cache.enable_graphs(bucket(min(args.max_num_seqs, DECODE_MAX_M)))
     steps = worker_loop(loaded.model, dtype, device, WorkerCache(_tier_stores(args, loaded, dtype, rank)), keeper)
     log.debug("rank %d: %d forwards, stopping", rank, steps)
     dist.destroy_process_group()

@@ -65,7 +65,7 @@ class _EngineCollector:
                      st.prefetched),
                     ("prefetch_used", "Prefetched experts their layer then read.", st.prefetch_used),
                     ("admitted", "Missed experts admitted into a pool slot inside the decode step, written there as "
-                                 "they were read (--expert-admission in-step; no copy).", st.admitted)):
+                                 "they were read (no copy).", st.admitted)):
                 c = CounterMetricFamily(f"flashnext_expert_cache_{name}", doc, labels=["model_name"])
                 c.add_metric(labels, value)
                 yield c

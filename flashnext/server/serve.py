@@ -104,13 +104,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--expert-prefetch", type=_bool,
          help="with --expert-vram-gb: while a layer computes, copy in the experts the next layer's router picks "
               "for this layer's input (decode-sized batches; default true)")
-    _add(parser, "--expert-admission", choices=["between-steps", "in-step"],
-         help="with --expert-vram-gb, captured decode steps: the pools learn between steps and copy experts in "
-              "(between-steps), or a missed expert takes the least recently used slot inside the step and is "
-              "written there as it is read (in-step: LRU inside the step, --expert-cache-policy then applies to "
-              "the eager path only; docs/expert_cache.md; default between-steps)")
     _add(parser, "--expert-cache-policy", choices=["lfu-decay", "lru"],
-         help="which cached expert to evict: decayed hit count or least recently used (default lfu-decay)")
+         help="which cached expert the eager path (prefill, --enforce-eager) evicts: decayed hit count or least "
+              "recently used; captured decode steps evict the least recently used (docs/expert_cache.md; default "
+              "lfu-decay)")
     _add(parser, "--routing-trace", choices=["calibrated"],
          help="benchmark mode: routers pick experts from a trace with Flash-Next's published locality (LRU-64 hits "
               "~67%%, LRU-128 ~81%%) instead of their own top-k; outputs are not the model's (default: off)")
@@ -162,7 +159,7 @@ _ENGINE_FLAGS = {"model": "model", "device": "device", "max_num_batched_tokens":
                  "kv_disk_dir": "kv_disk_dir", "kv_disk_gb": "kv_disk_gb", "tensor_parallel": "tensor_parallel",
                  "expert_parallel": "expert_parallel", "ple_share_dir": "ple_share_dir",
                  "expert_vram_gb": "expert_vram_gb",
-                 "expert_cache_policy": "expert_cache_policy", "expert_admission": "expert_admission", "expert_prefetch": "expert_prefetch", "routing_trace": "routing_trace"}
+                 "expert_cache_policy": "expert_cache_policy", "expert_prefetch": "expert_prefetch", "routing_trace": "routing_trace"}
 
 
 def engine_args_from(args: argparse.Namespace):
