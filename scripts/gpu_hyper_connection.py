@@ -1,5 +1,6 @@
 """Hyper-connection mix/inject kernels on the GPU: correctness against the torch reference and decode timings
-at Flash-Next's shapes (hc 4, hidden 2560, lowrank 320, bf16).
+at Flash-Next's shapes (hc 4, hidden 2560, lowrank 320, bf16): the one-row kernels at 1–16 rows, the tensor-core
+kernels (ops/hyper_connection_rows_triton.py) and the cuBLAS path from 2.
 
     python scripts/gpu_hyper_connection.py            # check + one table (~20 s on an H200); from 2 rows also the
                                                       # cuBLAS path
@@ -108,6 +109,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 1
+    from flashnext.ops import hyper_connection_rows_triton as rows_kernels
     from flashnext.ops import hyper_connection_triton as kernels
     from flashnext.ops.hyper_connection import hc_combine, hc_inject_reference, hc_mix_reference
     from flashnext.ops.rms_norm import rms_norm
@@ -141,6 +143,17 @@ def main() -> int:
               f"{our_t[1]:10.1f} {gbs:6.0f} {100 * gbs * 1e9 / COPY_CEILING:5.1f}% {ref_t[1] / our_t[1]:6.2f}x"
               f"{'' if stable else '  NOT BIT-STABLE'}  (graph without PDL: "
               f"{without_pdl(lambda h=h: kernels.hc_mix_triton(h, *weights, HC, HIDDEN, EPS)):.1f} us)")
+        if n > 1:   # the tensor-core mix (what hc_mix takes from 2 rows), checked like the one-row kernels
+            def rows_mix(h, *args):
+                return rows_kernels.hc_mix_rows_triton(h, None, *args)[:2]
+
+            errs, _, _, stable = check(h, weights, rows_mix, hc_mix_reference)
+            ok = max(errs) < TOL and stable
+            failures += not ok
+            rows_t = bench(lambda h=h: rows_mix(h, *weights, HC, HIDDEN, EPS))
+            print(f"{'':7} {n:2d} the tensor-core mix: err {errs[0]:.1e}/{errs[1]:.1e}{'' if ok else '!'}"
+                  f"{'' if stable else ' NOT BIT-STABLE'}, {rows_t[0]:.1f} us eager, {rows_t[1]:.1f} us in a graph "
+                  f"({weight_bytes / (rows_t[1] * 1e-6) / 1e9:.0f} GB/s)")
         if n > 1:   # what FLASHNEXT_HC_DECODE_MAX_ROWS below n gives: the prefill path (cuBLAS GEMMs, norm, combine)
             prefill_t = bench(lambda h=h: hc_mix_reference(h, *weights, HC, HIDDEN, EPS, norm=rms_norm,
                                                            combine=hc_combine))

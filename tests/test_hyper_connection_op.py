@@ -184,18 +184,54 @@ def test_combine_kernel_equals_reference(rows, hc, hidden, dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: off the GPU hc_mix always takes the reference")
-def test_decode_rows_above_the_switch_take_the_prefill_path(monkeypatch):
-    """FLASHNEXT_HC_DECODE_MAX_ROWS: batches above it take the reference math with cuBLAS and the norm and combine
-    kernels (what a prefill takes), those up to it the Triton mix."""
+def test_decode_rows_take_the_kernels_their_count_calls_for(monkeypatch):
+    """One row: the one-row mix kernels; from FLASHNEXT_HC_ROWS_MIN rows the tensor-core ones; above
+    FLASHNEXT_HC_DECODE_MAX_ROWS the reference math with cuBLAS and the norm and combine kernels (a prefill's)."""
     from flashnext.ops.hyper_connection import hc_combine
+    from flashnext.ops.hyper_connection_rows_triton import hc_mix_rows_triton
     from flashnext.ops.hyper_connection_triton import hc_mix_triton
     from flashnext.ops.rms_norm import rms_norm
 
     monkeypatch.setenv("FLASHNEXT_HC_DECODE_MAX_ROWS", "2")
+    monkeypatch.setenv("FLASHNEXT_HC_ROWS_MIN", "2")
     layer = make_layer(4, 640, 80, True, torch.bfloat16, seed=4).to("cuda")
-    for n in (2, 3):
+    for n in (1, 2, 3):
         h = (torch.randn(n, 4 * 640, device="cuda") * 2).bfloat16()
         got = hc_mix(h, *mix_args(layer))
-        want = (hc_mix_triton(h, *mix_args(layer)) if n <= 2 else
+        want = (hc_mix_triton(h, *mix_args(layer)) if n == 1 else
+                hc_mix_rows_triton(h, None, *mix_args(layer))[:2] if n == 2 else
                 hc_mix_reference(h, *mix_args(layer), norm=rms_norm, combine=hc_combine))
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@needs_triton
+@pytest.mark.parametrize("n,hc,with_injection,pending", [(2, 4, True, False), (5, 3, True, True), (16, 4, False, True),
+                                                         (7, 2, True, True)])
+def test_rows_kernels_match_the_reference(n, hc, with_injection, pending):
+    """The tensor-core mix (ops/hyper_connection_rows_triton.py), fp32 (IEEE dots) at ragged sizes: hidden 300 is
+    two K splits of 256, the second ragged; lowrank 20 puts the down/inject boundary inside the second row tile of
+    16; hc 3 pads the up kernel's streams to 4. After a pending injection the injected streams it writes equal
+    hc_inject's bit for bit; a second launch gives the same bits (the fixed-order sums); the arrival counters are
+    left zeroed."""
+    from flashnext.ops import arrival
+    from flashnext.ops.hyper_connection_rows_triton import hc_mix_rows_triton
+    from flashnext.ops.hyper_connection_triton import hc_inject_triton
+
+    layer = make_layer(hc, 300, 20, with_injection, seed=n).to(DEVICE)
+    h = torch.randn(n, 2 * hc * 300, device=DEVICE)[:, ::2] * 3   # a strided h is accepted
+    block_output, weights = torch.randn(n, 300, device=DEVICE), torch.rand(n, hc, device=DEVICE) * 2
+    before = h.clone()
+    with torch.no_grad():
+        mixed = hc_inject_reference(h, block_output, weights) if pending else h
+        want_input, want_weights = hc_mix_reference(mixed, *mix_args(layer))
+        inputs = (block_output, weights) if pending else None
+        got_input, got_weights, got_h = hc_mix_rows_triton(h, inputs, *mix_args(layer))
+        again = hc_mix_rows_triton(h, inputs, *mix_args(layer))
+    assert got_input.shape == (n, 300) and rel_err(got_input, want_input) < 1e-5
+    assert (got_weights is None) if not with_injection else rel_err(got_weights, want_weights) < 1e-5
+    if pending:
+        assert torch.equal(got_h, hc_inject_triton(h.contiguous(), block_output, weights))
+    assert torch.equal(again[0], got_input) and (got_weights is None or torch.equal(again[1], got_weights))
+    assert torch.equal(h, before)
+    assert all(int(b.abs().sum()) == 0 for b in arrival.buffers(torch.device(DEVICE)))
+    assert hc_mix_rows_triton(h[:0], None, *mix_args(layer))[0].shape == (0, 300)

@@ -9,18 +9,18 @@ Shapes (N rows, hc streams of H = hidden, R = lowrank):
 `hc_mix_reference` / `hc_inject_reference` are the specification and round where the module rounds: the
 normed streams to h's dtype (ZeroCenteredRMSNorm's .type_as), every F.linear output, each elementwise op
 of a 16-bit tensor, and the mean over streams once (fp32 sum). `hc_mix` dispatches CUDA tensors of
-- up to decode_max_rows() rows (4; FLASHNEXT_HC_DECODE_MAX_ROWS, read when a step is traced or captured) to the
-  Triton mix kernels (ops/hyper_connection_triton.py), whose mix costs ~4.5–6 µs more a row (BENCHMARKS.md session
-  9; why is not profiled yet);
-- more rows (bigger decode batches, prefill) to the reference's math with cuBLAS for the GEMMs (each weight
-  read once for all rows; the GEMV kernels would not), the RMSNorm kernel for the streams' norm (one pass over
-  [T, hc·H] instead of ~8 fp32 passes; on the H200 the pow and mean kernels of these norms and GatedDeltaNet's
-  alone were ~3% of a 10K Flash-Next prefill) and one kernel for the final sigmoid·mean over streams
-  (`hc_combine`). On the H200 (session 11, Flash-Next INT4 at 64K) the captured step of 8 rows took 14.29 ms this
-  way against 16.33 ms with the mix kernels, of 4 rows 10.34 against 10.15 ms.
-A mix of two kernels with the rows on the tensor cores' M side lost to the path each size takes on the H200 (in a
-CUDA graph 24.8–28.3 µs a mix, against the Triton mix's 6.4 / 15.6 / 26.5 at 1 / 2 / 4 rows and cuBLAS's 27.1 / 27.6
-at 8 / 16, one run each), so there is no third path.
+- one row (below rows_kernel_min(), 2; FLASHNEXT_HC_ROWS_MIN) to the one-row Triton kernels
+  (ops/hyper_connection_triton.py: weights in registers, a loop over rows that costs ~4.5–6 µs a row);
+- 2 to decode_max_rows() rows (16; FLASHNEXT_HC_DECODE_MAX_ROWS; both read when a step is traced or captured) to
+  the tensor-core kernels (ops/hyper_connection_rows_triton.py: each weight read once for all rows, rows as tl.dot's
+  M side, split-K summed in the launch). H200, session 13, in a graph: the one-row kernels take 6.3 / 15.9 / 27.0 /
+  51.1 µs at 1 / 2 / 4 / 8 rows, the cuBLAS path (below) ~27 µs at any 2–16;
+- more rows (prefill) to the reference's math with cuBLAS for the GEMMs (each weight read once for all rows), the
+  RMSNorm kernel for the streams' norm (one pass over [T, hc·H] instead of ~8 fp32 passes; on the H200 the pow and
+  mean kernels of these norms and GatedDeltaNet's alone were ~3% of a 10K Flash-Next prefill) and one kernel for
+  the final sigmoid·mean over streams (`hc_combine`).
+An earlier tensor-core mix (session 12: a K loop over each stream in 84 programs, the weights loaded after the
+wait) took 24.8–28.3 µs at 1–16 rows and was removed.
 `hc_inject` is elementwise: the Triton kernel for any CUDA batch.
 FLASHNEXT_HC=reference forces the reference (to bisect a wrong answer on the GPU).
 """
@@ -34,12 +34,20 @@ import torch.nn.functional as F
 
 from flashnext.ops.rms_norm import rms_norm, rms_norm_reference
 
-DECODE_MAX_ROWS = 4   # decode_max_rows()'s default (see the module's docstring)
+DECODE_MAX_ROWS = 16  # decode_max_rows()'s default (see the module's docstring)
+ROWS_KERNEL_MIN = 2   # rows_kernel_min()'s default
 
 
 def decode_max_rows() -> int:
-    """The most rows hc_mix sends to the Triton kernels (see the module's docstring)."""
-    return int(os.environ.get("FLASHNEXT_HC_DECODE_MAX_ROWS", DECODE_MAX_ROWS))
+    """The most rows hc_mix sends to the Triton kernels (see the module's docstring; at most the tensor-core
+    kernels' 16)."""
+    return min(int(os.environ.get("FLASHNEXT_HC_DECODE_MAX_ROWS", DECODE_MAX_ROWS)), DECODE_MAX_ROWS)
+
+
+def rows_kernel_min() -> int:
+    """From this many rows the Triton mix is the tensor-core one (ops/hyper_connection_rows_triton.py), below it the
+    one-row kernels (FLASHNEXT_HC_ROWS_MIN, read when a step is traced or captured)."""
+    return int(os.environ.get("FLASHNEXT_HC_ROWS_MIN", ROWS_KERNEL_MIN))
 
 
 def hc_combine_reference(up: torch.Tensor, normed: torch.Tensor, hc: int, hidden: int) -> torch.Tensor:
@@ -85,11 +93,23 @@ def hc_mix(h: torch.Tensor, norm_weight: torch.Tensor, w_down: torch.Tensor, w_u
     """See hc_mix_reference. On the Triton path: two launches, no host sync, CUDA-graph capturable."""
     weights = [w for w in (w_down, w_up, w_inject) if w is not None]
     if _use_triton(h, *weights):
-        from flashnext.ops.hyper_connection_triton import hc_mix_triton
-
-        return hc_mix_triton(h, norm_weight, w_down, w_up, w_inject, hc, hidden, eps)
+        return _triton_mix(h, None, norm_weight, w_down, w_up, w_inject, hc, hidden, eps)[:2]
     return hc_mix_reference(h, norm_weight, w_down, w_up, w_inject, hc, hidden, eps, norm=rms_norm,
                             combine=hc_combine)
+
+
+def _triton_mix(h, pending, norm_weight, w_down, w_up, w_inject, hc, hidden, eps):
+    """The Triton mix for h's rows: the tensor-core kernels from rows_kernel_min() rows, else the one-row kernels
+    → (block input, injection weights or None, the streams mixed: h, injected when an injection was pending)."""
+    if h.shape[0] >= rows_kernel_min():
+        from flashnext.ops.hyper_connection_rows_triton import hc_mix_rows_triton
+
+        return hc_mix_rows_triton(h, pending, norm_weight, w_down, w_up, w_inject, hc, hidden, eps)
+    from flashnext.ops.hyper_connection_triton import hc_mix_injected_triton, hc_mix_triton
+
+    if pending is None:
+        return (*hc_mix_triton(h, norm_weight, w_down, w_up, w_inject, hc, hidden, eps), h)
+    return hc_mix_injected_triton(h, *pending, norm_weight, w_down, w_up, w_inject, hc, hidden, eps)
 
 
 def hc_combine(up: torch.Tensor, normed: torch.Tensor, hc: int, hidden: int) -> torch.Tensor:
@@ -135,9 +155,7 @@ def hc_mix_injected(pending: PendingInjection, norm_weight: torch.Tensor, w_down
     weights = [w for w in (w_down, w_up, w_inject) if w is not None]
     if (os.environ.get("FLASHNEXT_HC_FUSED_INJECT", "1") == "1"
             and _use_triton(pending.h, pending.block_output, pending.weights, *weights)):
-        from flashnext.ops.hyper_connection_triton import hc_mix_injected_triton
-
-        return hc_mix_injected_triton(pending.h, pending.block_output, pending.weights, norm_weight, w_down, w_up,
-                                      w_inject, hc, hidden, eps)
+        return _triton_mix(pending.h, (pending.block_output, pending.weights), norm_weight, w_down, w_up, w_inject,
+                           hc, hidden, eps)
     h = pending.materialize()
     return (*hc_mix(h, norm_weight, w_down, w_up, w_inject, hc, hidden, eps), h)

@@ -34,12 +34,12 @@ from flashnext.ops.rounding import round_to_dtype
 
 
 @triton.jit
-def _sigmoid(v):
+def sigmoid(v):
     return 1.0 / (1.0 + tl.exp(-v))
 
 
 @triton.jit
-def _down_inject_rows(wd_ptr, wi_ptr, R, H, HC: tl.constexpr, HAS_INJECT: tl.constexpr, BLOCK_R: tl.constexpr):
+def down_inject_rows(wd_ptr, wi_ptr, R, H, HC: tl.constexpr, HAS_INJECT: tl.constexpr, BLOCK_R: tl.constexpr):
     """A down program's (grid axis 0) tile of BLOCK_R rows of one virtual [R (+ hc), hc·H] weight — rows [0, R) are
     w_down's, [R, R + hc) w_inject's: the down kernel computes both GEMVs in one pass over the streams —
     → (the rows there are, the tile's row ids, which of them exist, their pointers)."""
@@ -58,7 +58,7 @@ def _hc_down_kernel(x_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, sumsq_ptr, bo_ptr, 
                     HAS_PENDING: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     pid_r, stream = tl.program_id(0), tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
-    rows, offs_r, r_ok, w_rows = _down_inject_rows(wd_ptr, wi_ptr, R, H, HC, HAS_INJECT, BLOCK_R)
+    rows, offs_r, r_ok, w_rows = down_inject_rows(wd_ptr, wi_ptr, R, H, HC, HAS_INJECT, BLOCK_R)
     offs_h = tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
     w = tl.load(w_rows[:, None] + stream * H + offs_h[None, :], mask=r_ok[:, None] & h_ok[None, :], other=0.0)
@@ -112,9 +112,9 @@ def _hc_up_kernel(x_ptr, nw_ptr, part_ptr, sumsq_ptr, wu_ptr, out_ptr, inj_ptr, 
         sumsq = tl.load(sumsq_ptr + m * HC + offs_s, mask=s_ok, other=0.0)
         rstd = tl.where(s_ok, tl.math.rsqrt(sumsq / H + eps), 0.0)
         v = _down_rows(part_ptr, rstd, offs_s, s_ok, N, m, rows, offs_k, k_ok, HC, dtype)
-        mix = round_to_dtype(v * _sigmoid(v), dtype)
+        mix = round_to_dtype(v * sigmoid(v), dtype)
         up = round_to_dtype(tl.sum(w.to(tl.float32) * mix[None, None, :], axis=2), dtype)
-        gate = round_to_dtype(_sigmoid(up), dtype)
+        gate = round_to_dtype(sigmoid(up), dtype)
         xv = tl.load(x_ptr + m * stride_x + sh, mask=sh_ok, other=0.0).to(tl.float32)
         normed = round_to_dtype(xv * rstd[:, None] * scale, dtype)
         total = tl.sum(tl.where(sh_ok, round_to_dtype(gate * normed, dtype), 0.0), axis=0)
@@ -122,7 +122,7 @@ def _hc_up_kernel(x_ptr, nw_ptr, part_ptr, sumsq_ptr, wu_ptr, out_ptr, inj_ptr, 
         if HAS_INJECT:
             if pid_h == 0:
                 v_inj = _down_rows(part_ptr, rstd, offs_s, s_ok, N, m, rows, R + offs_s, s_ok, HC, dtype)
-                tl.store(inj_ptr + m * HC + offs_s, 2.0 * round_to_dtype(_sigmoid(v_inj), dtype), mask=s_ok)
+                tl.store(inj_ptr + m * HC + offs_s, 2.0 * round_to_dtype(sigmoid(v_inj), dtype), mask=s_ok)
 
 
 @triton.jit
@@ -247,7 +247,7 @@ def _hc_combine_kernel(up_ptr, normed_ptr, out_ptr, H, stride_up, stride_normed,
     for s in tl.static_range(HC):
         up = tl.load(up_ptr + row * stride_up + s * H + offs, mask=mask, other=0.0).to(tl.float32)
         normed = tl.load(normed_ptr + row * stride_normed + s * H + offs, mask=mask, other=0.0).to(tl.float32)
-        total += round_to_dtype(round_to_dtype(_sigmoid(up), dtype) * normed, dtype)
+        total += round_to_dtype(round_to_dtype(sigmoid(up), dtype) * normed, dtype)
     tl.store(out_ptr + row * stride_out + offs, (total / HC).to(out_ptr.dtype.element_ty), mask=mask)
 
 

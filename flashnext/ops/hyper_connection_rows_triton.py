@@ -1,0 +1,175 @@
+"""The hyper-connection mix of 2–16 decode rows on tensor cores (reference: ops/hyper_connection.py).
+
+The one-row kernels (ops/hyper_connection_triton.py) keep each program's weights in registers and loop over the rows,
+~4.5–6 µs a row (H200, session 13: 6.3 / 15.9 / 27.0 / 51.1 µs at 1 / 2 / 4 / 8 rows in a graph); cuBLAS reads
+each weight once for all rows but with the norm and elementwise steps around its two GEMMs takes ~27 µs at any
+2–16 rows. Here every weight is read once for all rows, the rows the M = 16 side of tl.dot, and no program loops:
+- `_rows_down_kernel`, grid (tiles of 16 rows of w_down then w_inject, hc streams, splits of a stream's H):
+  a program loads its [BLOCK_K, 16] weight tile before it waits for its input (ops/pdl.py), then the rows'
+  stream slice (injecting the previous block's output first when one is pending, as hc_inject rounds it; the
+  first row tile writes the injected streams out), its sums of squares and one dot of the slice times
+  (1 + norm weight), rounded to the dtype for the tensor cores. The stream's rstd is a scalar of that dot, so
+  it is applied later. Each program stores its partials and counts itself in (ops/arrival.py); the last of a
+  row tile adds them in a fixed order (deterministic) — per stream, times its rstd — and rounds as the
+  reference does (the linear's output, / hc; then silu for the mix vector, 2·sigmoid for the injection weights).
+  Row tile 0's last program also stores every row's rstd per stream.
+- `_rows_up_kernel`, grid (column tiles of H): a program loads its columns' up-weight rows of every stream
+  ([low rank, hc × BLOCK_H]) before it waits, then one dot of the rows' mix vectors with them, sigmoid, times
+  the normed streams (rounded as the reference's norm), summed over the streams and averaged.
+The departure from the reference is the one-row kernels': the normed stream that enters the down GEMM is x times
+(1 + norm weight) rounded to the dtype, its rstd applied after the dot, where the reference rounds x · rstd · (1 +
+norm weight). bf16 operands go to the tensor cores with fp32 accumulation; fp32 ones take IEEE dots (the exactness
+tests).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashnext.ops.arrival import arrival_counters, arrive_last
+from flashnext.ops.hyper_connection_triton import down_inject_rows, sigmoid
+from flashnext.ops.pdl import launch_options, wait_for_inputs
+from flashnext.ops.rounding import round_to_dtype
+
+MAX_ROWS = 16      # the dots' M side
+BLOCK_R = 16       # down|inject weight rows a down program (the down dot's N)
+BLOCK_K = 256      # a down program's slice of a stream (the down dot's K: one dot, no loop)
+BLOCK_H = 4        # block-input columns an up program (hc × BLOCK_H columns: the up dot's N, at least 16)
+
+
+@triton.jit
+def _rows_down_kernel(x_ptr, nw_ptr, wd_ptr, wi_ptr, bo_ptr, pw_ptr, hout_ptr, part_ptr, sumsq_ptr, counter_ptr,
+                      mix_ptr, rstd_ptr, inj_ptr, N, H, R, stride_x, stride_bo, stride_pw, stride_hout, eps,
+                      HC: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HAS_INJECT: tl.constexpr,
+                      HAS_PENDING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pid_r, stream, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    dtype = x_ptr.dtype.element_ty
+    rows, offs_r, r_ok, w_rows = down_inject_rows(wd_ptr, wi_ptr, R, H, HC, HAS_INJECT, BLOCK_R)
+    offs_k = split * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = offs_k < H
+    w = tl.load(w_rows[None, :] + stream * H + offs_k[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+    scale = 1.0 + tl.load(nw_ptr + stream * H + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < N
+    mk_ok = m_ok[:, None] & k_ok[None, :]
+    wait_for_inputs(PDL)
+    xv = tl.load(x_ptr + offs_m[:, None] * stride_x + stream * H + offs_k[None, :], mask=mk_ok,
+                 other=0.0).to(tl.float32)
+    if HAS_PENDING:   # the previous block's injection first: h + weight × block output, as hc_inject rounds it
+        bo = tl.load(bo_ptr + offs_m[:, None] * stride_bo + offs_k[None, :], mask=mk_ok, other=0.0).to(tl.float32)
+        weight = tl.load(pw_ptr + offs_m * stride_pw + stream, mask=m_ok, other=0.0).to(tl.float32)
+        injected = (xv + round_to_dtype(bo * weight[:, None], dtype)).to(dtype)
+        if pid_r == 0:
+            tl.store(hout_ptr + offs_m[:, None] * stride_hout + stream * H + offs_k[None, :], injected, mask=mk_ok)
+        xv = injected.to(tl.float32)
+    part = tl.dot((xv * scale[None, :]).to(dtype), w.to(dtype), input_precision=DOT_PRECISION)  # [M, BLOCK_R]
+    # this program's place among its row tile's hc × SPLITS: partials [tiles, hc, SPLITS, M, BLOCK_R], sums of
+    # squares [tiles, hc, SPLITS, M]
+    at = (pid_r * HC + stream) * SPLITS + split
+    offs_c = tl.arange(0, BLOCK_R)
+    tl.store(part_ptr + (at * BLOCK_M + offs_m[:, None]) * BLOCK_R + offs_c[None, :], part)
+    tl.store(sumsq_ptr + at * BLOCK_M + offs_m, tl.sum(xv * xv, axis=1))
+    if arrive_last(counter_ptr + pid_r, HC * SPLITS):
+        offs_p = tl.arange(0, SPLITS_P2)
+        p_ok = offs_p < SPLITS
+        total = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
+        for s in tl.static_range(HC):
+            first = (pid_r * HC + s) * SPLITS
+            sq = tl.load(sumsq_ptr + (first + offs_p[:, None]) * BLOCK_M + offs_m[None, :], mask=p_ok[:, None],
+                         other=0.0, cache_modifier=".cg")
+            rstd = tl.math.rsqrt(tl.sum(sq, axis=0) / H + eps)                                       # [M]
+            parts = tl.load(part_ptr + ((first + offs_p[:, None, None]) * BLOCK_M + offs_m[None, :, None]) * BLOCK_R
+                            + offs_c[None, None, :], mask=p_ok[:, None, None], other=0.0, cache_modifier=".cg")
+            total += tl.sum(parts, axis=0) * rstd[:, None]
+            if pid_r == 0:
+                tl.store(rstd_ptr + offs_m * HC + s, rstd, mask=m_ok)
+        v = round_to_dtype(round_to_dtype(total, dtype) / HC, dtype)
+        mix_rows = offs_r < R
+        tl.store(mix_ptr + offs_m[:, None] * R + offs_r[None, :], round_to_dtype(v * sigmoid(v), dtype),
+                 mask=m_ok[:, None] & mix_rows[None, :])
+        if HAS_INJECT:
+            tl.store(inj_ptr + offs_m[:, None] * HC + (offs_r - R)[None, :], 2.0 * round_to_dtype(sigmoid(v), dtype),
+                     mask=m_ok[:, None] & tl.where(mix_rows, False, r_ok)[None, :])
+
+
+@triton.jit
+def _rows_up_kernel(x_ptr, nw_ptr, mix_ptr, rstd_ptr, wu_ptr, out_ptr, N, H, R, stride_x, stride_o,
+                    HC: tl.constexpr, HC_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+                    BLOCK_KR: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pid_h = tl.program_id(0)
+    dtype = x_ptr.dtype.element_ty
+    # column j of the program's [hc_p2 × BLOCK_H] is stream j // BLOCK_H's block-input column offs_h[j % BLOCK_H]
+    offs_j = tl.arange(0, HC_P2 * BLOCK_H)
+    stream = offs_j // BLOCK_H
+    col = pid_h * BLOCK_H + offs_j % BLOCK_H
+    j_ok = (stream < HC) & (col < H)
+    width = stream * H + col                                                       # in the hc·H streams
+    offs_kr = tl.arange(0, BLOCK_KR)
+    kr_ok = offs_kr < R
+    wu = tl.load(wu_ptr + width[None, :] * R + offs_kr[:, None], mask=kr_ok[:, None] & j_ok[None, :], other=0.0)
+    scale = 1.0 + tl.load(nw_ptr + width, mask=j_ok, other=0.0).to(tl.float32)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < N
+    mj_ok = m_ok[:, None] & j_ok[None, :]
+    wait_for_inputs(PDL)
+    mix = tl.load(mix_ptr + offs_m[:, None] * R + offs_kr[None, :], mask=m_ok[:, None] & kr_ok[None, :], other=0.0)
+    up = round_to_dtype(tl.dot(mix.to(dtype), wu.to(dtype), input_precision=DOT_PRECISION), dtype)     # [M, J]
+    gate = round_to_dtype(sigmoid(up), dtype)
+    rstd = tl.load(rstd_ptr + offs_m[:, None] * HC + stream[None, :], mask=mj_ok, other=0.0)
+    xv = tl.load(x_ptr + offs_m[:, None] * stride_x + width[None, :], mask=mj_ok, other=0.0).to(tl.float32)
+    normed = round_to_dtype(xv * rstd * scale[None, :], dtype)
+    terms = tl.where(mj_ok, round_to_dtype(gate * normed, dtype), 0.0)
+    total = tl.sum(tl.reshape(terms, (BLOCK_M, HC_P2, BLOCK_H)), axis=1)                         # [M, BLOCK_H]
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    tl.store(out_ptr + offs_m[:, None] * stride_o + offs_h[None, :], total / HC,
+             mask=m_ok[:, None] & (offs_h < H)[None, :])
+
+
+def hc_mix_rows_triton(h: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None, norm_weight: torch.Tensor,
+                       w_down: torch.Tensor, w_up: torch.Tensor, w_inject: torch.Tensor | None, hc: int, hidden: int,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """h [N ≤ 16, hc·H] (+ a pending injection: (block output [N, H], weights [N, hc]), which the down kernel does on
+    its way in) → (block input [N, H], injection weights [N, hc] or None, the streams mixed: h injected, or h)."""
+    n, width = h.shape
+    lowrank = w_down.shape[0]
+    assert n <= MAX_ROWS and width == hc * hidden and w_down.shape == (lowrank, width)
+    assert w_up.shape == (width, lowrank) and (w_inject is None or w_inject.shape == (hc, width))
+    assert all(t.is_contiguous() for t in (norm_weight, w_down, w_up) + ((w_inject,) if w_inject is not None else ()))
+    if h.stride(-1) != 1:
+        h = h.contiguous()
+    block_input = h.new_empty(n, hidden)
+    inject = h.new_empty(n, hc) if w_inject is not None else None
+    injected = torch.empty_like(h) if pending is not None else h
+    if n == 0:
+        return block_input, inject, injected
+    if pending is not None:
+        block_output, weights = (t if t.stride(-1) == 1 else t.contiguous() for t in pending)
+        assert block_output.shape == (n, hidden) and weights.shape == (n, hc)
+    else:
+        block_output, weights = h, h     # never read without a pending injection
+    rows = lowrank + (hc if w_inject is not None else 0)
+    tiles, splits = triton.cdiv(rows, BLOCK_R), triton.cdiv(hidden, BLOCK_K)
+    per_program = MAX_ROWS * (BLOCK_R + 1)          # partials and sums of squares
+    work = torch.empty(tiles * hc * splits * per_program + MAX_ROWS * (lowrank + hc), dtype=torch.float32,
+                       device=h.device)
+    parts_end = tiles * hc * splits * MAX_ROWS * BLOCK_R
+    sums_end = parts_end + tiles * hc * splits * MAX_ROWS
+    partials, sumsq = work[:parts_end], work[parts_end:sums_end]
+    mix, rstd = work[sums_end:sums_end + MAX_ROWS * lowrank], work[sums_end + MAX_ROWS * lowrank:]
+    precision, pdl = "ieee" if h.dtype == torch.float32 else None, launch_options(h.device)
+    _rows_down_kernel[(tiles, hc, splits)](
+        h, norm_weight, w_down, w_inject if w_inject is not None else w_down, block_output, weights, injected, partials,
+        sumsq, arrival_counters(h.device, tiles), mix, rstd, inject if inject is not None else block_input, n, hidden,
+        lowrank, h.stride(0), block_output.stride(0), weights.stride(0), injected.stride(0), eps, HC=hc,
+        SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), HAS_INJECT=w_inject is not None,
+        HAS_PENDING=pending is not None, BLOCK_M=MAX_ROWS, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, DOT_PRECISION=precision,
+        num_warps=4, **pdl)
+    hc_p2 = triton.next_power_of_2(hc)
+    block_h = max(BLOCK_H, 16 // hc_p2)
+    _rows_up_kernel[(triton.cdiv(hidden, block_h),)](
+        injected, norm_weight, mix, rstd, w_up, block_input, n, hidden, lowrank, injected.stride(0),
+        block_input.stride(0), HC=hc, HC_P2=hc_p2, BLOCK_M=MAX_ROWS, BLOCK_H=block_h,
+        BLOCK_KR=max(16, triton.next_power_of_2(lowrank)), DOT_PRECISION=precision, num_warps=4, **pdl)
+    return block_input, inject, injected
