@@ -5,6 +5,7 @@ kernels (ops/hyper_connection_rows_triton.py) and the cuBLAS path from 2.
     python scripts/gpu_hyper_connection.py            # check + one table (~20 s on an H200); from 2 rows also the
                                                       # cuBLAS path
     python scripts/gpu_hyper_connection.py --sweep    # also search launch configs per N (a few minutes)
+    python scripts/gpu_hyper_connection.py --sweep-rows   # the same for the tensor-core mix (~10 s per N)
 
 For each N it checks the Triton mix (block input and injection weights) against hc_mix_reference in bf16, that
 two launches give identical bits, and that a captured CUDA graph replays to the same bits; then times the
@@ -94,6 +95,31 @@ def sweep(h, weights, kernels):
     return best
 
 
+def sweep_rows(h, weights, kernels):
+    """Best config of the tensor-core mix in a CUDA graph: the down kernel's K slices and row tiles, then the up
+    kernel's columns."""
+    import triton.testing as tt
+
+    def timed(cfg):
+        try:
+            return tt.do_bench_cudagraph(lambda: kernels.hc_mix_rows_triton(h, None, *weights, HC, HIDDEN, EPS,
+                                                                            config=cfg), rep=20, return_mode="median") * 1e3
+        except Exception:  # noqa: BLE001 - configs that do not compile or fit are skipped
+            return float("inf")
+
+    best = (timed(kernels.DEFAULT_ROWS_CONFIG), kernels.DEFAULT_ROWS_CONFIG)
+    for block_k in (128, 256, 512, 1024):
+        for block_r in (16, 32):
+            for warps in (4, 8):
+                cfg = dataclasses.replace(best[1], block_k=block_k, block_r=block_r, warps_down=warps)
+                best = min(best, (timed(cfg), cfg), key=lambda b: b[0])
+    for block_h in (4, 8, 16):
+        for warps in (2, 4, 8):
+            cfg = dataclasses.replace(best[1], block_h=block_h, warps_up=warps)
+            best = min(best, (timed(cfg), cfg), key=lambda b: b[0])
+    return best
+
+
 def without_pdl(fn):
     """fn timed in a CUDA graph with programmatic dependent launch off."""
     import triton.testing as tt
@@ -104,7 +130,8 @@ def without_pdl(fn):
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="search the one-row kernels' launch configs")
+    parser.add_argument("--sweep-rows", action="store_true", help="search the tensor-core mix's configs")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -151,6 +178,8 @@ def main() -> int:
             ok = max(errs) < TOL and stable
             failures += not ok
             rows_t = bench(lambda h=h: rows_mix(h, *weights, HC, HIDDEN, EPS))
+            if args.sweep_rows:
+                sweeps.append((n, rows_t[1], sweep_rows(h, weights, rows_kernels)))
             print(f"{'':7} {n:2d} the tensor-core mix: err {errs[0]:.1e}/{errs[1]:.1e}{'' if ok else '!'}"
                   f"{'' if stable else ' NOT BIT-STABLE'}, {rows_t[0]:.1f} us eager, {rows_t[1]:.1f} us in a graph "
                   f"({weight_bytes / (rows_t[1] * 1e-6) / 1e9:.0f} GB/s)")

@@ -23,6 +23,8 @@ tests).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -33,9 +35,18 @@ from flashnext.ops.pdl import launch_options, wait_for_inputs
 from flashnext.ops.rounding import round_to_dtype
 
 MAX_ROWS = 16      # the dots' M side
-BLOCK_R = 16       # down|inject weight rows a down program (the down dot's N)
-BLOCK_K = 256      # a down program's slice of a stream (the down dot's K: one dot, no loop)
-BLOCK_H = 4        # block-input columns an up program (hc × BLOCK_H columns: the up dot's N, at least 16)
+
+
+@dataclass(frozen=True)
+class RowsConfig:
+    block_r: int = 16      # down|inject weight rows a down program (the down dot's N)
+    block_k: int = 256     # a down program's slice of a stream (the down dot's K: one dot, no loop)
+    block_h: int = 4       # block-input columns an up program (hc × block_h columns: the up dot's N, at least 16)
+    warps_down: int = 4
+    warps_up: int = 4
+
+
+DEFAULT_ROWS_CONFIG = RowsConfig()
 
 
 @triton.jit
@@ -129,7 +140,8 @@ def _rows_up_kernel(x_ptr, nw_ptr, mix_ptr, rstd_ptr, wu_ptr, out_ptr, N, H, R, 
 
 def hc_mix_rows_triton(h: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None, norm_weight: torch.Tensor,
                        w_down: torch.Tensor, w_up: torch.Tensor, w_inject: torch.Tensor | None, hc: int, hidden: int,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                       eps: float, config: RowsConfig = DEFAULT_ROWS_CONFIG,
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """h [N ≤ 16, hc·H] (+ a pending injection: (block output [N, H], weights [N, hc]), which the down kernel does on
     its way in) → (block input [N, H], injection weights [N, hc] or None, the streams mixed: h injected, or h)."""
     n, width = h.shape
@@ -150,11 +162,11 @@ def hc_mix_rows_triton(h: torch.Tensor, pending: tuple[torch.Tensor, torch.Tenso
     else:
         block_output, weights = h, h     # never read without a pending injection
     rows = lowrank + (hc if w_inject is not None else 0)
-    tiles, splits = triton.cdiv(rows, BLOCK_R), triton.cdiv(hidden, BLOCK_K)
-    per_program = MAX_ROWS * (BLOCK_R + 1)          # partials and sums of squares
+    tiles, splits = triton.cdiv(rows, config.block_r), triton.cdiv(hidden, config.block_k)
+    per_program = MAX_ROWS * (config.block_r + 1)   # partials and sums of squares
     work = torch.empty(tiles * hc * splits * per_program + MAX_ROWS * (lowrank + hc), dtype=torch.float32,
                        device=h.device)
-    parts_end = tiles * hc * splits * MAX_ROWS * BLOCK_R
+    parts_end = tiles * hc * splits * MAX_ROWS * config.block_r
     sums_end = parts_end + tiles * hc * splits * MAX_ROWS
     partials, sumsq = work[:parts_end], work[parts_end:sums_end]
     mix, rstd = work[sums_end:sums_end + MAX_ROWS * lowrank], work[sums_end + MAX_ROWS * lowrank:]
@@ -164,12 +176,12 @@ def hc_mix_rows_triton(h: torch.Tensor, pending: tuple[torch.Tensor, torch.Tenso
         sumsq, arrival_counters(h.device, tiles), mix, rstd, inject if inject is not None else block_input, n, hidden,
         lowrank, h.stride(0), block_output.stride(0), weights.stride(0), injected.stride(0), eps, HC=hc,
         SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), HAS_INJECT=w_inject is not None,
-        HAS_PENDING=pending is not None, BLOCK_M=MAX_ROWS, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, DOT_PRECISION=precision,
-        num_warps=4, **pdl)
+        HAS_PENDING=pending is not None, BLOCK_M=MAX_ROWS, BLOCK_R=config.block_r, BLOCK_K=config.block_k,
+        DOT_PRECISION=precision, num_warps=config.warps_down, **pdl)
     hc_p2 = triton.next_power_of_2(hc)
-    block_h = max(BLOCK_H, 16 // hc_p2)
+    block_h = max(config.block_h, 16 // hc_p2)
     _rows_up_kernel[(triton.cdiv(hidden, block_h),)](
         injected, norm_weight, mix, rstd, w_up, block_input, n, hidden, lowrank, injected.stride(0),
         block_input.stride(0), HC=hc, HC_P2=hc_p2, BLOCK_M=MAX_ROWS, BLOCK_H=block_h,
-        BLOCK_KR=max(16, triton.next_power_of_2(lowrank)), DOT_PRECISION=precision, num_warps=4, **pdl)
+        BLOCK_KR=max(16, triton.next_power_of_2(lowrank)), DOT_PRECISION=precision, num_warps=config.warps_up, **pdl)
     return block_input, inject, injected
