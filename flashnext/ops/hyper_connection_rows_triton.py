@@ -39,13 +39,16 @@ MAX_ROWS = 16      # the dots' M side
 
 @dataclass(frozen=True)
 class RowsConfig:
-    block_r: int = 16      # down|inject weight rows a down program (the down dot's N)
-    block_k: int = 256     # a down program's slice of a stream (the down dot's K: one dot, no loop)
-    block_h: int = 4       # block-input columns an up program (hc × block_h columns: the up dot's N, at least 16)
-    warps_down: int = 4
-    warps_up: int = 4
+    block_r: int = 32      # down|inject weight rows a down program (the down dot's N)
+    block_k: int = 1024    # a down program's slice of a stream (the down dot's K: one dot, no loop)
+    block_h: int = 16      # block-input columns an up program (hc × block_h columns: the up dot's N, at least 16)
+    warps_down: int = 8
+    warps_up: int = 2
 
 
+# H200 sweep (scripts/gpu_hyper_connection.py --sweep-rows, Flash-Next's shapes, L2-warm graph, session 13): 14.4 /
+# 14.4 / 14.5 / 15.0 µs a mix at 2 / 4 / 8 / 16 rows, against 22.9–24.4 with 16 × 256 down tiles and 4-column up
+# programs (840 + 640 programs); the best sat at the edges searched (block_k 1024, block_h 16).
 DEFAULT_ROWS_CONFIG = RowsConfig()
 
 
