@@ -9,12 +9,15 @@ Shapes (N rows, hc streams of H = hidden, R = lowrank):
 `hc_mix_reference` / `hc_inject_reference` are the specification and round where the module rounds: the
 normed streams to h's dtype (ZeroCenteredRMSNorm's .type_as), every F.linear output, each elementwise op
 of a 16-bit tensor, and the mean over streams once (fp32 sum). `hc_mix` dispatches CUDA tensors of
-- one row (below rows_kernel_min(), 2; FLASHNEXT_HC_ROWS_MIN) to the one-row Triton kernels
+- 1–4 rows (below rows_kernel_min(), 5; FLASHNEXT_HC_ROWS_MIN) to the one-row Triton kernels
   (ops/hyper_connection_triton.py: weights in registers, a loop over rows that costs ~4.5–6 µs a row);
-- 2 to decode_max_rows() rows (16; FLASHNEXT_HC_DECODE_MAX_ROWS; both read when a step is traced or captured) to
+- 5 to decode_max_rows() rows (16; FLASHNEXT_HC_DECODE_MAX_ROWS; both read when a step is traced or captured) to
   the tensor-core kernels (ops/hyper_connection_rows_triton.py: each weight read once for all rows, rows as tl.dot's
-  M side, split-K summed in the launch). H200, session 13, in a graph: the one-row kernels take 6.3 / 15.9 / 27.0 /
-  51.1 µs at 1 / 2 / 4 / 8 rows, the cuBLAS path (below) ~27 µs at any 2–16;
+  M side, split-K summed in the launch). H200, session 13: one mix alone in a graph, the one-row kernels take 6.6 /
+  15.7 / 26.7 / 49.6 µs at 1 / 2 / 4 / 8 rows, the tensor-core ones 22.9 / 23.4 / 23.7 at 2 / 4 / 8, the cuBLAS path
+  (below) ~27 at any 2–16; in the captured Flash-Next step at 64K (`gpu_decode.py --batch`) the tensor-core mix
+  gave 8.283 / 10.249 / 14.085 ms a step at 2 / 4 / 8 rows against 7.431 / 10.356 / 14.507 with the one-row kernels
+  up to 4 rows and cuBLAS above — so from 5 rows (the batch buckets of 8 and 16);
 - more rows (prefill) to the reference's math with cuBLAS for the GEMMs (each weight read once for all rows), the
   RMSNorm kernel for the streams' norm (one pass over [T, hc·H] instead of ~8 fp32 passes; on the H200 the pow and
   mean kernels of these norms and GatedDeltaNet's alone were ~3% of a 10K Flash-Next prefill) and one kernel for
@@ -35,7 +38,7 @@ import torch.nn.functional as F
 from flashnext.ops.rms_norm import rms_norm, rms_norm_reference
 
 DECODE_MAX_ROWS = 16  # decode_max_rows()'s default (see the module's docstring)
-ROWS_KERNEL_MIN = 2   # rows_kernel_min()'s default
+ROWS_KERNEL_MIN = 5   # rows_kernel_min()'s default: decode batches of 8 and 16 rows (see the module's docstring)
 
 
 def decode_max_rows() -> int:

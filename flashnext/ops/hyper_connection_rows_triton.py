@@ -39,16 +39,18 @@ MAX_ROWS = 16      # the dots' M side
 
 @dataclass(frozen=True)
 class RowsConfig:
-    block_r: int = 32      # down|inject weight rows a down program (the down dot's N)
-    block_k: int = 1024    # a down program's slice of a stream (the down dot's K: one dot, no loop)
-    block_h: int = 16      # block-input columns an up program (hc × block_h columns: the up dot's N, at least 16)
-    warps_down: int = 8
-    warps_up: int = 2
+    block_r: int = 16      # down|inject weight rows a down program (the down dot's N)
+    block_k: int = 256     # a down program's slice of a stream (the down dot's K: one dot, no loop)
+    block_h: int = 4       # block-input columns an up program (hc × block_h columns: the up dot's N, at least 16)
+    warps_down: int = 4
+    warps_up: int = 4
 
 
-# H200 sweep (scripts/gpu_hyper_connection.py --sweep-rows, Flash-Next's shapes, L2-warm graph, session 13): 14.4 /
-# 14.4 / 14.5 / 15.0 µs a mix at 2 / 4 / 8 / 16 rows, against 22.9–24.4 with 16 × 256 down tiles and 4-column up
-# programs (840 + 640 programs); the best sat at the edges searched (block_k 1024, block_h 16).
+# Measured in the decode step, not alone: the H200 sweep of one mix repeated (scripts/gpu_hyper_connection.py
+# --sweep-rows, session 13: its weights L2-warm, no pending injection) found 32 × 1024 down tiles at 8 warps and
+# 16-column up programs at 2 warps at 14.4 µs against these tiles' 22.9–24.4 — and in the captured Flash-Next step
+# at 64K they took 330 + 280 µs a mix (the step 38.7 / 40.6 / 44.4 ms at 2 / 4 / 8 rows against 8.3 / 10.2 /
+# 14.1 with these; likely register spills, which the warm L2 hid). Tune with `gpu_decode.py --batch`.
 DEFAULT_ROWS_CONFIG = RowsConfig()
 
 
