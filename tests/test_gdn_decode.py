@@ -128,6 +128,21 @@ def run_both(kernels, inputs, kw, activation):
     return got, want, ref_states
 
 
+@pytest.fixture(params=[False, True], ids=["two-launches", "fused-conv"])
+def fused_conv(request, monkeypatch):
+    """Both forms of the Triton step: the conv kernel then the delta-rule kernel, and FLASHNEXT_GDN_FUSED_CONV=1's
+    one launch (the q and k tails shifted by the last of a key head's value heads to arrive)."""
+    monkeypatch.setenv("FLASHNEXT_GDN_FUSED_CONV", "1" if request.param else "0")
+    return request.param
+
+
+def counters_zeroed():
+    from flashnext.ops import arrival
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return all(int(b.abs().sum()) == 0 for b in arrival.buffers(device))
+
+
 KERNEL_CASES = [  # (Hk, Hv, Dk, Dv, K, B, S, strided)
     (2, 6, 16, 32, 4, 3, 5, False),
     (1, 3, 12, 20, 4, 4, 6, True),     # non-power-of-two heads: masked lanes
@@ -139,7 +154,7 @@ KERNEL_CASES = [  # (Hk, Hv, Dk, Dv, K, B, S, strided)
 @needs_triton
 @pytest.mark.parametrize("activation", ["silu", "sigmoid"])
 @pytest.mark.parametrize("hk,hv,dk,dv,width,rows,num_slots,strided", KERNEL_CASES)
-def test_triton_matches_reference(kernels, hk, hv, dk, dv, width, rows, num_slots, strided, activation):
+def test_triton_matches_reference(kernels, fused_conv, hk, hv, dk, dv, width, rows, num_slots, strided, activation):
     inputs, kw = make_problem(hk, hv, dk, dv, width, rows, num_slots, torch.float32, seed=rows + dv, strided=strided)
     before = {n: inputs[n].clone() for n in ("conv_state", "ssm_state")}
     got, want, ref_states = run_both(kernels, inputs, kw, activation)
@@ -151,10 +166,11 @@ def test_triton_matches_reference(kernels, hk, hv, dk, dv, width, rows, num_slot
     untouched[inputs["slots"].cpu()] = False
     for name in ("conv_state", "ssm_state"):
         assert torch.equal(inputs[name][untouched], before[name][untouched])
+    assert counters_zeroed()
 
 
 @needs_triton
-def test_triton_consecutive_steps(kernels):
+def test_triton_consecutive_steps(kernels, fused_conv):
     inputs, kw = make_problem(2, 6, 16, 32, 4, 3, 5, torch.float32, seed=11)
     ref_states = {n: inputs[n].clone() for n in ("conv_state", "ssm_state")}
     gen = torch.Generator().manual_seed(12)
@@ -172,7 +188,7 @@ def test_triton_consecutive_steps(kernels):
 
 @needs_triton
 @pytest.mark.parametrize("norm_dtype", [torch.float16, torch.float32])
-def test_triton_half_precision(kernels, norm_dtype):
+def test_triton_half_precision(kernels, fused_conv, norm_dtype):
     # fp16 exercises the rounding points (conv output, β, o, the weighted norm when the weight is fp16). bf16 is
     # only checked on the GPU (scripts/gpu_gdn_decode.py): Triton's interpreter gets bf16 casts wrong.
     inputs, kw = make_problem(2, 6, 16, 32, 4, 3, 5, torch.float16, seed=5, strided=True)

@@ -11,13 +11,23 @@
    the whole Dv row of the head — the reason a program owns a head rather than a Dv tile.
 The state is the traffic (Flash-Next: 48 heads × 64 KiB per sequence and layer, read and written); the rest
 is a few KiB per row. No host sync and no data-dependent allocation: the step can be captured in a CUDA graph.
+
+`FLASHNEXT_GDN_FUSED_CONV=1` (read when a step is traced or captured; off until measured on the GPU): one launch,
+`_step_kernel`: each value-head program convolves its own channels — q and k of its key head, which the r value
+heads of that key head all compute, and its v — and the last of the r to arrive (ops/arrival.py: every program
+has read the tail before its release atomic) shifts the q and k tails; each v tail has one owner. 36 launches and
+a [B, C] round trip fewer a Flash-Next step (the conv kernel took 2.4 µs of each GatedDeltaNet layer's 84, H200,
+session 13).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+from flashnext.ops.arrival import arrival_counters, arrive_last
 from flashnext.ops.pdl import launch_options, wait_for_inputs
 
 CONV_BLOCK = 256
@@ -51,26 +61,17 @@ def _conv_kernel(x_ptr, w_ptr, tail_ptr, slots_ptr, y_ptr, C, stride_x, stride_w
 
 
 @triton.jit
-def _delta_rule_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, state_ptr, slots_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
-                       out_ptr, stride_qkv, stride_zb, stride_zh, stride_bb, stride_bh, stride_ab, stride_ah,
-                       stride_slot, stride_sh, stride_sk, q_scale, eps,
-                       HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, SIGMOID_GATE: tl.constexpr, ROUND_WEIGHTED: tl.constexpr,
-                       PDL: tl.constexpr):
-    wait_for_inputs(PDL)
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    key_head = head // (HV // HK)
+def _delta_rule_head(q, k, v, z_ptr, b_ptr, a_ptr, state_ptr, slot, a_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr, row,
+                     head, stride_zb, stride_zh, stride_bb, stride_bh, stride_ab, stride_ah, stride_slot, stride_sh,
+                     stride_sk, q_scale, eps, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, SIGMOID_GATE: tl.constexpr, ROUND_WEIGHTED: tl.constexpr):
+    """One value head of one row from its conv outputs q, k [BK] and v [BV] (fp32, rounded to the dtype): l2norm,
+    β and the decay, the state's update in place, o = Sᵀq and the gated RMSNorm into out."""
     dtype = out_ptr.dtype.element_ty
     offs_k = tl.arange(0, BK)
     offs_v = tl.arange(0, BV)
     mask_k = offs_k < DK
     mask_v = offs_v < DV
-
-    qkv = qkv_ptr + row * stride_qkv
-    q = tl.load(qkv + key_head * DK + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    k = tl.load(qkv + (HK + key_head) * DK + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    v = tl.load(qkv + 2 * HK * DK + head * DV + offs_v, mask=mask_v, other=0.0).to(tl.float32)
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
     # β is rounded to x's dtype: the layer takes sigmoid(b) before the recurrence casts to fp32.
@@ -79,7 +80,6 @@ def _delta_rule_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, state_ptr, slots_ptr, a_log
     softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
     g = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * softplus
 
-    slot = tl.load(slots_ptr + row)
     s_ptrs = state_ptr + slot * stride_slot + head * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
     s_mask = mask_k[:, None] & mask_v[None, :]
     s = tl.load(s_ptrs, mask=s_mask, other=0.0) * tl.exp(g)
@@ -99,6 +99,98 @@ def _delta_rule_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, state_ptr, slots_ptr, a_log
     else:
         gate = z * tl.sigmoid(z)
     tl.store(out_ptr + row * HV * DV + head * DV + offs_v, (h * gate).to(dtype), mask=mask_v)
+
+
+@triton.jit
+def _delta_rule_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, state_ptr, slots_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
+                       out_ptr, stride_qkv, stride_zb, stride_zh, stride_bb, stride_bh, stride_ab, stride_ah,
+                       stride_slot, stride_sh, stride_sk, q_scale, eps,
+                       HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, SIGMOID_GATE: tl.constexpr, ROUND_WEIGHTED: tl.constexpr,
+                       PDL: tl.constexpr):
+    wait_for_inputs(PDL)
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    key_head = head // (HV // HK)
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.arange(0, BV)
+    qkv = qkv_ptr + row * stride_qkv
+    q = tl.load(qkv + key_head * DK + offs_k, mask=offs_k < DK, other=0.0).to(tl.float32)
+    k = tl.load(qkv + (HK + key_head) * DK + offs_k, mask=offs_k < DK, other=0.0).to(tl.float32)
+    v = tl.load(qkv + 2 * HK * DK + head * DV + offs_v, mask=offs_v < DV, other=0.0).to(tl.float32)
+    _delta_rule_head(q, k, v, z_ptr, b_ptr, a_ptr, state_ptr, tl.load(slots_ptr + row), a_log_ptr, dt_bias_ptr,
+                     norm_w_ptr, out_ptr, row, head, stride_zb, stride_zh, stride_bb, stride_bh, stride_ab, stride_ah,
+                     stride_slot, stride_sh, stride_sk, q_scale, eps, HV, DV=DV, DK=DK, BK=BK, BV=BV,
+                     SIGMOID_GATE=SIGMOID_GATE, ROUND_WEIGHTED=ROUND_WEIGHTED)
+
+
+@triton.jit
+def _conv_channels(x_ptr, w_ptr, tail_ptr, cols, mask, stride_wc, stride_wt, stride_t, WIDTH: tl.constexpr,
+                   TAIL_P2: tl.constexpr):
+    """The causal conv of the new token x over the carried tail at channels `cols`, silu, rounded to x's dtype (the
+    conv kernel's arithmetic, in its order) → (that [BLOCK] in fp32, the shifted tail [TAIL_P2, BLOCK] to store
+    once every reader of this tail has read it: rows 1.. of the tail, then x)."""
+    t = tl.arange(0, TAIL_P2)
+    t_ok = t < WIDTH - 1
+    x = tl.load(x_ptr + cols, mask=mask, other=0.0)
+    tail = tl.load(tail_ptr + t[:, None] * stride_t + cols[None, :], mask=t_ok[:, None] & mask[None, :], other=0.0)
+    w_last = tl.load(w_ptr + cols * stride_wc + (WIDTH - 1) * stride_wt, mask=mask, other=0.0)
+    acc = x.to(tl.float32) * w_last.to(tl.float32)
+    for i in tl.static_range(WIDTH - 1):
+        prev = tl.sum(tl.where(t[:, None] == i, tail.to(x.dtype).to(tl.float32), 0.0), axis=0)   # row i, exact
+        w = tl.load(w_ptr + cols * stride_wc + i * stride_wt, mask=mask, other=0.0).to(tl.float32)
+        acc += prev * w
+    later = tl.load(tail_ptr + (t + 1)[:, None] * stride_t + cols[None, :],
+                    mask=(t + 1 < WIDTH - 1)[:, None] & mask[None, :], other=0.0)
+    shifted = tl.where(t[:, None] == WIDTH - 2, x[None, :].to(tail.dtype), later)
+    y = acc * tl.sigmoid(acc)
+    return y.to(x_ptr.dtype.element_ty).to(tl.float32), shifted
+
+
+@triton.jit
+def _store_tail(tail_ptr, cols, mask, shifted, stride_t, WIDTH: tl.constexpr, TAIL_P2: tl.constexpr):
+    t = tl.arange(0, TAIL_P2)
+    tl.store(tail_ptr + t[:, None] * stride_t + cols[None, :], shifted, mask=(t < WIDTH - 1)[:, None] & mask[None, :])
+
+
+@triton.jit
+def _step_kernel(x_ptr, w_ptr, tail_ptr, z_ptr, b_ptr, a_ptr, state_ptr, slots_ptr, a_log_ptr, dt_bias_ptr,
+                 norm_w_ptr, out_ptr, counter_ptr, stride_x, stride_wc, stride_wt, stride_tslot, stride_t, stride_zb,
+                 stride_zh, stride_bb, stride_bh, stride_ab, stride_ah, stride_slot, stride_sh, stride_sk, q_scale,
+                 eps, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+                 BV: tl.constexpr, WIDTH: tl.constexpr, TAIL_P2: tl.constexpr, SIGMOID_GATE: tl.constexpr,
+                 ROUND_WEIGHTED: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    GROUP: tl.constexpr = HV // HK
+    key_head = head // GROUP
+    slot = tl.load(slots_ptr + row)
+    x_row = x_ptr + row * stride_x
+    tail = tail_ptr + slot * stride_tslot
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.arange(0, BV)
+    mask_k = offs_k < DK
+    mask_v = offs_v < DV
+    q_cols = key_head * DK + offs_k
+    k_cols = (HK + key_head) * DK + offs_k
+    v_cols = 2 * HK * DK + head * DV + offs_v
+    q, q_tail = _conv_channels(x_row, w_ptr, tail, q_cols, mask_k, stride_wc, stride_wt, stride_t, WIDTH, TAIL_P2)
+    k, k_tail = _conv_channels(x_row, w_ptr, tail, k_cols, mask_k, stride_wc, stride_wt, stride_t, WIDTH, TAIL_P2)
+    v, v_tail = _conv_channels(x_row, w_ptr, tail, v_cols, mask_v, stride_wc, stride_wt, stride_t, WIDTH, TAIL_P2)
+    _store_tail(tail, v_cols, mask_v, v_tail, stride_t, WIDTH, TAIL_P2)   # this head's own channels
+    if arrive_last(counter_ptr + row * HK + key_head, GROUP):            # the key head's readers are all done
+        _store_tail(tail, q_cols, mask_k, q_tail, stride_t, WIDTH, TAIL_P2)
+        _store_tail(tail, k_cols, mask_k, k_tail, stride_t, WIDTH, TAIL_P2)
+    _delta_rule_head(q, k, v, z_ptr, b_ptr, a_ptr, state_ptr, slot, a_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr, row,
+                     head, stride_zb, stride_zh, stride_bb, stride_bh, stride_ab, stride_ah, stride_slot, stride_sh,
+                     stride_sk, q_scale, eps, HV, DV=DV, DK=DK, BK=BK, BV=BV, SIGMOID_GATE=SIGMOID_GATE,
+                     ROUND_WEIGHTED=ROUND_WEIGHTED)
+
+
+def fused_conv() -> bool:
+    """FLASHNEXT_GDN_FUSED_CONV=1: the conv inside the delta-rule launch (`_step_kernel`; see the module docstring)."""
+    return os.environ.get("FLASHNEXT_GDN_FUSED_CONV", "0") == "1"
 
 
 def supports(head_k_dim: int, head_v_dim: int) -> bool:
@@ -133,6 +225,19 @@ def gdn_decode_triton(mixed_qkv, z, b, a, conv_state, conv_weight, ssm_state, sl
     if rows == 0:
         return out
     mixed_qkv, z, conv_weight = _last_dim_unit(mixed_qkv), _last_dim_unit(z), _last_dim_unit(conv_weight)
+    warps = num_warps or default_num_warps(head_k_dim, head_v_dim)
+    shapes = dict(HK=num_k_heads, HV=num_v_heads, DK=head_k_dim, DV=head_v_dim, BK=triton.next_power_of_2(head_k_dim),
+                  BV=triton.next_power_of_2(head_v_dim), SIGMOID_GATE=activation == "sigmoid",
+                  ROUND_WEIGHTED=norm_weight.dtype == dtype)
+    if fused_conv():
+        _step_kernel[(rows, num_v_heads)](
+            mixed_qkv, conv_weight, conv_state, z, b, a, ssm_state, slots, A_log, dt_bias, norm_weight, out,
+            arrival_counters(mixed_qkv.device, rows * num_k_heads), mixed_qkv.stride(0), conv_weight.stride(0),
+            conv_weight.stride(1), conv_state.stride(0), conv_state.stride(1), z.stride(0), z.stride(1), b.stride(0),
+            b.stride(1), a.stride(0), a.stride(1), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
+            head_k_dim ** -0.5, eps, WIDTH=width, TAIL_P2=max(2, triton.next_power_of_2(width - 1)), **shapes,
+            num_warps=warps, **launch_options(out.device))
+        return out
     qkv = torch.empty(rows, channels, dtype=dtype, device=mixed_qkv.device)
     _conv_kernel[(rows, triton.cdiv(channels, CONV_BLOCK))](
         mixed_qkv, conv_weight, conv_state, slots, qkv, channels, mixed_qkv.stride(0), conv_weight.stride(0),
@@ -142,8 +247,5 @@ def gdn_decode_triton(mixed_qkv, z, b, a, conv_state, conv_weight, ssm_state, sl
         qkv, z, b, a, ssm_state, slots, A_log, dt_bias, norm_weight, out,
         qkv.stride(0), z.stride(0), z.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), head_k_dim ** -0.5, eps,
-        HK=num_k_heads, HV=num_v_heads, DK=head_k_dim, DV=head_v_dim,
-        BK=triton.next_power_of_2(head_k_dim), BV=triton.next_power_of_2(head_v_dim),
-        SIGMOID_GATE=activation == "sigmoid", ROUND_WEIGHTED=norm_weight.dtype == dtype,
-        num_warps=num_warps or default_num_warps(head_k_dim, head_v_dim), **launch_options(qkv.device))
+        **shapes, num_warps=warps, **launch_options(qkv.device))
     return out
