@@ -177,7 +177,7 @@ def main() -> int:
               f"{our_t[1]:10.1f} {gbs:6.0f} {100 * gbs * 1e9 / COPY_CEILING:5.1f}% {ref_t[1] / our_t[1]:6.2f}x"
               f"{'' if stable else '  NOT BIT-STABLE'}  (graph without PDL: "
               f"{without_pdl(lambda h=h: kernels.hc_mix_triton(h, *weights, HC, HIDDEN, EPS)):.1f} us)")
-        if n > 1:   # the tensor-core mix (what hc_mix takes from 2 rows), checked like the one-row kernels
+        if n > 1:   # the tensor-core mix (what hc_mix takes from rows_kernel_min() rows), checked like the others
             def rows_mix(h, *args):
                 return rows_kernels.hc_mix_rows_triton(h, None, *args)[:2]
 

@@ -205,21 +205,20 @@ def test_decode_rows_take_the_kernels_their_count_calls_for(monkeypatch):
 
 
 @needs_triton
-@pytest.mark.parametrize("n,hc,with_injection,pending,small", [(2, 4, True, False, True), (5, 3, True, True, True),
-                                                               (16, 4, False, True, True), (7, 2, True, True, False),
-                                                               (3, 4, True, True, False)])
-def test_rows_kernels_match_the_reference(n, hc, with_injection, pending, small):
-    """The tensor-core mix (ops/hyper_connection_rows_triton.py), fp32 (IEEE dots) at ragged sizes. With small tiles
-    (K slices of 128, row tiles of 16) hidden 300 is three K splits, the last ragged, and lowrank 20 puts the
-    down/inject boundary inside the second row tile; with the default tiles one ragged split and one row tile.
-    hc 3 pads the up kernel's streams to 4. After a pending injection the injected streams it writes equal
-    hc_inject's bit for bit; a second launch gives the same bits (the fixed-order sums); the arrival counters are
-    left zeroed."""
+@pytest.mark.parametrize("n,hc,with_injection,pending,block_k,block_r", [
+    (2, 4, True, False, 128, 16), (5, 3, True, True, 128, 16), (16, 4, False, True, 128, 16), (7, 2, True, True, 512, 32),
+    (3, 4, True, True, 256, 16)])
+def test_rows_kernels_match_the_reference(n, hc, with_injection, pending, block_k, block_r):
+    """The tensor-core mix (ops/hyper_connection_rows_triton.py), fp32 (IEEE dots) at ragged sizes: hidden 300 is
+    three K splits of 128 (the last ragged), two of 256 (the default) or one of 512; lowrank 20 puts the down/inject
+    boundary inside the second row tile of 16, or all rows in one tile of 32. hc 3 pads the up kernel's streams to 4.
+    After a pending injection the injected streams it writes equal hc_inject's bit for bit; a second launch gives the
+    same bits (the fixed-order sums); the arrival counters are left zeroed."""
     from flashnext.ops import arrival
-    from flashnext.ops.hyper_connection_rows_triton import DEFAULT_ROWS_CONFIG, RowsConfig, hc_mix_rows_triton
+    from flashnext.ops.hyper_connection_rows_triton import RowsConfig, hc_mix_rows_triton
     from flashnext.ops.hyper_connection_triton import hc_inject_triton
 
-    config = RowsConfig(block_r=16, block_k=128, block_h=4) if small else DEFAULT_ROWS_CONFIG
+    config = RowsConfig(block_r=block_r, block_k=block_k)
 
     layer = make_layer(hc, 300, 20, with_injection, seed=n).to(DEVICE)
     h = torch.randn(n, 2 * hc * 300, device=DEVICE)[:, ::2] * 3   # a strided h is accepted

@@ -409,3 +409,12 @@ def test_conversations_resumed_in_turn_keep_their_ends_under_the_default_budget(
     assert cached == {f"b{i}": length for i in range(n)}
     per_snapshot = engine.memory_plan.state_bytes // n + engine.kv.bytes_per_block(engine.config, BS, engine.dtype)
     assert engine.prefix_cache.snapshot_budget == 3 * n * per_snapshot
+
+
+def test_the_default_snapshot_budget_is_cut_to_the_free_memory():
+    from flashnext.engine.llm_engine import fit_snapshot_budget
+
+    gib = 1 << 30
+    assert fit_snapshot_budget(5 * gib, free=20 * gib, reserve=2 * gib, activations=3 * gib) == 5 * gib
+    assert fit_snapshot_budget(5 * gib, free=8 * gib, reserve=2 * gib, activations=3 * gib) == 3 * gib
+    assert fit_snapshot_budget(5 * gib, free=4 * gib, reserve=2 * gib, activations=3 * gib) == 0

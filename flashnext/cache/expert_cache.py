@@ -323,7 +323,8 @@ class ExpertCache:
     def __str__(self) -> str:
         gib = 1 << 30
         return (f"expert cache: {len(self.layers)} layers × {self.slots_per_layer}/{self.layers[0].num_experts} "
-                f"slots = {self.device_bytes / gib:.2f} GiB on the device, policy {self.policy}")
+                f"slots = {self.device_bytes / gib:.2f} GiB on the device, eager-path policy {self.policy} (captured "
+                f"decode steps: LRU)")
 
 
 def install_expert_cache(model: torch.nn.Module, budget_bytes: int | None = None, policy: str = "lfu-decay",

@@ -78,6 +78,12 @@ class MemoryPlan:
                 f"{self.snapshot_bytes / gib:.2f} GiB")
 
 
+def fit_snapshot_budget(budget: int, free: int, reserve: int, activations: int) -> int:
+    """The device bytes a snapshot budget may take of `free`, after the reserve and the activations: all of it, less,
+    or nothing."""
+    return max(0, min(budget, free - reserve - activations))
+
+
 def request_timing(request: Request) -> str:
     """One line per finished request, as llama.cpp's server prints them: where its time went inside the engine
     (arrival = when the engine got it: the server's template, tokenising and grammar come before)."""
@@ -121,7 +127,7 @@ class LLMEngine:
         self.states = StatePool(cfg, args.max_num_seqs + use_graphs, self.dtype, self.device)
         self.memory_plan = MemoryPlan(str(self.device), str(self.dtype).replace("torch.", ""), self.loaded.weight_bytes,
                                       num_blocks, block_size, num_blocks * KVPool.bytes_per_block(cfg, block_size, self.dtype),
-                                      args.max_num_seqs, args.max_num_seqs * slot_bytes, self._snapshot_budget(block_size, slot_bytes))
+                                      args.max_num_seqs, args.max_num_seqs * slot_bytes, self._fitted_snapshot_budget(block_size, slot_bytes))
         self.prefix_cache = self._build_prefix_cache(block_size)
         pacer = None
         if args.decode_step_budget_ms > 0:
@@ -201,6 +207,22 @@ class LLMEngine:
             return int(self.args.prefix_cache_gb * (1 << 30))
         snapshot = slot_bytes + KVPool.bytes_per_block(self.config, block_size, self.dtype)
         return SNAPSHOTS_PER_SEQUENCE * self.args.max_num_seqs * snapshot
+
+    def _fitted_snapshot_budget(self, block_size: int, slot_bytes: int) -> int:
+        """_snapshot_budget once the KV pool and the state slots are allocated: on a GPU the default is cut to what
+        the device has left beside the reserve and a prefill chunk's activations (with an explicit --kv-cache-gb the
+        plan did not count it; it grows with --max-num-seqs, ~350 MB a slot for Flash-Next)."""
+        budget = self._snapshot_budget(block_size, slot_bytes)
+        if self.device.type != "cuda" or self.args.prefix_cache_gb is not None:
+            return budget
+        free, total = torch.cuda.mem_get_info(self.device)
+        fitted = fit_snapshot_budget(budget, free, int(total * (1 - self.args.gpu_memory_fraction)),
+                                     (1 << 30) + self._chunk_activation_bytes())
+        if fitted < budget:
+            log.warning("prefix-cache snapshots: %.2f GiB of the default %.2f GiB fit beside the KV cache; set "
+                        "--prefix-cache-gb or a smaller --kv-cache-gb / --max-num-seqs", fitted / (1 << 30),
+                        budget / (1 << 30))
+        return fitted
 
     def _plan_kv_blocks(self, block_size: int, slot_bytes: int) -> int:
         per_block = KVPool.bytes_per_block(self.config, block_size, self.dtype)

@@ -14,9 +14,9 @@ of a 16-bit tensor, and the mean over streams once (fp32 sum). `hc_mix` dispatch
 - 5 to decode_max_rows() rows (16; FLASHNEXT_HC_DECODE_MAX_ROWS; both read when a step is traced or captured) to
   the tensor-core kernels (ops/hyper_connection_rows_triton.py: each weight read once for all rows, rows as tl.dot's
   M side, split-K summed in the launch). H200, session 13: one mix alone in a graph, the one-row kernels take 6.6 /
-  15.7 / 26.7 / 49.6 µs at 1 / 2 / 4 / 8 rows, the tensor-core ones 22.9 / 23.4 / 23.7 at 2 / 4 / 8, the cuBLAS path
+  15.7 / 26.7 / 49.6 µs at 1 / 2 / 4 / 8 rows, the tensor-core ones 22.9 / 23.5 / 23.7 at 2 / 4 / 8, the cuBLAS path
   (below) ~27 at any 2–16; in the captured Flash-Next step at 64K (`gpu_decode.py --batch`) the tensor-core mix
-  gave 8.283 / 10.249 / 14.085 ms a step at 2 / 4 / 8 rows against 7.431 / 10.356 / 14.507 with the one-row kernels
+  gave 8.283 / 10.249 / 14.085 ms a step at 2 / 4 / 8 rows against 7.431 / 10.333 / 14.531 with the one-row kernels
   up to 4 rows and cuBLAS above — so from 5 rows (the batch buckets of 8 and 16);
 - more rows (prefill) to the reference's math with cuBLAS for the GEMMs (each weight read once for all rows), the
   RMSNorm kernel for the streams' norm (one pass over [T, hc·H] instead of ~8 fp32 passes; on the H200 the pow and

@@ -16,9 +16,9 @@ each weight once for all rows but with the norm and elementwise steps around its
 - `_rows_up_kernel`, grid (column tiles of H): a program loads its columns' up-weight rows of every stream
   ([low rank, hc × BLOCK_H]) before it waits, then one dot of the rows' mix vectors with them, sigmoid, times
   the normed streams (rounded as the reference's norm), summed over the streams and averaged.
-The departure from the reference is the one-row kernels': the normed stream that enters the down GEMM is x times
-(1 + norm weight) rounded to the dtype, its rstd applied after the dot, where the reference rounds x · rstd · (1 +
-norm weight). bf16 operands go to the tensor cores with fp32 accumulation; fp32 ones take IEEE dots (the exactness
+The departure from the reference: the normed stream that enters the down GEMM is x times (1 + norm weight) rounded to
+the dtype (the tensor cores' operand), its rstd applied after the dot, where the reference rounds x · rstd · (1 +
+norm weight) (the one-row kernels keep x · (1 + norm weight) in fp32). bf16 operands go to the tensor cores with fp32 accumulation; fp32 ones take IEEE dots (the exactness
 tests).
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ class RowsConfig:
 # Measured in the decode step, not alone: the H200 sweep of one mix repeated (scripts/gpu_hyper_connection.py
 # --sweep-rows, session 13: its weights L2-warm, no pending injection) found 32 × 1024 down tiles at 8 warps and
 # 16-column up programs at 2 warps at 14.4 µs against these tiles' 22.9–24.4 — and in the captured Flash-Next step
-# at 64K they took 330 + 280 µs a mix (the step 38.7 / 40.6 / 44.4 ms at 2 / 4 / 8 rows against 8.3 / 10.2 /
+# at 64K they took ~330 + 270–300 µs a mix (the step 38.7 / 40.6 / 44.4 ms at 2 / 4 / 8 rows against 8.3 / 10.2 /
 # 14.1 with these; likely register spills, which the warm L2 hid). Tune with `gpu_decode.py --batch`.
 DEFAULT_ROWS_CONFIG = RowsConfig()
 
@@ -153,7 +153,9 @@ def hc_mix_rows_triton(h: torch.Tensor, pending: tuple[torch.Tensor, torch.Tenso
     lowrank = w_down.shape[0]
     assert n <= MAX_ROWS and width == hc * hidden and w_down.shape == (lowrank, width)
     assert w_up.shape == (width, lowrank) and (w_inject is None or w_inject.shape == (hc, width))
+    assert norm_weight.shape == (width,)
     assert all(t.is_contiguous() for t in (norm_weight, w_down, w_up) + ((w_inject,) if w_inject is not None else ()))
+    assert all(b & (b - 1) == 0 for b in (config.block_r, config.block_k, config.block_h)), "tiles: powers of two"
     if h.stride(-1) != 1:
         h = h.contiguous()
     block_input = h.new_empty(n, hidden)

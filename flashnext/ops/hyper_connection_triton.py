@@ -1,5 +1,5 @@
-"""Triton hyper-connection mix (two launches) and inject (one), for decode (up to DECODE_MAX_ROWS rows of
-ops/hyper_connection.py; any N is correct).
+"""Triton hyper-connection mix (two launches) and inject (one), for decode (below rows_kernel_min() rows of
+ops/hyper_connection.py, where the tensor-core mix takes over; any N is correct).
 
 The mix reads two [R, hc·H] weights (2 × 6.5 MB at Flash-Next's shapes) and little else: it is a chain of
 latency (launch, first DRAM loads, a reduction) unless every launch loads its whole share of a weight at once,
@@ -14,7 +14,7 @@ before it waits for its input (ops/pdl.py). So neither kernel has a loop over K 
   ([hc, BLOCK_H, R]), waits, then adds the hc stream partials of the down rows (times each stream's rstd, one
   fixed reduction: deterministic), applies /hc and silu (and 2·sigmoid for the injection rows, stored by program 0),
   and for each stream the up GEMV, sigmoid, times the normed stream, summed over the streams.
-Both GEMVs are fp32 multiply-and-sum in registers (no tensor cores at N ≤ 16). Elsewhere values are rounded to
+Both GEMVs are fp32 multiply-and-sum in registers (no tensor cores: a row or a few). Elsewhere values are rounded to
 h's dtype wherever the reference rounds.
 `hc_mix_injected_triton`: the mix of the streams after the previous block's injection, without the inject launch
 (decode: every mix but the first follows an injection): the down kernel adds weight × block output to the stream it
