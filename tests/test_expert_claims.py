@@ -68,3 +68,17 @@ def test_the_program_equals_the_reference(num_experts, slots):
             held = torch.where(table <= -2, -table - 2, table)
             held = held[held >= 0]
             assert sorted(held.tolist()) == list(range(slots))
+
+
+@pytest.mark.parametrize("claim", IMPLEMENTATIONS, ids=["reference", "program"])
+def test_choices_of_weight_zero_claim_nothing(claim):
+    """Expert parallel's choices of other ranks (weight 0, skipped by the MoE kernels) are not routed: not marked
+    used, not counted, not admitted."""
+    table = torch.tensor([0, -1, -1, 1], dtype=torch.long)
+    last, clock, counts = torch.zeros(4, dtype=torch.long), torch.zeros(1, dtype=torch.long), torch.zeros(3, dtype=torch.long)
+    ids = torch.tensor([[2, 1], [3, 2]])
+    weights = torch.tensor([[0.0, 0.5], [0.7, 0.0]])
+    claim(table, last, clock, counts, ids, None, weights)
+    assert counts.tolist() == [1, 1, 1]             # expert 3 hit, expert 1 missed and admitted; expert 2 not routed
+    assert last.tolist() == [0, 1, 0, 1]
+    assert table.tolist()[2] == -1 and table.tolist()[1] <= -2

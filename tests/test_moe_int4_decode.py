@@ -242,3 +242,26 @@ def test_admitted_experts_are_written_into_their_slots_as_they_are_read(asym, ac
                 host = getattr(w, name)
                 assert torch.equal(t[2], host[admitted[0]]) and torch.equal(t[0], host[admitted[1]]), (run, name)
                 assert not t[1].any() and not t[3].any(), (run, name)    # a slot nobody was admitted to, the padding's
+
+
+@pytest.mark.parametrize("through_cache", [False, True])
+def test_choices_of_weight_zero_are_skipped(through_cache):
+    """Expert parallel hands a rank the other ranks' choices with weight 0 (parallel/layers.py): the kernels skip
+    them, nothing of their expert read — here an expert whose scales are NaN, which a computed pair would spread
+    (NaN × 0) — and equal the reference, which skips them too."""
+    from flashnext.ops.moe_int4 import CachedExperts
+    from flashnext.ops.moe_int4_decode_triton import DecodeConfig, moe_int4_decode
+
+    x, _, weights, w_gate_up, w_down = case(3, 3, 32, 16, asym=True, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.stack([torch.randperm(E - 1, generator=gen)[:3] for _ in range(3)])
+    ids[:, 1] = E - 1                 # every token's second choice: another rank's, weight 0
+    weights[:, 1] = 0.0
+    for w in (w_gate_up, w_down):
+        w.scales[E - 1] = float("nan")
+    config = DecodeConfig(block_n=32, block_k=32, split_k=2, split_down=2)
+    cached = CachedExperts(torch.full((E,), -1, dtype=torch.long), w_gate_up, w_down) if through_cache else None
+    got = moe_int4_decode(x, ids, weights, w_gate_up, w_down, config, cached=cached)
+    want = moe_int4_reference(x, ids, weights, w_gate_up, w_down)
+    assert torch.isfinite(want).all() and torch.isfinite(got).all()
+    assert rel_err(got, want) < 1e-5

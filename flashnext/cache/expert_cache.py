@@ -154,7 +154,7 @@ class LayerExpertCache:
         step: LLMEngine), `forward`."""
         if self.claim_pool is None or not moe_ops.runs_cached_experts(x):
             return self.forward(x, weights, ids, shared)
-        self.claim_pool.routed(self, ids)
+        self.claim_pool.routed(self, ids, weights)
         return moe_ops.moe_int4(x, ids, weights, self.module.weight_int4("gate_up"), self.module.weight_int4("down"),
                                 shared=shared, cached=self.cached)
 

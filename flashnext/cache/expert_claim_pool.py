@@ -54,11 +54,12 @@ class ClaimPool:
                 layer._copy_rows(absent, layer._claim(absent, pinned=absent))
                 layer._upload_table()
 
-    def routed(self, layer, ids: torch.Tensor) -> None:
-        """A layer's decode, before its MoE kernels: the routed ids claim their slots."""
+    def routed(self, layer, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """A layer's decode, before its MoE kernels: the routed ids claim their slots (a choice of weight 0, which the
+        kernels skip, claims none)."""
         i = layer.pool_index
         self.unsettled = True   # claims queued outside a step too: the captures of warm-up (capture_widths)
-        claim_slots(layer.slot_table, self.last_used[i], self.clock[i], self.counts[i], ids, self.live_rows)
+        claim_slots(layer.slot_table, self.last_used[i], self.clock[i], self.counts[i], ids, self.live_rows, weights)
 
     def before_step(self, rows: int) -> None:
         """Before a decode step of `rows` real rows is queued (DecodeGraphs.keeper): a replayed step claims slots

@@ -11,6 +11,8 @@ One layer's state, all on the device, updated in place:
     clock     [1] int64  this layer's step count (the call adds one)
     counts    [3] int64  hits, misses, admitted — summed (each distinct routed expert of a step counted once)
     ids [rows, k] routed experts; `rows` of them real (an int32 [1] tensor on the device, or all: None)
+    weights [rows, k] their routing weights, or None: a choice of weight exactly 0 is not routed (expert parallel's
+                         choices of other ranks, which the MoE kernels skip: ops/moe_int4_decode_triton.py)
 
 First every routed expert is marked used in this step (the residents among them count as hits); then each miss, in
 expert order, evicts the resident least recently used (ties: the lower expert id) — never one routed in this step;
@@ -31,13 +33,14 @@ from flashnext.ops.pdl import launch_options, wait_for_inputs
 
 
 def claim_slots_reference(table: torch.Tensor, last_used: torch.Tensor, clock: torch.Tensor, counts: torch.Tensor,
-                          ids: torch.Tensor, rows: torch.Tensor | None) -> None:
+                          ids: torch.Tensor, rows: torch.Tensor | None, weights: torch.Tensor | None = None) -> None:
     admitted = table <= -2
     table[admitted] = -table[admitted] - 2
     clock += 1
     now = int(clock)
     live = ids.shape[0] if rows is None else min(int(rows), ids.shape[0])
-    routed = sorted(set(ids[:live].flatten().tolist()))
+    chosen = ids[:live] if weights is None else ids[:live][weights[:live] != 0]
+    routed = sorted(set(chosen.flatten().tolist()))
     last_used[routed] = now
     missed = [e for e in routed if table[e] < 0]
     counts[0] += len(routed) - len(missed)
@@ -53,9 +56,9 @@ def claim_slots_reference(table: torch.Tensor, last_used: torch.Tensor, clock: t
 
 
 @triton.jit
-def _claim_kernel(table_ptr, last_used_ptr, clock_ptr, counts_ptr, ids_ptr, rows_ptr, max_rows, E,
-                  TOP_K: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_IDS: tl.constexpr,
-                  PDL: tl.constexpr):
+def _claim_kernel(table_ptr, last_used_ptr, clock_ptr, counts_ptr, ids_ptr, rows_ptr, weights_ptr, max_rows, E,
+                  TOP_K: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_IDS: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
@@ -69,6 +72,8 @@ def _claim_kernel(table_ptr, last_used_ptr, clock_ptr, counts_ptr, ids_ptr, rows
     at = tl.arange(0, BLOCK_IDS)
     live = at < rows * TOP_K
     ids = tl.load(ids_ptr + at, mask=live, other=0)
+    if HAS_WEIGHTS:   # a choice of weight 0 is not routed
+        live = tl.where(tl.load(weights_ptr + at, mask=live, other=0.0) != 0.0, live, False)
     tl.store(last_used_ptr + ids, now, mask=live & (ids >= 0) & (ids < E))
     tl.debug_barrier()
     last = tl.load(last_used_ptr + offs, mask=ok, other=0)
@@ -98,16 +103,18 @@ def _claim_kernel(table_ptr, last_used_ptr, clock_ptr, counts_ptr, ids_ptr, rows
 
 
 def claim_slots(table: torch.Tensor, last_used: torch.Tensor, clock: torch.Tensor, counts: torch.Tensor,
-                ids: torch.Tensor, rows: torch.Tensor | None) -> None:
+                ids: torch.Tensor, rows: torch.Tensor | None, weights: torch.Tensor | None = None) -> None:
     """claim_slots_reference, on CUDA in one launch without a host sync (CUDA-graph capturable)."""
     if not ids.is_cuda or os.environ.get("FLASHNEXT_EXPERT_CLAIMS", "triton") == "reference":
-        return claim_slots_reference(table, last_used, clock, counts, ids, rows)
-    _claim_launch(table, last_used, clock, counts, ids, rows)
+        return claim_slots_reference(table, last_used, clock, counts, ids, rows, weights)
+    _claim_launch(table, last_used, clock, counts, ids, rows, weights)
 
 
-def _claim_launch(table, last_used, clock, counts, ids, rows) -> None:
+def _claim_launch(table, last_used, clock, counts, ids, rows, weights=None) -> None:
     flat = ids.reshape(-1).contiguous()
-    _claim_kernel[(1,)](table, last_used, clock, counts, flat, flat if rows is None else rows, ids.shape[0],
-                        table.shape[0], TOP_K=ids.shape[1], HAS_ROWS=rows is not None,
+    flat_weights = flat if weights is None else weights.reshape(-1).contiguous()   # never read without HAS_WEIGHTS
+    _claim_kernel[(1,)](table, last_used, clock, counts, flat, flat if rows is None else rows, flat_weights,
+                        ids.shape[0], table.shape[0], TOP_K=ids.shape[1], HAS_ROWS=rows is not None,
+                        HAS_WEIGHTS=weights is not None,
                         BLOCK_E=triton.next_power_of_2(table.shape[0]), BLOCK_IDS=triton.next_power_of_2(flat.numel()),
                         num_warps=1, **launch_options(ids.device))

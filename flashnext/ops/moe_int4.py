@@ -5,8 +5,9 @@ Shapes: x [M, H]; topk_ids [M, k] (int); topk_weights [M, k]; w_gate_up a stacke
 the [E, H, I] down weights. Returns [M, H] in x's dtype:
     out[m] = sum_j topk_weights[m, j] * down_e(silu(gate_e(x[m])) * up_e(x[m])),  e = topk_ids[m, j]
            (+ sigmoid(shared.logit[m]) * down_s(silu(gate_s(x[m])) * up_s(x[m])) with a `SharedExpert`)
-The kernel layout (qweight int32 [E, K/8, N], scales [E, K/g, N], zeros uint8 [E, K/g, N] or None) is
-docs/int4.md's; `flashnext.weights.int4_layout` owns it.
+A choice of weight exactly 0 contributes nothing and its expert is not computed (expert parallel hands a rank the
+choices of other ranks that way, parallel/layers.py). The kernel layout (qweight int32 [E, K/8, N], scales
+[E, K/g, N], zeros uint8 [E, K/g, N] or None) is docs/int4.md's; `flashnext.weights.int4_layout` owns it.
 """
 from __future__ import annotations
 
@@ -85,7 +86,9 @@ def moe_int4_reference(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down:
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     xf = x.float()
     for e in topk_ids.unique().tolist():
-        token, slot = torch.where(topk_ids == e)
+        token, slot = torch.where((topk_ids == e) & (topk_weights != 0))
+        if not len(token):
+            continue
         y = _expert_fp32(xf[token], _expert(w_gate_up, e), _expert(w_down, e))
         out.index_add_(0, token, y * topk_weights[token, slot, None].float())
     add_shared_reference(out, xf, shared)

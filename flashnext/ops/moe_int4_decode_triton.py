@@ -9,7 +9,9 @@ At decode the expert weights are the whole cost (Flash-Next: ~25 MB of INT4 per 
   2. down: a program per (pair, BLOCK_N columns of H, K split), the routing weight folded in; the slots*splits
      partials of a token are added into out [M, H] (x's dtype) by the kernel itself.
 A token has k slots, or k + 1 with a shared expert (ops.moe_int4.SharedExpert): slot k reads the shared
-expert's words instead of a routed one's and weighs it by sigmoid of its gate logit.
+expert's words instead of a routed one's and weighs it by sigmoid of its gate logit. A routed slot of weight exactly 0
+is skipped (its K loop empty, nothing read): under expert parallel the choices routed to other ranks reach a rank's
+kernels that way (parallel/layers.py LocalExperts.decode), about half of them with two ranks.
 No padding of M, no sort, no block table; an expert chosen by several tokens is read once per token
 (up to 8 times at M = 8: accepted, the grouped kernels of moe_int4_triton take over above that).
 
@@ -165,6 +167,14 @@ def _slot_weights(ids_ptr, token, slot, qweight_ptr, scales_ptr, zeros_ptr, perm
 
 
 @triton.jit
+def _unweighted(topk_weights_ptr, token, slot, TOP_K: tl.constexpr):
+    """1 for a routed slot of weight exactly 0 (skipped: an expert-parallel choice of another rank), else 0 (an int:
+    the interpreter takes no Python bool where the kernels combine it)."""
+    weight = tl.load(topk_weights_ptr + token * TOP_K + tl.minimum(slot, TOP_K - 1)).to(tl.float32)
+    return ((slot < TOP_K) & (weight == 0.0)).to(tl.int32)
+
+
+@triton.jit
 def _write_perm(perm_ptr, write_perm, write, K, HAS_PERM: tl.constexpr, WRITE: tl.constexpr):
     """An admitted expert's act-order permutation [K] into its slot (one program of its pair does it)."""
     if WRITE:
@@ -176,8 +186,9 @@ def _write_perm(perm_ptr, write_perm, write, K, HAS_PERM: tl.constexpr, WRITE: t
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, ids_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, shared_q_ptr, shared_s_ptr,
-                    shared_z_ptr, table_ptr, host_q_ptr, host_s_ptr, host_z_ptr, host_perm_ptr, live_rows_ptr, h_ptr,
+def _gate_up_kernel(x_ptr, ids_ptr, topk_weights_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, shared_q_ptr,
+                    shared_s_ptr, shared_z_ptr, table_ptr, host_q_ptr, host_s_ptr, host_z_ptr, host_perm_ptr,
+                    live_rows_ptr, h_ptr,
                     part_ptr, counter_ptr, H, I, k_per_split, GROUP: tl.constexpr,
                     TOP_K: tl.constexpr, SLOTS: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
                     HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, CACHED: tl.constexpr, ADMITS: tl.constexpr,
@@ -193,6 +204,8 @@ def _gate_up_kernel(x_ptr, ids_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr
     qweight, scales, zeros, perm_ptr, write_q, write_s, write_z, write_perm, write = _slot_weights(
         ids_ptr, token, slot, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, shared_q_ptr, shared_s_ptr, shared_z_ptr,
         table_ptr, host_q_ptr, host_s_ptr, host_z_ptr, host_perm_ptr, H, N, GROUP, TOP_K, CACHED)
+    unweighted = _unweighted(topk_weights_ptr, token, slot, TOP_K)
+    write = tl.where(unweighted != 0, False, write)
     if (tile == 0) & (split == 0):
         _write_perm(perm_ptr, write_perm, write, H, HAS_PERM, ADMITS)
     x_ptr += token * H
@@ -201,7 +214,8 @@ def _gate_up_kernel(x_ptr, ids_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr
     gate = tl.zeros((BLOCK_K // 8, BLOCK_N), tl.float32)
     up = tl.zeros((BLOCK_K // 8, BLOCK_N), tl.float32)
     k_start = split * k_per_split
-    for k0 in tl.range(k_start, tl.minimum(k_start + k_per_split, H), BLOCK_K, num_stages=NUM_STAGES):
+    k_stop = tl.where(unweighted != 0, k_start, tl.minimum(k_start + k_per_split, H))   # skipped: nothing read
+    for k0 in tl.range(k_start, k_stop, BLOCK_K, num_stages=NUM_STAGES):
         gate += _tile_dot(x_ptr, perm_ptr, qweight, scales, zeros, k0, offs_n, n_ok, N, GROUP,
                           HAS_ZEROS, HAS_PERM, BLOCK_K, BLOCK_N, write_q, write_s, write_z, write, ADMITS)
         up += _tile_dot(x_ptr, perm_ptr, qweight, scales, zeros, k0, I + offs_n, n_ok, N, GROUP,
@@ -242,6 +256,8 @@ def _down_kernel(h_ptr, ids_ptr, topk_weights_ptr, qweight_ptr, scales_ptr, zero
     qweight, scales, zeros, perm_ptr, write_q, write_s, write_z, write_perm, write = _slot_weights(
         ids_ptr, token, slot, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, shared_q_ptr, shared_s_ptr, shared_z_ptr,
         table_ptr, host_q_ptr, host_s_ptr, host_z_ptr, host_perm_ptr, I, H, GROUP, TOP_K, CACHED)
+    unweighted = _unweighted(topk_weights_ptr, token, slot, TOP_K)
+    write = tl.where(unweighted != 0, False, write)
     if (tile == 0) & (split == 0):
         _write_perm(perm_ptr, write_perm, write, I, HAS_PERM, ADMITS)
     if slot == TOP_K:   # the shared expert, gated by sigmoid of its logit
@@ -252,7 +268,8 @@ def _down_kernel(h_ptr, ids_ptr, topk_weights_ptr, qweight_ptr, scales_ptr, zero
     n_ok = offs_n < H
     acc = tl.zeros((BLOCK_K // 8, BLOCK_N), tl.float32)
     k_start = split * k_per_split
-    for k0 in tl.range(k_start, tl.minimum(k_start + k_per_split, I), BLOCK_K, num_stages=NUM_STAGES):
+    k_stop = tl.where(unweighted != 0, k_start, tl.minimum(k_start + k_per_split, I))
+    for k0 in tl.range(k_start, k_stop, BLOCK_K, num_stages=NUM_STAGES):
         acc += _tile_dot(h_ptr + pair * I, perm_ptr, qweight, scales, zeros, k0, offs_n, n_ok, H, GROUP,
                          HAS_ZEROS, HAS_PERM, BLOCK_K, BLOCK_N, write_q, write_s, write_z, write, ADMITS)
     y = tl.sum(acc, axis=0) * weight
@@ -330,15 +347,16 @@ def moe_int4_decode(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: In
     admits = cached is not None and cached.admits     # the write code only where entries may be ≤ -2
     live_rows = cached.live_rows if skip_padding else ids    # a dummy pointer, never read without LIVE_ROWS
     zeros, perm, flags = optional(w_gate_up)
+    routing_weights = topk_weights.reshape(-1).contiguous()
     _gate_up_kernel[(pairs, tiles_up, split_up)](
-        x, ids, w_gate_up.qweight, w_gate_up.scales, zeros, perm, *shared_pointers(w_gate_up),
+        x, ids, routing_weights, w_gate_up.qweight, w_gate_up.scales, zeros, perm, *shared_pointers(w_gate_up),
         *cache_pointers(w_gate_up), live_rows, h, part_up, counters, hidden, inter, per_up, GROUP=w_gate_up.group_size,
         TOP_K=top_k, SLOTS=slots, SPLIT=split_up, SPLIT_P2=triton.next_power_of_2(split_up), CACHED=cached is not None,
         ADMITS=admits, LIVE_ROWS=skip_padding, BLOCK_N=cfg.block_n, BLOCK_K=bk_up, **flags, **launch)
     zeros, perm, flags = optional(w_down)
     logit = shared.logit if shared is not None else topk_weights
     _down_kernel[(pairs, tiles_down, split_down)](
-        h, ids, topk_weights.reshape(-1).contiguous(), w_down.qweight, w_down.scales, zeros, perm,
+        h, ids, routing_weights, w_down.qweight, w_down.scales, zeros, perm,
         *shared_pointers(w_down), *cache_pointers(w_down), live_rows, logit, logit.stride(0), out, part_down, counters,
         hidden, inter, per_down, GROUP=w_down.group_size, TOP_K=top_k, SLOTS=slots, SPLIT=split_down,
         PARTS_P2=triton.next_power_of_2(parts_down), CACHED=cached is not None, ADMITS=admits, LIVE_ROWS=skip_padding,

@@ -56,7 +56,9 @@ class LocalExperts(nn.Module):
 
     def decode(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Fixed shapes for the captured decode step (no data-dependent selection, no host sync): choices routed
-        to other ranks keep their row with weight 0 and an id clamped into this rank's range."""
+        to other ranks keep their row with weight 0 and an id clamped into this rank's range, which the INT4 decode
+        kernels skip (nothing read) and an expert cache's claims do not count (ops/moe_int4_decode_triton.py,
+        ops/expert_claims.py); 16-bit experts compute them times 0."""
         local = ids - self.first
         mine = (local >= 0) & (local < self.count)
         out = self.inner.decode(x, weights * mine, local.clamp(0, self.count - 1))
