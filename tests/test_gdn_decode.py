@@ -148,6 +148,7 @@ KERNEL_CASES = [  # (Hk, Hv, Dk, Dv, K, B, S, strided)
     (1, 3, 12, 20, 4, 4, 6, True),     # non-power-of-two heads: masked lanes
     (2, 2, 32, 16, 3, 1, 2, False),    # one value head per key head, conv width 3
     (2, 4, 16, 16, 4, 5, 5, True),     # every slot in the batch
+    (2, 4, 16, 32, 2, 3, 5, False),    # conv width 2: a one-row tail
 ]
 
 

@@ -244,8 +244,8 @@ def test_admitted_experts_are_written_into_their_slots_as_they_are_read(asym, ac
                 assert not t[1].any() and not t[3].any(), (run, name)    # a slot nobody was admitted to, the padding's
 
 
-@pytest.mark.parametrize("through_cache", [False, True])
-def test_choices_of_weight_zero_are_skipped(through_cache):
+@pytest.mark.parametrize("through_cache,with_shared", [(False, False), (True, False), (False, True)])
+def test_choices_of_weight_zero_are_skipped(through_cache, with_shared):
     """Expert parallel hands a rank the other ranks' choices with weight 0 (parallel/layers.py): the kernels skip
     them, nothing of their expert read — here an expert whose scales are NaN, which a computed pair would spread
     (NaN × 0) — and equal the reference, which skips them too."""
@@ -257,11 +257,13 @@ def test_choices_of_weight_zero_are_skipped(through_cache):
     ids = torch.stack([torch.randperm(E - 1, generator=gen)[:3] for _ in range(3)])
     ids[:, 1] = E - 1                 # every token's second choice: another rank's, weight 0
     weights[:, 1] = 0.0
+    weights[0, 2] = 0.0               # the last routed slot at 0 too: the shared expert's slot after it still counts
     for w in (w_gate_up, w_down):
         w.scales[E - 1] = float("nan")
     config = DecodeConfig(block_n=32, block_k=32, split_k=2, split_down=2)
     cached = CachedExperts(torch.full((E,), -1, dtype=torch.long), w_gate_up, w_down) if through_cache else None
-    got = moe_int4_decode(x, ids, weights, w_gate_up, w_down, config, cached=cached)
-    want = moe_int4_reference(x, ids, weights, w_gate_up, w_down)
+    shared = shared_expert(3, 32, 16, True) if with_shared else None
+    got = moe_int4_decode(x, ids, weights, w_gate_up, w_down, config, shared=shared, cached=cached)
+    want = moe_int4_reference(x, ids, weights, w_gate_up, w_down, shared)
     assert torch.isfinite(want).all() and torch.isfinite(got).all()
     assert rel_err(got, want) < 1e-5

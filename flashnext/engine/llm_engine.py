@@ -120,14 +120,15 @@ class LLMEngine:
         self.max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         block_size = KVPool.fit_block_size(cfg, args.block_size)
         slot_bytes = StatePool.bytes_per_slot(cfg, self.dtype)
-        num_blocks = self._plan_kv_blocks(block_size, slot_bytes)
-        self.kv = KVPool(cfg, num_blocks, block_size, self.dtype, self.device)
         use_graphs = self._use_cuda_graphs()
         # A captured decode step pads its batch with rows on a scratch slot and block (engine/cuda_graph.py).
-        self.states = StatePool(cfg, args.max_num_seqs + use_graphs, self.dtype, self.device)
+        num_slots = args.max_num_seqs + use_graphs
+        num_blocks = self._plan_kv_blocks(block_size, slot_bytes, num_slots)
+        self.kv = KVPool(cfg, num_blocks, block_size, self.dtype, self.device)
+        self.states = StatePool(cfg, num_slots, self.dtype, self.device)
         self.memory_plan = MemoryPlan(str(self.device), str(self.dtype).replace("torch.", ""), self.loaded.weight_bytes,
                                       num_blocks, block_size, num_blocks * KVPool.bytes_per_block(cfg, block_size, self.dtype),
-                                      args.max_num_seqs, args.max_num_seqs * slot_bytes, self._fitted_snapshot_budget(block_size, slot_bytes))
+                                      num_slots, num_slots * slot_bytes, self._fitted_snapshot_budget(block_size, slot_bytes))
         self.prefix_cache = self._build_prefix_cache(block_size)
         pacer = None
         if args.decode_step_budget_ms > 0:
@@ -209,11 +210,12 @@ class LLMEngine:
         return SNAPSHOTS_PER_SEQUENCE * self.args.max_num_seqs * snapshot
 
     def _fitted_snapshot_budget(self, block_size: int, slot_bytes: int) -> int:
-        """_snapshot_budget once the KV pool and the state slots are allocated: on a GPU the default is cut to what
-        the device has left beside the reserve and a prefill chunk's activations (with an explicit --kv-cache-gb the
-        plan did not count it; it grows with --max-num-seqs, ~350 MB a slot for Flash-Next)."""
+        """_snapshot_budget once the KV pool and the state slots are allocated: beside an explicit --kv-cache-gb on a
+        GPU (which the plan took as given: the default budget grows with --max-num-seqs, ~350 MB a slot for
+        Flash-Next) the default is cut to what the device has left beside the reserve and a prefill chunk's
+        activations. A KV pool planned from free memory left the budget aside already."""
         budget = self._snapshot_budget(block_size, slot_bytes)
-        if self.device.type != "cuda" or self.args.prefix_cache_gb is not None:
+        if self.device.type != "cuda" or self.args.prefix_cache_gb is not None or self.args.kv_cache_gb is None:
             return budget
         free, total = torch.cuda.mem_get_info(self.device)
         fitted = fit_snapshot_budget(budget, free, int(total * (1 - self.args.gpu_memory_fraction)),
@@ -224,7 +226,9 @@ class LLMEngine:
                         budget / (1 << 30))
         return fitted
 
-    def _plan_kv_blocks(self, block_size: int, slot_bytes: int) -> int:
+    def _plan_kv_blocks(self, block_size: int, slot_bytes: int, num_slots: int) -> int:
+        """KV blocks for --kv-cache-gb, or from the free memory after the reserve, a chunk's activations, the
+        `num_slots` state slots (the scratch slot of decode graphs included) and the snapshot budget."""
         per_block = KVPool.bytes_per_block(self.config, block_size, self.dtype)
         if self.args.kv_cache_gb is not None:
             budget = int(self.args.kv_cache_gb * (1 << 30))
@@ -233,7 +237,7 @@ class LLMEngine:
             reserve = total * (1 - self.args.gpu_memory_fraction)
             activations = (1 << 30) + self._chunk_activation_bytes()
             snapshots = self._snapshot_budget(block_size, slot_bytes)
-            budget = int(free - reserve - activations - self.args.max_num_seqs * slot_bytes - snapshots)
+            budget = int(free - reserve - activations - num_slots * slot_bytes - snapshots)
         else:
             # CPU: enough for every sequence at full length, capped at 4 GiB
             budget = min(4 << 30, self.args.max_num_seqs * self.max_model_len * per_block // block_size)

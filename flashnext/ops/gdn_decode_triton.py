@@ -178,10 +178,11 @@ def _step_kernel(x_ptr, w_ptr, tail_ptr, z_ptr, b_ptr, a_ptr, state_ptr, slots_p
     q, q_tail = _conv_channels(x_row, w_ptr, tail, q_cols, mask_k, stride_wc, stride_wt, stride_t, WIDTH, TAIL_P2)
     k, k_tail = _conv_channels(x_row, w_ptr, tail, k_cols, mask_k, stride_wc, stride_wt, stride_t, WIDTH, TAIL_P2)
     v, v_tail = _conv_channels(x_row, w_ptr, tail, v_cols, mask_v, stride_wc, stride_wt, stride_t, WIDTH, TAIL_P2)
-    _store_tail(tail, v_cols, mask_v, v_tail, stride_t, WIDTH, TAIL_P2)   # this head's own channels
+    # every tail read of this program (its warps too: a channel's lanes may sit in several) before any store
     if arrive_last(counter_ptr + row * HK + key_head, GROUP):            # the key head's readers are all done
         _store_tail(tail, q_cols, mask_k, q_tail, stride_t, WIDTH, TAIL_P2)
         _store_tail(tail, k_cols, mask_k, k_tail, stride_t, WIDTH, TAIL_P2)
+    _store_tail(tail, v_cols, mask_v, v_tail, stride_t, WIDTH, TAIL_P2)   # this head's own channels
     _delta_rule_head(q, k, v, z_ptr, b_ptr, a_ptr, state_ptr, slot, a_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr, row,
                      head, stride_zb, stride_zh, stride_bb, stride_bh, stride_ab, stride_ah, stride_slot, stride_sh,
                      stride_sk, q_scale, eps, HV, DV=DV, DK=DK, BK=BK, BV=BV, SIGMOID_GATE=SIGMOID_GATE,

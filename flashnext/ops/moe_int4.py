@@ -6,7 +6,8 @@ the [E, H, I] down weights. Returns [M, H] in x's dtype:
     out[m] = sum_j topk_weights[m, j] * down_e(silu(gate_e(x[m])) * up_e(x[m])),  e = topk_ids[m, j]
            (+ sigmoid(shared.logit[m]) * down_s(silu(gate_s(x[m])) * up_s(x[m])) with a `SharedExpert`)
 A choice of weight exactly 0 contributes nothing and its expert is not computed (expert parallel hands a rank the
-choices of other ranks that way, parallel/layers.py). The kernel layout (qweight int32 [E, K/8, N], scales
+choices of other ranks that way, parallel/layers.py) — by the reference and the decode kernels; the grouped kernels
+(more rows) compute it times 0, which differs only where that expert's output is not finite. The kernel layout (qweight int32 [E, K/8, N], scales
 [E, K/g, N], zeros uint8 [E, K/g, N] or None) is docs/int4.md's; `flashnext.weights.int4_layout` owns it.
 """
 from __future__ import annotations
