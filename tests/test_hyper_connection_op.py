@@ -207,9 +207,10 @@ def test_decode_rows_take_the_kernels_their_count_calls_for(monkeypatch):
 @needs_triton
 @pytest.mark.parametrize("n,hc,with_injection,pending,block_k,block_r", [
     (2, 4, True, False, 128, 16), (5, 3, True, True, 128, 16), (16, 4, False, True, 128, 16), (7, 2, True, True, 512, 32),
-    (3, 4, True, True, 256, 16)])
+    (3, 4, True, True, 256, 16), (37, 3, True, True, 128, 16), (17, 4, False, False, 256, 32)])
 def test_rows_kernels_match_the_reference(n, hc, with_injection, pending, block_k, block_r):
-    """The tensor-core mix (ops/hyper_connection_rows_triton.py), fp32 (IEEE dots) at ragged sizes: hidden 300 is
+    """The tensor-core mix (ops/hyper_connection_rows_triton.py), fp32 (IEEE dots) at ragged sizes — 17 and 37 rows
+    are two and three tiles of 16 rows of h, the last ragged: hidden 300 is
     three K splits of 128 (the last ragged), two of 256 (the default) or one of 512; lowrank 20 puts the down/inject
     boundary inside the second row tile of 16, or all rows in one tile of 32. hc 3 pads the up kernel's streams to 4.
     After a pending injection the injected streams it writes equal hc_inject's bit for bit; a second launch gives the
