@@ -1,6 +1,12 @@
 """One program per row: softmax over the experts in fp32, k rounds of argmax-and-mask, renormalise, store.
-E ≤ 4096 experts fit one program's registers (512 in Flash-Next and Qwen3-Next). Reference: ops/router_topk.py."""
+E ≤ 4096 experts fit one program's registers (512 in Flash-Next and Qwen3-Next). Reference: ops/router_topk.py.
+
+Each round is a reduction across the program's warps (3.9 µs a call at 4 warps on the H200, 48 a Flash-Next step,
+session 13): `FLASHNEXT_ROUTER_TOPK_WARPS` (read when a step is traced or captured; 4 until measured) sets them — at 1
+warp a round needs no shared-memory step (`scripts/gpu_decode.py --variant FLASHNEXT_ROUTER_TOPK_WARPS=1`)."""
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -43,6 +49,7 @@ def router_topk_triton(logits: torch.Tensor, top_k: int, normalize: bool) -> tup
     ids = torch.empty(rows, top_k, dtype=torch.long, device=logits.device)
     if rows:
         _router_topk_kernel[(rows,)](logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
-                                     BLOCK_E=triton.next_power_of_2(experts), NORMALIZE=normalize, num_warps=4,
+                                     BLOCK_E=triton.next_power_of_2(experts), NORMALIZE=normalize,
+                                     num_warps=int(os.environ.get("FLASHNEXT_ROUTER_TOPK_WARPS", 4)),
                                      **launch_options(logits.device))
     return weights, ids
