@@ -210,3 +210,47 @@ def test_dispatch_and_empty_batch(kernels, monkeypatch):
     empty = {**inputs, "mixed_qkv": inputs["mixed_qkv"][:0], "z": inputs["z"][:0], "b": inputs["b"][:0],
              "a": inputs["a"][:0], "slots": inputs["slots"][:0]}
     assert kernels.gdn_decode_triton(**empty, **kw, activation="silu").shape == (0, 4 * 16)
+
+
+@needs_triton
+@pytest.mark.parametrize("fused", [True, False])
+def test_triton_step_computes_b_and_a_from_the_projection(kernels, monkeypatch, fused):
+    """With FLASHNEXT_GDN_FUSED_CONV=1 the step kernel takes b and a as rows of the layer's b|a projection of x
+    (ops.gdn_decode.BAProjection: any rows, as qwen3_next's per-key-head interleaving needs) instead of b and a;
+    without it they are computed first. Either equals the reference given b and a."""
+    from flashnext.ops.gdn_decode import BAProjection
+
+    monkeypatch.setenv("FLASHNEXT_GDN_FUSED_CONV", "1" if fused else "0")
+    hk, hv, hidden = 2, 6, 40
+    inputs, kw = make_problem(hk, hv, 16, 32, 4, 3, 5, torch.float32, seed=21)
+    gen = torch.Generator().manual_seed(22)
+    device = inputs["mixed_qkv"].device
+    x = torch.randn(3, hidden, generator=gen).to(device)
+    weight = (torch.randn(2 * hv + 3, hidden, generator=gen) * 0.3).to(device)   # spare rows: not every row is used
+    order = torch.randperm(2 * hv + 3, generator=gen)[:2 * hv].to(torch.int32).to(device)
+    ba = BAProjection(x, weight, order[:hv], order[hv:])
+    b, a = ba.outputs()
+    ref_states = {n: inputs[n].clone() for n in ("conv_state", "ssm_state")}
+    want = gdn_decode_reference(**{**inputs, **ref_states, "b": b, "a": a}, **kw, activation="silu")
+    got = kernels.gdn_decode_triton(**{**inputs, "b": None, "a": None}, **kw, activation="silu", ba=ba)
+    assert rel_err(got, want) < 1e-5
+    assert rel_err(inputs["ssm_state"], ref_states["ssm_state"]) < 1e-5
+    assert torch.equal(inputs["conv_state"], ref_states["conv_state"])
+
+
+@pytest.mark.parametrize("arch,activation,overrides", LAYER_CASES)
+@torch.no_grad()
+def test_the_layers_b_and_a_as_rows_of_one_weight(arch, activation, overrides):
+    """GatedDeltaNet._ba_projection (what a decode step with FLASHNEXT_GDN_FUSED_CONV=1 hands the step kernel): its
+    rows of the stacked [b; a] (split checkpoints) or of qwen3_next's per-key-head interleaved in_proj_ba give the
+    layer's own b and a; without a 16-bit stacked weight (split, not stacked) there is none."""
+    from flashnext.models.stacked import stack_projections
+
+    layer, cfg = make_layer(arch, activation, **overrides)
+    x = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    want = layer._project_ba(x)
+    if layer.split:
+        assert layer._ba_projection(x) is None
+        stack_projections(layer)
+    b, a = layer._ba_projection(x).outputs()
+    assert rel_err(b, want[0]) < 1e-6 and rel_err(a, want[1]) < 1e-6   # one GEMM or two: BLAS may block apart

@@ -16,6 +16,7 @@ FLASHNEXT_GDN_DECODE=reference forces the reference (to bisect a wrong answer on
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,11 +26,37 @@ from flashnext.ops.gated_delta_rule import gated_delta_rule_recurrent
 from flashnext.ops.rms_norm import gated_rms_norm_reference
 
 
+@dataclass(frozen=True)
+class BAProjection:
+    """b and a not computed yet: columns b_rows and a_rows [Hv] (int32) of x [B, H] @ weightᵀ (the layer's 16-bit b|a
+    projection [rows, H]) — which the fused step kernel computes itself, one launch fewer a layer
+    (FLASHNEXT_GDN_FUSED_CONV=1; models/layers/gated_delta_net.py hands it over)."""
+    x: torch.Tensor
+    weight: torch.Tensor
+    b_rows: torch.Tensor
+    a_rows: torch.Tensor
+
+    def outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        out = F.linear(self.x, self.weight)
+        return out[:, self.b_rows.long()], out[:, self.a_rows.long()]
+
+
+def folds_ba(x: torch.Tensor, head_k_dim: int, head_v_dim: int) -> bool:
+    """Whether gdn_decode on x would compute b and a inside its launch (the Triton step with the conv fused)."""
+    if not _use_triton(x, head_k_dim, head_v_dim):
+        return False
+    from flashnext.ops.gdn_decode_triton import fused_conv
+
+    return fused_conv()
+
+
 def gdn_decode_reference(mixed_qkv, z, b, a, conv_state, conv_weight, ssm_state, slots, A_log, dt_bias,
                          norm_weight, *, num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int,
-                         eps: float, activation: str) -> torch.Tensor:
+                         eps: float, activation: str, ba: BAProjection | None = None) -> torch.Tensor:
     """The layer's own references on B one-token sequences: causal_conv1d_reference, gated_delta_rule_recurrent row by
-    row (a Python loop over rows, no host sync), gated_rms_norm_reference."""
+    row (a Python loop over rows, no host sync), gated_rms_norm_reference. `ba`: b and a from it (b, a None)."""
+    if ba is not None:
+        b, a = ba.outputs()
     rows = mixed_qkv.shape[0]
     key_dim = num_k_heads * head_k_dim
     qkv, conv_state[slots] = causal_conv1d_reference(mixed_qkv[:, None], conv_weight, conv_state[slots])
@@ -56,11 +83,11 @@ def _use_triton(mixed_qkv: torch.Tensor, head_k_dim: int, head_v_dim: int) -> bo
 
 def gdn_decode(mixed_qkv, z, b, a, conv_state, conv_weight, ssm_state, slots, A_log, dt_bias, norm_weight, *,
                num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int, eps: float,
-               activation: str) -> torch.Tensor:
-    """See the module docstring; the states at `slots` are updated in place."""
+               activation: str, ba: BAProjection | None = None) -> torch.Tensor:
+    """See the module docstring; the states at `slots` are updated in place. b and a given, or `ba` (b, a None)."""
     fn = gdn_decode_reference
     if _use_triton(mixed_qkv, head_k_dim, head_v_dim):
         from flashnext.ops.gdn_decode_triton import gdn_decode_triton as fn
     return fn(mixed_qkv, z, b, a, conv_state, conv_weight, ssm_state, slots, A_log, dt_bias, norm_weight,
               num_k_heads=num_k_heads, head_k_dim=head_k_dim, num_v_heads=num_v_heads, head_v_dim=head_v_dim,
-              eps=eps, activation=activation)
+              eps=eps, activation=activation, ba=ba)

@@ -15,9 +15,11 @@ is a few KiB per row. No host sync and no data-dependent allocation: the step ca
 `FLASHNEXT_GDN_FUSED_CONV=1` (read when a step is traced or captured; off until measured on the GPU): one launch,
 `_step_kernel`: each value-head program convolves its own channels — q and k of its key head, which the r value
 heads of that key head all compute, and its v — and the last of the r to arrive (ops/arrival.py: every program
-has read the tail before its release atomic) shifts the q and k tails; each v tail has one owner. 36 launches and
-a [B, C] round trip fewer a Flash-Next step (the conv kernel took 2.4 µs of each GatedDeltaNet layer's 84, H200,
-session 13).
+has read the tail before its release atomic) shifts the q and k tails; each v tail has one owner. Given the layer's
+b|a projection (ops.gdn_decode.BAProjection: its input and one 16-bit weight's rows) a program also computes its
+head's b and a, two dots over the hidden size before it loads its state, so the layer runs no b|a GEMV. 72 launches
+and a [B, C] round trip fewer a Flash-Next step (the conv kernel took 2.4 µs and the b|a GEMV 2.3 of each
+GatedDeltaNet layer's 84, H200, session 13).
 """
 from __future__ import annotations
 
@@ -61,8 +63,8 @@ def _conv_kernel(x_ptr, w_ptr, tail_ptr, slots_ptr, y_ptr, C, stride_x, stride_w
 
 
 @triton.jit
-def _delta_rule_head(q, k, v, z_ptr, b_ptr, a_ptr, state_ptr, slot, a_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr, row,
-                     head, stride_zb, stride_zh, stride_bb, stride_bh, stride_ab, stride_ah, stride_slot, stride_sh,
+def _delta_rule_head(q, k, v, z_ptr, b, a, state_ptr, slot, a_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr, row,
+                     head, stride_zb, stride_zh, stride_slot, stride_sh,
                      stride_sk, q_scale, eps, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, SIGMOID_GATE: tl.constexpr, ROUND_WEIGHTED: tl.constexpr):
     """One value head of one row from its conv outputs q, k [BK] and v [BV] (fp32, rounded to the dtype): l2norm,
@@ -75,8 +77,8 @@ def _delta_rule_head(q, k, v, z_ptr, b_ptr, a_ptr, state_ptr, slot, a_log_ptr, d
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
     # β is rounded to x's dtype: the layer takes sigmoid(b) before the recurrence casts to fp32.
-    beta = tl.sigmoid(tl.load(b_ptr + row * stride_bb + head * stride_bh).to(tl.float32)).to(dtype).to(tl.float32)
-    a = tl.load(a_ptr + row * stride_ab + head * stride_ah).to(tl.float32) + tl.load(dt_bias_ptr + head).to(tl.float32)
+    beta = tl.sigmoid(b).to(dtype).to(tl.float32)
+    a = a + tl.load(dt_bias_ptr + head).to(tl.float32)
     softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
     g = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * softplus
 
@@ -118,8 +120,10 @@ def _delta_rule_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, state_ptr, slots_ptr, a_log
     q = tl.load(qkv + key_head * DK + offs_k, mask=offs_k < DK, other=0.0).to(tl.float32)
     k = tl.load(qkv + (HK + key_head) * DK + offs_k, mask=offs_k < DK, other=0.0).to(tl.float32)
     v = tl.load(qkv + 2 * HK * DK + head * DV + offs_v, mask=offs_v < DV, other=0.0).to(tl.float32)
-    _delta_rule_head(q, k, v, z_ptr, b_ptr, a_ptr, state_ptr, tl.load(slots_ptr + row), a_log_ptr, dt_bias_ptr,
-                     norm_w_ptr, out_ptr, row, head, stride_zb, stride_zh, stride_bb, stride_bh, stride_ab, stride_ah,
+    b = tl.load(b_ptr + row * stride_bb + head * stride_bh).to(tl.float32)
+    a = tl.load(a_ptr + row * stride_ab + head * stride_ah).to(tl.float32)
+    _delta_rule_head(q, k, v, z_ptr, b, a, state_ptr, tl.load(slots_ptr + row), a_log_ptr, dt_bias_ptr,
+                     norm_w_ptr, out_ptr, row, head, stride_zb, stride_zh,
                      stride_slot, stride_sh, stride_sk, q_scale, eps, HV, DV=DV, DK=DK, BK=BK, BV=BV,
                      SIGMOID_GATE=SIGMOID_GATE, ROUND_WEIGHTED=ROUND_WEIGHTED)
 
@@ -148,6 +152,21 @@ def _conv_channels(x_ptr, w_ptr, tail_ptr, cols, mask, stride_wc, stride_wt, str
 
 
 @triton.jit
+def _ba_dots(x_ptr, w_ptr, b_row, a_row, HIDDEN, dtype: tl.constexpr, BLOCK_HIDDEN: tl.constexpr):
+    """x · W[b_row] and x · W[a_row] (W [rows, HIDDEN], the layer's b|a projection), summed in fp32 and rounded to the
+    activation dtype as the projection's output is → (b, a) as fp32 scalars."""
+    acc_b = tl.zeros((BLOCK_HIDDEN,), tl.float32)
+    acc_a = tl.zeros((BLOCK_HIDDEN,), tl.float32)
+    for h0 in range(0, HIDDEN, BLOCK_HIDDEN):
+        offs = h0 + tl.arange(0, BLOCK_HIDDEN)
+        ok = offs < HIDDEN
+        x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        acc_b += x * tl.load(w_ptr + b_row.to(tl.int64) * HIDDEN + offs, mask=ok, other=0.0).to(tl.float32)
+        acc_a += x * tl.load(w_ptr + a_row.to(tl.int64) * HIDDEN + offs, mask=ok, other=0.0).to(tl.float32)
+    return tl.sum(acc_b, axis=0).to(dtype).to(tl.float32), tl.sum(acc_a, axis=0).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _store_tail(tail_ptr, cols, mask, shifted, stride_t, WIDTH: tl.constexpr, TAIL_P2: tl.constexpr):
     t = tl.arange(0, TAIL_P2)
     tl.store(tail_ptr + t[:, None] * stride_t + cols[None, :], shifted, mask=(t < WIDTH - 1)[:, None] & mask[None, :])
@@ -155,14 +174,21 @@ def _store_tail(tail_ptr, cols, mask, shifted, stride_t, WIDTH: tl.constexpr, TA
 
 @triton.jit
 def _step_kernel(x_ptr, w_ptr, tail_ptr, z_ptr, b_ptr, a_ptr, state_ptr, slots_ptr, a_log_ptr, dt_bias_ptr,
-                 norm_w_ptr, out_ptr, counter_ptr, stride_x, stride_wc, stride_wt, stride_tslot, stride_t, stride_zb,
-                 stride_zh, stride_bb, stride_bh, stride_ab, stride_ah, stride_slot, stride_sh, stride_sk, q_scale,
-                 eps, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
-                 BV: tl.constexpr, WIDTH: tl.constexpr, TAIL_P2: tl.constexpr, SIGMOID_GATE: tl.constexpr,
-                 ROUND_WEIGHTED: tl.constexpr, PDL: tl.constexpr):
+                 norm_w_ptr, out_ptr, counter_ptr, hidden_ptr, ba_w_ptr, b_rows_ptr, a_rows_ptr, stride_x, stride_wc,
+                 stride_wt, stride_tslot, stride_t, stride_zb, stride_zh, stride_bb, stride_bh, stride_ab, stride_ah,
+                 stride_slot, stride_sh, stride_sk, stride_hidden, HIDDEN, q_scale, eps, HK: tl.constexpr,
+                 HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                 WIDTH: tl.constexpr, TAIL_P2: tl.constexpr, SIGMOID_GATE: tl.constexpr, ROUND_WEIGHTED: tl.constexpr,
+                 FOLD_BA: tl.constexpr, BLOCK_HIDDEN: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
+    if FOLD_BA:   # b and a of this head from the layer's input: its two rows of the b|a weight (before the state)
+        b, a = _ba_dots(hidden_ptr + row * stride_hidden, ba_w_ptr, tl.load(b_rows_ptr + head),
+                        tl.load(a_rows_ptr + head), HIDDEN, out_ptr.dtype.element_ty, BLOCK_HIDDEN)
+    else:
+        b = tl.load(b_ptr + row * stride_bb + head * stride_bh).to(tl.float32)
+        a = tl.load(a_ptr + row * stride_ab + head * stride_ah).to(tl.float32)
     GROUP: tl.constexpr = HV // HK
     key_head = head // GROUP
     slot = tl.load(slots_ptr + row)
@@ -183,10 +209,9 @@ def _step_kernel(x_ptr, w_ptr, tail_ptr, z_ptr, b_ptr, a_ptr, state_ptr, slots_p
         _store_tail(tail, q_cols, mask_k, q_tail, stride_t, WIDTH, TAIL_P2)
         _store_tail(tail, k_cols, mask_k, k_tail, stride_t, WIDTH, TAIL_P2)
     _store_tail(tail, v_cols, mask_v, v_tail, stride_t, WIDTH, TAIL_P2)   # this head's own channels
-    _delta_rule_head(q, k, v, z_ptr, b_ptr, a_ptr, state_ptr, slot, a_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr, row,
-                     head, stride_zb, stride_zh, stride_bb, stride_bh, stride_ab, stride_ah, stride_slot, stride_sh,
-                     stride_sk, q_scale, eps, HV, DV=DV, DK=DK, BK=BK, BV=BV, SIGMOID_GATE=SIGMOID_GATE,
-                     ROUND_WEIGHTED=ROUND_WEIGHTED)
+    _delta_rule_head(q, k, v, z_ptr, b, a, state_ptr, slot, a_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr, row,
+                     head, stride_zb, stride_zh, stride_slot, stride_sh, stride_sk, q_scale, eps, HV, DV=DV, DK=DK,
+                     BK=BK, BV=BV, SIGMOID_GATE=SIGMOID_GATE, ROUND_WEIGHTED=ROUND_WEIGHTED)
 
 
 def fused_conv() -> bool:
@@ -210,9 +235,10 @@ def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:
 
 def gdn_decode_triton(mixed_qkv, z, b, a, conv_state, conv_weight, ssm_state, slots, A_log, dt_bias, norm_weight, *,
                       num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int, eps: float,
-                      activation: str, num_warps: int | None = None) -> torch.Tensor:
+                      activation: str, num_warps: int | None = None, ba=None) -> torch.Tensor:
     """Same contract as gdn_decode_reference. The states are written in place, so their innermost dimension
-    must be contiguous (as StatePool allocates them); the inputs may have any strides."""
+    must be contiguous (as StatePool allocates them); the inputs may have any strides. `ba` (an
+    ops.gdn_decode.BAProjection, b and a None): with fused_conv() the step kernel computes b and a itself."""
     rows, channels = mixed_qkv.shape
     width = conv_weight.shape[1]
     key_dim = num_k_heads * head_k_dim
@@ -230,14 +256,21 @@ def gdn_decode_triton(mixed_qkv, z, b, a, conv_state, conv_weight, ssm_state, sl
     shapes = dict(HK=num_k_heads, HV=num_v_heads, DK=head_k_dim, DV=head_v_dim, BK=triton.next_power_of_2(head_k_dim),
                   BV=triton.next_power_of_2(head_v_dim), SIGMOID_GATE=activation == "sigmoid",
                   ROUND_WEIGHTED=norm_weight.dtype == dtype)
+    if ba is not None and not fused_conv():
+        b, a = ba.outputs()
     if fused_conv():
+        fold = ba is not None
+        hidden = _last_dim_unit(ba.x) if fold else out           # never read without FOLD_BA
+        b, a = (hidden, hidden) if fold else (b, a)
+        weight, b_rows, a_rows = (ba.weight, ba.b_rows, ba.a_rows) if fold else (out, slots, slots)
         _step_kernel[(rows, num_v_heads)](
             mixed_qkv, conv_weight, conv_state, z, b, a, ssm_state, slots, A_log, dt_bias, norm_weight, out,
-            arrival_counters(mixed_qkv.device, rows * num_k_heads), mixed_qkv.stride(0), conv_weight.stride(0),
-            conv_weight.stride(1), conv_state.stride(0), conv_state.stride(1), z.stride(0), z.stride(1), b.stride(0),
-            b.stride(1), a.stride(0), a.stride(1), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
-            head_k_dim ** -0.5, eps, WIDTH=width, TAIL_P2=max(2, triton.next_power_of_2(width - 1)), **shapes,
-            num_warps=warps, **launch_options(out.device))
+            arrival_counters(mixed_qkv.device, rows * num_k_heads), hidden, weight, b_rows, a_rows,
+            mixed_qkv.stride(0), conv_weight.stride(0), conv_weight.stride(1), conv_state.stride(0),
+            conv_state.stride(1), z.stride(0), z.stride(1), b.stride(0), b.stride(-1), a.stride(0), a.stride(-1),
+            ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), hidden.stride(0),
+            weight.shape[-1], head_k_dim ** -0.5, eps, WIDTH=width, TAIL_P2=max(2, triton.next_power_of_2(width - 1)),
+            FOLD_BA=fold, BLOCK_HIDDEN=1024, **shapes, num_warps=warps, **launch_options(out.device))
         return out
     qkv = torch.empty(rows, channels, dtype=dtype, device=mixed_qkv.device)
     _conv_kernel[(rows, triton.cdiv(channels, CONV_BLOCK))](

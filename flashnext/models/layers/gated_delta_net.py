@@ -14,7 +14,7 @@ from flashnext.models.decode_batch import DecodeBatch
 from flashnext.models.layers.norms import GatedRMSNorm
 from flashnext.ops import branches
 from flashnext.ops.causal_conv1d import causal_conv1d
-from flashnext.ops.gdn_decode import gdn_decode
+from flashnext.ops.gdn_decode import BAProjection, folds_ba, gdn_decode
 from flashnext.ops.gated_delta_rule import gated_delta_rule
 from flashnext.weights.config import ModelConfig
 
@@ -47,25 +47,57 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, eps=cfg.rms_norm_eps, activation=cfg.gdn_output_gate)
+        self._ba_rows = None   # (the b|a weight, b rows, a rows) for _ba_projection, made once
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
 
     def _project(self, x: torch.Tensor):
         """→ mixed qkv [N, conv_dim] as [all q | all k | all v], z [N, Hv, Dv], b and a [N, Hv]."""
-        n = x.shape[0]
         # the projections of one input: parallel branches of the decode graph (ops.branches)
+        (mixed, z), (b, a) = branches.parallel(x, lambda: self._project_qkvz(x), lambda: self._project_ba(x))
+        return mixed, z, b, a
+
+    def _project_qkvz(self, x: torch.Tensor):
+        n = x.shape[0]
         if self.split:
-            (mixed, z), (b, a) = branches.parallel(
-                x, lambda: self.project_qkvz(x) if self.project_qkvz is not None else (self.in_proj_qkv(x),
-                                                                                      self.in_proj_z(x)),
-                lambda: self.project_ba(x) if self.project_ba is not None else (self.in_proj_b(x), self.in_proj_a(x)))
-            return mixed, z.view(n, self.num_v_heads, self.head_v_dim), b, a
+            mixed, z = self.project_qkvz(x) if self.project_qkvz is not None else (self.in_proj_qkv(x),
+                                                                                  self.in_proj_z(x))
+            return mixed, z.view(n, self.num_v_heads, self.head_v_dim)
         r = self.num_v_heads // self.num_k_heads
-        qkvz, ba = branches.parallel(x, lambda: self.in_proj_qkvz(x), lambda: self.in_proj_ba(x))
-        q, k, v, z = torch.split(qkvz.view(n, self.num_k_heads, -1),
+        q, k, v, z = torch.split(self.in_proj_qkvz(x).view(n, self.num_k_heads, -1),
                                  [self.head_k_dim, self.head_k_dim, r * self.head_v_dim, r * self.head_v_dim], dim=-1)
-        b, a = torch.split(ba.view(n, self.num_k_heads, 2 * r), [r, r], dim=-1)
         mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
-        return mixed, z.reshape(n, self.num_v_heads, self.head_v_dim), b.reshape(n, -1), a.reshape(n, -1)
+        return mixed, z.reshape(n, self.num_v_heads, self.head_v_dim)
+
+    def _project_ba(self, x: torch.Tensor):
+        if self.split:
+            return self.project_ba(x) if self.project_ba is not None else (self.in_proj_b(x), self.in_proj_a(x))
+        n, r = x.shape[0], self.num_v_heads // self.num_k_heads
+        b, a = torch.split(self.in_proj_ba(x).view(n, self.num_k_heads, 2 * r), [r, r], dim=-1)
+        return b.reshape(n, -1), a.reshape(n, -1)
+
+    def _ba_projection(self, x: torch.Tensor) -> BAProjection | None:
+        """b and a as rows of one 16-bit weight, for a decode step that computes them inside its GatedDeltaNet launch
+        (ops.gdn_decode.BAProjection): the stacked [b; a] of split checkpoints, or qwen3_next's in_proj_ba with each
+        key head's r b rows then r a rows. None for INT4 projections, or before the rows are on the device (they are
+        made at an eager step, not inside a graph capture)."""
+        if self.split:
+            weight = self.project_ba.weight if self.project_ba is not None else None
+        else:
+            weight = self.in_proj_ba.weight if isinstance(self.in_proj_ba, nn.Linear) else None
+        if weight is None:
+            return None
+        if self._ba_rows is None or self._ba_rows[0] is not weight:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                return None
+            heads = torch.arange(self.num_v_heads)
+            if self.split:
+                rows = heads, self.num_v_heads + heads
+            else:
+                r = self.num_v_heads // self.num_k_heads
+                first = heads // r * 2 * r + heads % r
+                rows = first, first + r
+            self._ba_rows = (weight, *(t.to(torch.int32).to(weight.device) for t in rows))
+        return BAProjection(x, *self._ba_rows)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         mixed, z, b, a = self._project(x)
@@ -88,10 +120,15 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(x.shape[0], self.value_dim))
 
     def decode(self, x: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
-        """One token per row: conv, delta rule and gated norm fused in ops.gdn_decode (states updated in place)."""
-        mixed, z, b, a = self._project(x)
+        """One token per row: conv, delta rule and gated norm fused in ops.gdn_decode (states updated in place); with
+        FLASHNEXT_GDN_FUSED_CONV=1 the b|a projection too (ops.gdn_decode.folds_ba)."""
+        ba = self._ba_projection(x) if folds_ba(x, self.head_k_dim, self.head_v_dim) else None
+        if ba is None:
+            mixed, z, b, a = self._project(x)
+        else:
+            (mixed, z), b, a = self._project_qkvz(x), None, None
         out = gdn_decode(mixed, z, b, a, batch.states.conv[self.layer_idx], self.conv1d.weight.squeeze(1),
                          batch.states.ssm[self.layer_idx], batch.slots, self.A_log, self.dt_bias, self.norm.weight,
                          num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim, num_v_heads=self.num_v_heads,
-                         head_v_dim=self.head_v_dim, eps=self.norm.eps, activation=self.norm.activation)
+                         head_v_dim=self.head_v_dim, eps=self.norm.eps, activation=self.norm.activation, ba=ba)
         return self.out_proj(out)
