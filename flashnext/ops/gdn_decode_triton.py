@@ -260,6 +260,7 @@ def gdn_decode_triton(mixed_qkv, z, b, a, conv_state, conv_weight, ssm_state, sl
         b, a = ba.outputs()
     if fused_conv():
         fold = ba is not None
+        assert not fold or (ba.weight.is_contiguous() and ba.x.shape == (rows, ba.weight.shape[1])), "b|a: [B, H] x, rows"
         hidden = _last_dim_unit(ba.x) if fold else out           # never read without FOLD_BA
         b, a = (hidden, hidden) if fold else (b, a)
         weight, b_rows, a_rows = (ba.weight, ba.b_rows, ba.a_rows) if fold else (out, slots, slots)
