@@ -51,7 +51,7 @@ class RowsConfig:
 # Measured in the decode step, not alone: the H200 sweep of one mix repeated (scripts/gpu_hyper_connection.py
 # --sweep-rows, session 13: its weights L2-warm, no pending injection) found 32 × 1024 down tiles at 8 warps and
 # 16-column up programs at 2 warps at 14.4 µs against these tiles' 22.9–24.4 — and in the captured Flash-Next step
-# at 64K they took ~330 + 270–300 µs a mix (the step 38.7 / 40.6 / 44.4 ms at 2 / 4 / 8 rows against 8.3 / 10.2 /
+# at 64K they took ~330 + 300 µs a mix at 8 rows, the profile kept (the step 38.7 / 40.6 / 44.4 ms at 2 / 4 / 8 rows against 8.3 / 10.2 /
 # 14.1 with these; likely register spills, which the warm L2 hid). Tune with `gpu_decode.py --batch`.
 DEFAULT_ROWS_CONFIG = RowsConfig()
 
