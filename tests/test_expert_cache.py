@@ -211,7 +211,7 @@ def test_pools_admitting_inside_the_graph_step_keep_outputs_exact(model):
     pool.before_step(1)
     claim_slots(layer.slot_table, pool.last_used[0], pool.clock[0], pool.counts[0],
                 (layer.slot_of < 0).nonzero()[:2].T, None)
-    pool.after_step(1)
+    pool.after_step()
     assert not torch.equal(layer.slot_table, layer.slot_of)
     write = torch.where(layer.slot_table <= -2, -layer.slot_table - 2, -1)    # what that step's kernels wrote
     for expert in (write >= 0).nonzero().flatten().tolist():

@@ -218,8 +218,8 @@ def test_triton_step_computes_b_and_a_from_the_projection(kernels, monkeypatch, 
     """With FLASHNEXT_GDN_FUSED_CONV=1 the step kernel takes b and a as rows of the layer's b|a projection of x
     (ops.gdn_decode.BAProjection: any rows, as qwen3_next's per-key-head interleaving needs) instead of b and a —
     over a hidden size of two of its 1024-wide passes, rounded to the activation dtype as the projection's output
-    (fp16 checks the rounding); without it they are computed first by BAProjection.outputs (the plumbing only).
-    Either equals the reference given b and a."""
+    (fp16 too); handed b|a, the step kernel runs without the switch as well (the layer hands it over only where
+    ops.gdn_decode.folds_ba). It equals the reference given b and a."""
     from flashnext.ops.gdn_decode import BAProjection
 
     monkeypatch.setenv("FLASHNEXT_GDN_FUSED_CONV", "1" if fused else "0")

@@ -67,7 +67,7 @@ class ClaimPool:
         self.unsettled = True
         self.live_rows.fill_(rows)
 
-    def after_step(self, rows: int) -> None:
+    def after_step(self) -> None:
         """After a decode step (DecodeGraphs.keeper): the counters, read behind the steps now and then."""
         self.steps += 1
         if self.reading is not None and self.reading.query():

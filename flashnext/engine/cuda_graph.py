@@ -138,7 +138,7 @@ class DecodeGraphs:
         else:
             graph.replay()
         if self.keeper is not None:
-            self.keeper.after_step(n)
+            self.keeper.after_step()
         return logits[:n]
 
     def _staged(self, rows: list) -> torch.Tensor:

@@ -256,10 +256,8 @@ def gdn_decode_triton(mixed_qkv, z, b, a, conv_state, conv_weight, ssm_state, sl
     shapes = dict(HK=num_k_heads, HV=num_v_heads, DK=head_k_dim, DV=head_v_dim, BK=triton.next_power_of_2(head_k_dim),
                   BV=triton.next_power_of_2(head_v_dim), SIGMOID_GATE=activation == "sigmoid",
                   ROUND_WEIGHTED=norm_weight.dtype == dtype)
-    if ba is not None and not fused_conv():
-        b, a = ba.outputs()
-    if fused_conv():
-        fold = ba is not None
+    fold = ba is not None   # the layer hands b|a over only where folds_ba: the step kernel with the conv in it
+    if fold or fused_conv():
         assert not fold or (ba.weight.is_contiguous() and ba.x.shape == (rows, ba.weight.shape[1])), "b|a: [B, H] x, rows"
         hidden = _last_dim_unit(ba.x) if fold else out           # never read without FOLD_BA
         b, a = (hidden, hidden) if fold else (b, a)

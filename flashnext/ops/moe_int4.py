@@ -153,10 +153,9 @@ def write_admitted(pool: Int4Weight, host: Int4Weight, table: torch.Tensor, ids:
     if not len(admitted):
         return
     slots = -table[admitted] - 2
-    for name in ("qweight", "scales", "zeros", "perm"):
-        if getattr(host, name) is not None:
-            getattr(pool, name)[slots] = getattr(host, name)[admitted.to(getattr(host, name).device)].to(
-                getattr(pool, name).device)
+    for name, rows in host.tensors().items():
+        target = getattr(pool, name)
+        target[slots] = rows[admitted.to(rows.device)].to(target.device)
 
 
 def through_table(pool: Int4Weight, host: Int4Weight, table: torch.Tensor) -> Int4Weight:

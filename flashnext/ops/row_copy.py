@@ -19,6 +19,7 @@ FLASHNEXT_ROW_COPY=reference, to bisect a wrong answer on the GPU).
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable
 
@@ -55,7 +56,7 @@ def words_fit(tables: list[torch.Tensor]) -> bool:
 
 
 def _row_bytes(table: torch.Tensor) -> int:
-    return table[0].numel() * table.element_size()
+    return math.prod(table.shape[1:]) * table.element_size()   # an empty table too
 
 
 @triton.jit
