@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from flashnext.ops.arrival import arrival_counters, arrive_last
-from flashnext.ops.hyper_connection_triton import down_inject_rows, sigmoid
+from flashnext.ops.hyper_connection_triton import down_inject_rows, mix_outputs, sigmoid
 from flashnext.ops.pdl import launch_options, wait_for_inputs
 from flashnext.ops.rounding import round_to_dtype
 
@@ -155,26 +155,12 @@ def hc_mix_rows_triton(h: torch.Tensor, pending: tuple[torch.Tensor, torch.Tenso
     """h [N, hc·H] (+ a pending injection: (block output [N, H], weights [N, hc]), which the down kernel does on its
     way in) → (block input [N, H], injection weights [N, hc] or None, the streams mixed: h injected, or h). The rows
     go ROWS_TILE at a time (a grid axis: each tile reads the weights again)."""
-    n, width = h.shape
-    lowrank = w_down.shape[0]
-    assert width == hc * hidden and w_down.shape == (lowrank, width)
-    assert w_up.shape == (width, lowrank) and (w_inject is None or w_inject.shape == (hc, width))
-    assert norm_weight.shape == (width,)
-    assert all(t.is_contiguous() for t in (norm_weight, w_down, w_up) + ((w_inject,) if w_inject is not None else ()))
+    n, lowrank = h.shape[0], w_down.shape[0]
     assert all(b & (b - 1) == 0 for b in (config.block_r, config.block_k, config.block_h)), "tiles: powers of two"
-    if h.stride(-1) != 1:
-        h = h.contiguous()
-    block_input = h.new_empty(n, hidden)
-    inject = h.new_empty(n, hc) if w_inject is not None else None
-    injected = torch.empty_like(h) if pending is not None else h
+    h, block_output, weights, block_input, inject, injected, rows = mix_outputs(h, pending, norm_weight, w_down, w_up,
+                                                                                w_inject, hc, hidden)
     if n == 0:
         return block_input, inject, injected
-    if pending is not None:
-        block_output, weights = (t if t.stride(-1) == 1 else t.contiguous() for t in pending)
-        assert block_output.shape == (n, hidden) and weights.shape == (n, hc)
-    else:
-        block_output, weights = h, h     # never read without a pending injection
-    rows = lowrank + (hc if w_inject is not None else 0)
     m_tiles = triton.cdiv(n, ROWS_TILE)
     tiles, splits = m_tiles * triton.cdiv(rows, config.block_r), triton.cdiv(hidden, config.block_k)
     per_program = ROWS_TILE * (config.block_r + 1)   # partials and sums of squares

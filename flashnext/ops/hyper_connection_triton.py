@@ -171,16 +171,14 @@ def hc_mix_injected_triton(h: torch.Tensor, block_output: torch.Tensor, weights:
                            config: MixConfig = DEFAULT_CONFIG) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The mix of h + weights ⊗ block_output (the previous block's injection), which the down kernel computes on
     its way in — no inject launch — and writes out: → (block input, injection weights or None, the new h)."""
-    n = h.shape[0]
-    assert block_output.shape == (n, hidden) and weights.shape == (n, hc)
-    pending = tuple(t if t.stride(-1) == 1 else t.contiguous() for t in (block_output, weights))
-    return _mix(h, pending, norm_weight, w_down, w_up, w_inject, hc, hidden, eps, config)
+    return _mix(h, (block_output, weights), norm_weight, w_down, w_up, w_inject, hc, hidden, eps, config)
 
 
-def _mix_buffers(h, norm_weight, w_down, w_up, w_inject, hc, hidden):
-    """A mix's checks and buffers: → (h with a unit last stride, block input [N, H], injection weights [N, hc] or
-    None, the down|inject rows, the down kernel's fp32 partials for hc streams × N rows of h, and the streams' sums
-    of squares)."""
+def mix_outputs(h, pending, norm_weight, w_down, w_up, w_inject, hc, hidden):
+    """What both mixes (these kernels and ops/hyper_connection_rows_triton.py) check and allocate alike: → (h with a
+    unit last stride, the pending injection's block output and weights with one (else h standing in, never read),
+    block input [N, H], injection weights [N, hc] or None, the streams the up kernel reads (a new tensor the down
+    kernel writes after a pending injection, else h), the rows of down|inject)."""
     n, width = h.shape
     lowrank = w_down.shape[0]
     assert width == hc * hidden and w_down.shape == (lowrank, width) and w_up.shape == (width, lowrank)
@@ -189,20 +187,26 @@ def _mix_buffers(h, norm_weight, w_down, w_up, w_inject, hc, hidden):
     assert all(t.is_contiguous() for t in (norm_weight, w_down, w_up) + ((w_inject,) if w_inject is not None else ()))
     if h.stride(-1) != 1:
         h = h.contiguous()
+    if pending is not None:
+        block_output, weights = (t if t.stride(-1) == 1 else t.contiguous() for t in pending)
+        assert block_output.shape == (n, hidden) and weights.shape == (n, hc)
+    else:
+        block_output, weights = h, h
     block_input = h.new_empty(n, hidden)
     inject = h.new_empty(n, hc) if w_inject is not None else None
-    rows = lowrank + (hc if w_inject is not None else 0)
-    work = torch.empty(hc * n * rows + n * hc, dtype=torch.float32, device=h.device)
-    return h, block_input, inject, rows, work[:hc * n * rows], work[hc * n * rows:]
+    injected = torch.empty_like(h) if pending is not None else h
+    return h, block_output, weights, block_input, inject, injected, lowrank + (hc if w_inject is not None else 0)
 
 
 def _mix(h, pending, norm_weight, w_down, w_up, w_inject, hc, hidden, eps, config):
     n, lowrank = h.shape[0], w_down.shape[0]
-    h, block_input, inject, rows, partials, sumsq = _mix_buffers(h, norm_weight, w_down, w_up, w_inject, hc, hidden)
-    injected = torch.empty_like(h) if pending is not None else h    # what the up kernel reads as h
+    h, block_output, weights, block_input, inject, injected, rows = mix_outputs(h, pending, norm_weight, w_down, w_up,
+                                                                                w_inject, hc, hidden)
     if n == 0:
         return block_input, inject, injected
-    block_output, weights = pending if pending is not None else (h, h)   # never read without a pending injection
+    # the down kernel's fp32 partials for hc streams × N rows of h, and the streams' sums of squares
+    work = torch.empty(hc * n * rows + n * hc, dtype=torch.float32, device=h.device)
+    partials, sumsq = work[:hc * n * rows], work[hc * n * rows:]
     pdl = launch_options(h.device)
     _hc_down_kernel[(triton.cdiv(rows, config.block_r), hc)](
         h, norm_weight, w_down, w_inject if w_inject is not None else w_down, partials, sumsq,
