@@ -213,12 +213,13 @@ def test_dispatch_and_empty_batch(kernels, monkeypatch):
 
 
 @needs_triton
-@pytest.mark.parametrize("fused,dtype", [(True, torch.float32), (True, torch.float16), (False, torch.float32)])
-def test_triton_step_computes_b_and_a_from_the_projection(kernels, monkeypatch, fused, dtype):
-    """With FLASHNEXT_GDN_FUSED_CONV=1 the step kernel takes b and a as rows of the layer's b|a projection of x
-    (ops.gdn_decode.BAProjection: any rows, as qwen3_next's per-key-head interleaving needs) instead of b and a —
-    over a hidden size of two of its 1024-wide passes, rounded to the activation dtype as the projection's output
-    (fp16 too); handed b|a, the step kernel runs without the switch as well (the layer hands it over only where
+@pytest.mark.parametrize("fused,dtype,group", [(True, torch.float32, 0), (True, torch.float32, 3),
+                                               (True, torch.float16, 3), (False, torch.float32, 0)])
+def test_triton_step_computes_b_and_a_from_the_projection(kernels, monkeypatch, fused, dtype, group):
+    """Handed the layer's b|a projection (ops.gdn_decode.BAProjection) the step kernel computes each head's b and a
+    from x and its two rows of the weight — [b; a] (group 0, split checkpoints) or per key head b then a (qwen3_next,
+    group 3 = value heads a key head) — over a hidden size of two of its 1024-wide passes, rounded to the activation
+    dtype (fp16 too); it runs without FLASHNEXT_GDN_FUSED_CONV as well (the layer hands it over only where
     ops.gdn_decode.folds_ba). It equals the reference given b and a."""
     from flashnext.ops.gdn_decode import BAProjection
 
@@ -228,10 +229,9 @@ def test_triton_step_computes_b_and_a_from_the_projection(kernels, monkeypatch, 
     gen = torch.Generator().manual_seed(22)
     device = inputs["mixed_qkv"].device
     x = torch.randn(3, hidden, generator=gen).to(device, dtype)
-    weight = (torch.randn(2 * hv + 3, hidden, generator=gen) * 0.03).to(device, dtype)   # spare rows: not all used
-    order = torch.randperm(2 * hv + 3, generator=gen)[:2 * hv].to(torch.int32).to(device)
-    ba = BAProjection(x, weight, order[:hv], order[hv:])
-    b, a = ba.outputs()
+    weight = (torch.randn(2 * hv, hidden, generator=gen) * 0.03).to(device, dtype)
+    ba = BAProjection(x, weight, group)
+    b, a = ba.outputs(hv)
     ref_states = {n: inputs[n].clone() for n in ("conv_state", "ssm_state")}
     want = gdn_decode_reference(**{**inputs, **ref_states, "b": b, "a": a}, **kw, activation="silu")
     got = kernels.gdn_decode_triton(**{**inputs, "b": None, "a": None}, **kw, activation="silu", ba=ba)
@@ -255,5 +255,5 @@ def test_the_layers_b_and_a_as_rows_of_one_weight(arch, activation, overrides):
     if layer.split:
         assert layer._ba_projection(x) is None
         stack_projections(layer)
-    b, a = layer._ba_projection(x).outputs()
+    b, a = layer._ba_projection(x).outputs(layer.num_v_heads)
     assert rel_err(b, want[0]) < 1e-6 and rel_err(a, want[1]) < 1e-6   # one GEMM or two: BLAS may block apart

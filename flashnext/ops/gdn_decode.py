@@ -28,17 +28,26 @@ from flashnext.ops.rms_norm import gated_rms_norm_reference
 
 @dataclass(frozen=True)
 class BAProjection:
-    """b and a not computed yet: columns b_rows and a_rows [Hv] (int32) of x [B, H] @ weightᵀ (the layer's 16-bit b|a
-    projection [rows, H]) — which the fused step kernel computes itself, one launch fewer a layer
-    (FLASHNEXT_GDN_FUSED_CONV=1; models/layers/gated_delta_net.py hands it over)."""
+    """b and a not computed yet: x [B, H] @ weightᵀ, the layer's 16-bit b|a projection — which the fused step kernel
+    computes itself, one launch fewer a layer (FLASHNEXT_GDN_FUSED_CONV=1; models/layers/gated_delta_net.py hands it
+    over). The weight's rows: [b of every head; a of every head] (split checkpoints, stacked), or `group` > 0:
+    qwen3_next's in_proj_ba, for each key head its `group` value heads' b rows then their a rows."""
     x: torch.Tensor
     weight: torch.Tensor
-    b_rows: torch.Tensor
-    a_rows: torch.Tensor
+    group: int = 0
 
-    def outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight rows of b and a for heads 0..heads-1 (the kernel computes the same from the head)."""
+        head = torch.arange(heads, device=self.x.device)
+        if not self.group:
+            return head, heads + head
+        b = head // self.group * 2 * self.group + head % self.group
+        return b, b + self.group
+
+    def outputs(self, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         out = F.linear(self.x, self.weight)
-        return out[:, self.b_rows.long()], out[:, self.a_rows.long()]
+        b_rows, a_rows = self.rows(heads)
+        return out[:, b_rows], out[:, a_rows]
 
 
 def folds_ba(x: torch.Tensor, head_k_dim: int, head_v_dim: int) -> bool:
@@ -56,7 +65,7 @@ def gdn_decode_reference(mixed_qkv, z, b, a, conv_state, conv_weight, ssm_state,
     """The layer's own references on B one-token sequences: causal_conv1d_reference, gated_delta_rule_recurrent row by
     row (a Python loop over rows, no host sync), gated_rms_norm_reference. `ba`: b and a from it (b, a None)."""
     if ba is not None:
-        b, a = ba.outputs()
+        b, a = ba.outputs(num_v_heads)
     rows = mixed_qkv.shape[0]
     key_dim = num_k_heads * head_k_dim
     qkv, conv_state[slots] = causal_conv1d_reference(mixed_qkv[:, None], conv_weight, conv_state[slots])

@@ -16,7 +16,7 @@ is a few KiB per row. No host sync and no data-dependent allocation: the step ca
 `_step_kernel`: each value-head program convolves its own channels — q and k of its key head, which the r value
 heads of that key head all compute, and its v — and the last of the r to arrive (ops/arrival.py: every program
 has read the tail before its release atomic) shifts the q and k tails; each v tail has one owner. Given the layer's
-b|a projection (ops.gdn_decode.BAProjection: its input and one 16-bit weight's rows) a program also computes its
+b|a projection (ops.gdn_decode.BAProjection: its input and one 16-bit weight, rows by layout) a program also computes its
 head's b and a, two dots over the hidden size before it loads its state, so the layer runs no b|a GEMV. 72 launches
 and a [B, C] round trip fewer a Flash-Next step (the conv kernel took 2.4 µs and the b|a GEMV 2.3 of each
 GatedDeltaNet layer's 84, H200, session 13).
@@ -174,18 +174,23 @@ def _store_tail(tail_ptr, cols, mask, shifted, stride_t, WIDTH: tl.constexpr, TA
 
 @triton.jit
 def _step_kernel(x_ptr, w_ptr, tail_ptr, z_ptr, b_ptr, a_ptr, state_ptr, slots_ptr, a_log_ptr, dt_bias_ptr,
-                 norm_w_ptr, out_ptr, counter_ptr, hidden_ptr, ba_w_ptr, b_rows_ptr, a_rows_ptr, stride_x, stride_wc,
+                 norm_w_ptr, out_ptr, counter_ptr, hidden_ptr, ba_w_ptr, stride_x, stride_wc,
                  stride_wt, stride_tslot, stride_t, stride_zb, stride_zh, stride_bb, stride_bh, stride_ab, stride_ah,
                  stride_slot, stride_sh, stride_sk, stride_hidden, HIDDEN, q_scale, eps, HK: tl.constexpr,
                  HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  WIDTH: tl.constexpr, TAIL_P2: tl.constexpr, SIGMOID_GATE: tl.constexpr, ROUND_WEIGHTED: tl.constexpr,
-                 FOLD_BA: tl.constexpr, BLOCK_HIDDEN: tl.constexpr, PDL: tl.constexpr):
+                 FOLD_BA: tl.constexpr, BA_GROUP: tl.constexpr, BLOCK_HIDDEN: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     if FOLD_BA:   # b and a of this head from the layer's input: its two rows of the b|a weight (before the state)
-        b, a = _ba_dots(hidden_ptr + row * stride_hidden, ba_w_ptr, tl.load(b_rows_ptr + head),
-                        tl.load(a_rows_ptr + head), HIDDEN, out_ptr.dtype.element_ty, BLOCK_HIDDEN)
+        if BA_GROUP == 0:   # [b of every head; a of every head]
+            b_row, a_row = head, HV + head
+        else:               # per key head: its BA_GROUP value heads' b rows, then their a rows
+            b_row = head // BA_GROUP * 2 * BA_GROUP + head % BA_GROUP
+            a_row = b_row + BA_GROUP
+        b, a = _ba_dots(hidden_ptr + row * stride_hidden, ba_w_ptr, b_row, a_row, HIDDEN, out_ptr.dtype.element_ty,
+                        BLOCK_HIDDEN)
     else:
         b = tl.load(b_ptr + row * stride_bb + head * stride_bh).to(tl.float32)
         a = tl.load(a_ptr + row * stride_ab + head * stride_ah).to(tl.float32)
@@ -261,15 +266,15 @@ def gdn_decode_triton(mixed_qkv, z, b, a, conv_state, conv_weight, ssm_state, sl
         assert not fold or (ba.weight.is_contiguous() and ba.x.shape == (rows, ba.weight.shape[1])), "b|a: [B, H] x, rows"
         hidden = _last_dim_unit(ba.x) if fold else out           # never read without FOLD_BA
         b, a = (hidden, hidden) if fold else (b, a)
-        weight, b_rows, a_rows = (ba.weight, ba.b_rows, ba.a_rows) if fold else (out, slots, slots)
+        weight = ba.weight if fold else out
         _step_kernel[(rows, num_v_heads)](
             mixed_qkv, conv_weight, conv_state, z, b, a, ssm_state, slots, A_log, dt_bias, norm_weight, out,
-            arrival_counters(mixed_qkv.device, rows * num_k_heads), hidden, weight, b_rows, a_rows,
+            arrival_counters(mixed_qkv.device, rows * num_k_heads), hidden, weight,
             mixed_qkv.stride(0), conv_weight.stride(0), conv_weight.stride(1), conv_state.stride(0),
             conv_state.stride(1), z.stride(0), z.stride(1), b.stride(0), b.stride(-1), a.stride(0), a.stride(-1),
             ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), hidden.stride(0),
             weight.shape[-1], head_k_dim ** -0.5, eps, WIDTH=width, TAIL_P2=max(2, triton.next_power_of_2(width - 1)),
-            FOLD_BA=fold, BLOCK_HIDDEN=1024, **shapes, num_warps=warps, **launch_options(out.device))
+            FOLD_BA=fold, BA_GROUP=ba.group if fold else 0, BLOCK_HIDDEN=1024, **shapes, num_warps=warps, **launch_options(out.device))
         return out
     qkv = torch.empty(rows, channels, dtype=dtype, device=mixed_qkv.device)
     _conv_kernel[(rows, triton.cdiv(channels, CONV_BLOCK))](

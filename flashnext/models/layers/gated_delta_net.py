@@ -47,7 +47,6 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, eps=cfg.rms_norm_eps, activation=cfg.gdn_output_gate)
-        self._ba_rows = None   # (the b|a weight, b rows, a rows) for _ba_projection, made once
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
 
     def _project(self, x: torch.Tensor):
@@ -76,28 +75,15 @@ class GatedDeltaNet(nn.Module):
         return b.reshape(n, -1), a.reshape(n, -1)
 
     def _ba_projection(self, x: torch.Tensor) -> BAProjection | None:
-        """b and a as rows of one 16-bit weight, for a decode step that computes them inside its GatedDeltaNet launch
-        (ops.gdn_decode.BAProjection): the stacked [b; a] of split checkpoints, or qwen3_next's in_proj_ba with each
-        key head's r b rows then r a rows. None for INT4 projections, or before the rows are on the device (they are
-        made at an eager step, not inside a graph capture)."""
+        """The b|a projection as one 16-bit weight, for a decode step that computes b and a inside its GatedDeltaNet
+        launch (ops.gdn_decode.BAProjection): the stacked [b; a] of split checkpoints, or qwen3_next's in_proj_ba.
+        None for INT4 or unstacked projections (they keep their GEMV)."""
         if self.split:
             weight = self.project_ba.weight if self.project_ba is not None else None
-        else:
-            weight = self.in_proj_ba.weight if isinstance(self.in_proj_ba, nn.Linear) else None
-        if weight is None:
+            return None if weight is None else BAProjection(x, weight)
+        if not isinstance(self.in_proj_ba, nn.Linear):
             return None
-        if self._ba_rows is None or self._ba_rows[0] is not weight:
-            if x.is_cuda and torch.cuda.is_current_stream_capturing():
-                return None
-            heads = torch.arange(self.num_v_heads)
-            if self.split:
-                rows = heads, self.num_v_heads + heads
-            else:
-                r = self.num_v_heads // self.num_k_heads
-                first = heads // r * 2 * r + heads % r
-                rows = first, first + r
-            self._ba_rows = (weight, *(t.to(torch.int32).to(weight.device) for t in rows))
-        return BAProjection(x, *self._ba_rows)
+        return BAProjection(x, self.in_proj_ba.weight, group=self.num_v_heads // self.num_k_heads)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         mixed, z, b, a = self._project(x)
