@@ -21,6 +21,7 @@ import time
 import torch
 
 from flashnext.models.decode_batch import DecodeBatch
+from flashnext.weights.pinned import staged
 
 log = logging.getLogger("flashnext.engine")
 
@@ -121,13 +122,13 @@ class DecodeGraphs:
         graph, logits = self.graphs[key]
         pad = size - n
         on_device = isinstance(input_ids, torch.Tensor)
-        host = self._staged([([0] * n if on_device else input_ids) + [0] * pad, positions + [0] * pad,
-                             slots + [self.scratch_slot] * pad])
+        host = staged([([0] * n if on_device else input_ids) + [0] * pad, positions + [0] * pad,
+                       slots + [self.scratch_slot] * pad], self.device)
         for slot, reset, first, blocks in deltas:
             if reset:
                 self.slot_tables[slot].fill_(self.scratch_block)
             if blocks:
-                self.slot_tables[slot, first: first + len(blocks)].copy_(self._staged(blocks), non_blocking=True)
+                self.slot_tables[slot, first: first + len(blocks)].copy_(staged(blocks, self.device), non_blocking=True)
         self.inputs[:, :size].copy_(host, non_blocking=True)
         if on_device:
             self.input_ids[:n].copy_(input_ids)
@@ -140,12 +141,6 @@ class DecodeGraphs:
         if self.keeper is not None:
             self.keeper.after_step()
         return logits[:n]
-
-    def _staged(self, rows: list) -> torch.Tensor:
-        """`rows` as a host tensor to copy from without a wait: page-locked on a GPU (torch's caching host allocator
-        reuses a buffer only once its copy has run), where from pageable memory the driver may synchronise the
-        stream first — making the host wait for a step queued ahead before it can queue the next."""
-        return torch.tensor(rows, dtype=torch.long, pin_memory=self.device.type == "cuda")
 
     def _table_delta(self, slot: int, blocks: list[int]) -> TableDelta:
         """The blocks this slot's table lacks. A request's block list is only ever extended, or replaced by a

@@ -51,6 +51,12 @@ def upload(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     return dst.copy_(src.pin_memory() if dst.is_cuda and not src.is_pinned() else src, non_blocking=True)
 
 
+def staged(values: list, device) -> torch.Tensor:
+    """Integers as an int64 host tensor to copy to `device` without a host wait: made page-locked at once when the
+    device is a GPU (see upload) — one host copy, not a pageable tensor then a pinned one."""
+    return torch.tensor(values, dtype=torch.long, pin_memory=torch.device(device).type == "cuda")
+
+
 @functools.cache
 def _libcuda() -> ctypes.CDLL:
     return ctypes.CDLL("libcuda.so.1")
