@@ -172,7 +172,7 @@ def _graph_step_engine(model: str):
     runner = engine.runner
     runner.graphs = DecodeGraphs(runner.model, engine.kv, engine.states, max_batch=4,
                                  max_blocks_per_seq=engine.kv.blocks_for(engine.max_model_len))
-    pool = loaded.expert_cache.enable_graphs(runner.graphs.max_batch)
+    pool = loaded.expert_cache.enable_graphs()
     runner.graphs.keeper = pool
     return run, want, engine, loaded.expert_cache, pool
 

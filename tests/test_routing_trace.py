@@ -58,7 +58,7 @@ def test_decode_graph_path_with_a_trace_and_an_expert_cache():
     runner, cache = engine.runner, engine.loaded.expert_cache
     runner.graphs = DecodeGraphs(runner.model, engine.kv, engine.states, max_batch=2,
                                  max_blocks_per_seq=engine.kv.blocks_for(engine.max_model_len))
-    pool = cache.enable_graphs(runner.graphs.max_batch)
+    pool = cache.enable_graphs()
     runner.graphs.keeper = pool
     engine.add_request("r", list(range(3, 40)), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     tokens = [t for o in engine.step() for t in o.token_ids]      # the prompt, eagerly: its reads counted there

@@ -310,11 +310,11 @@ class ExpertCache:
     def claim_pool(self):
         return self.layers[0].claim_pool
 
-    def enable_graphs(self, max_rows: int):
-        """Decode steps of up to `max_rows` rows read the pools through their slot tables (they may be captured) and
-        admit their misses inside the step; → the ClaimPool (cache/expert_claim_pool.py), whose before_step /
-        after_step DecodeGraphs calls around each such step (its `keeper`)."""
-        return ClaimPool(self.layers, max_rows)
+    def enable_graphs(self):
+        """Decode steps read the pools through their slot tables (they may be captured) and admit their misses inside
+        the step; → the ClaimPool (cache/expert_claim_pool.py), whose before_step / after_step DecodeGraphs calls
+        around each such step (its `keeper`)."""
+        return ClaimPool(self.layers)
 
     @property
     def device_bytes(self) -> int:

@@ -18,15 +18,15 @@ from __future__ import annotations
 import torch
 
 from flashnext.ops.expert_claims import claim_slots
-from flashnext.ops.moe_int4 import CachedExperts
+from flashnext.ops.moe_int4 import DECODE_MAX_M, CachedExperts
 from flashnext.weights.pinned import upload
 
 
 class ClaimPool:
     """The keeper of captured decode steps (DecodeGraphs.keeper) for all layers' pools (cache/expert_cache.py's
-    LayerExpertCache: `layers`), decode steps of up to `max_rows` rows."""
+    LayerExpertCache: `layers`): decode steps of up to DECODE_MAX_M rows (the decode kernels' limit)."""
 
-    def __init__(self, layers: list, max_rows: int):
+    def __init__(self, layers: list):
         self.layers, self.device = layers, layers[0].device
         self.gpu = self.device.type == "cuda"
         self.last_upload: torch.cuda.Event | None = None   # the end of settle's table upload (a prefetch waits)
@@ -40,9 +40,10 @@ class ClaimPool:
         self.steps = 0
         self.unsettled = False         # decode steps claimed slots since the last settle
         # every layer's device table a row of one [layers, experts] tensor (settle: one copy each way); the step's
-        # real rows (the kernels skip a bucket's padding rows past them: all until before_step says otherwise)
+        # real rows (the kernels skip a bucket's padding rows past them: every row, as many as the kernels take,
+        # until before_step says otherwise — the warm-ups of a capture run without it)
         self.tables = torch.stack([layer.slot_table for layer in layers])
-        self.live_rows = torch.full((1,), max_rows, dtype=torch.int32, device=self.device)
+        self.live_rows = torch.full((1,), DECODE_MAX_M, dtype=torch.int32, device=self.device)
         for i, layer in enumerate(layers):   # each layer's view for graph steps
             layer.slot_table = self.tables[i]
             layer.claim_pool, layer.pool_index = self, i

@@ -147,7 +147,7 @@ class LLMEngine:
             graphs = DecodeGraphs(self.loaded.model, self.kv, self.states, graph_rows,
                                   self.kv.blocks_for(self.max_model_len))
             if experts is not None:
-                graphs.keeper = experts.enable_graphs(graphs.max_batch)
+                graphs.keeper = experts.enable_graphs()
         self.runner = ModelRunner(self.loaded.model, self.kv, self.states, self.eos_token_ids, self.device, args.seed,
                                   graphs)
         self.requests: dict[str, Request] = {}

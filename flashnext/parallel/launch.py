@@ -87,11 +87,7 @@ def _worker(rank: int, args: EngineArgs, port: int) -> None:
     if loaded.expert_cache is not None and device.type == "cuda":
         # decode steps read the pools through their slot tables, as rank 0's (LLMEngine), and the keeper, told
         # around each step (DecodeGraphs.keeper), adapts this rank's pools as rank 0's keeper does its own
-        from flashnext.engine.cuda_graph import bucket
-        from flashnext.ops.moe_int4 import DECODE_MAX_M
-
-        # rows as rank 0's graphs take them: a bucket (5 sequences run as 8)
-        keeper = loaded.expert_cache.enable_graphs(bucket(min(args.max_num_seqs, DECODE_MAX_M)))
+        keeper = loaded.expert_cache.enable_graphs()
     steps = worker_loop(loaded.model, dtype, device, WorkerCache(_tier_stores(args, loaded, dtype, rank)), keeper)
     log.debug("rank %d: %d forwards, stopping", rank, steps)
     dist.destroy_process_group()
