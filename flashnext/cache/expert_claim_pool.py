@@ -96,10 +96,8 @@ class ClaimPool:
         if not self.unsettled:
             return
         self.unsettled = False
-        if self.gpu:
-            torch.cuda.current_stream(self.device).synchronize()
         self.reading = None
-        self._count(self.counts.sum(0).cpu())
+        self._count(self.counts.sum(0).cpu())   # a copy to pageable memory: waits for the steps queued on the stream
         tables = self.tables.cpu()
         tables = torch.where(tables <= -2, -tables - 2, tables)     # their steps have run: the slots hold them
         for layer, table in zip(self.layers, tables):
