@@ -87,11 +87,10 @@ def table(result: dict) -> str:
         if not group:
             continue
         rate = summarize(s["decode_tok_s"] for s in group)
-        hits = sum(s.get("hits", 0) for s in group) if all("hits" in s for s in group) else None
-        misses = sum(s.get("misses", 0) for s in group) if all("misses" in s for s in group) else None
         total = lambda key: sum(s[key] for s in group) if all(key in s for s in group) else None  # noqa: E731
-        copied, stall, prefetched, used, admitted = (total(k) for k in ("bytes_copied", "stall_seconds", "prefetched",
-                                                                        "prefetch_used", "admitted"))
+        hits, misses, copied, stall, prefetched, used, admitted = (
+            total(k) for k in ("hits", "misses", "bytes_copied", "stall_seconds", "prefetched", "prefetch_used",
+                               "admitted"))
         tokens = sum(s["completion_tokens"] or 0 for s in group)
         hr = hit_rate(hits, misses)
         rows.append([traffic, len(group), md.num(rate["mean"]), md.num(rate["min"]), md.num(rate["max"]),
