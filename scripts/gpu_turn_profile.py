@@ -12,10 +12,11 @@ turn's prefill by the profiler.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -39,6 +40,24 @@ def first_token_steps(engine, request_id, prompt, params, history_len):
     return steps, (time.perf_counter() - t0) * 1e3, request
 
 
+@contextmanager
+def environment(setting):
+    """`NAME=VALUE` set for the block (None: nothing)."""
+    if setting is None:
+        yield
+        return
+    name, _, value = setting.partition("=")
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = previous
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="mem:flash-next")
@@ -46,6 +65,9 @@ def main() -> int:
     ap.add_argument("--depth", type=int, action="append", default=[])
     ap.add_argument("--new", type=int, default=200, help="tokens a follow-up adds")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE",
+                    help="also run two turns with this environment switch set (one read on the eager path per call, "
+                         "e.g. FLASHNEXT_HC_DECODE_MAX_ROWS=256); repeatable")
     args = ap.parse_args()
     llm = LLM(args.model, quantize=args.quantize or None, max_num_seqs=2, kv_cache_gb=16.0, kv_host_gb=8.0,
               device=args.device)
@@ -57,12 +79,17 @@ def main() -> int:
     for depth in args.depth or [3500, 32000]:
         conv = [rng.randrange(100, vocab - 100) for _ in range(depth)]
         reply = llm.generate([conv], params)[0].token_ids
-        for turn in range(3):
+        # Turns alternate between the defaults and each variant (two each), then one profiled with the defaults.
+        settings = [None] + args.variant
+        plan = [settings[i % len(settings)] for i in range(2 * len(settings))] + ["profiled"]
+        for turn, setting in enumerate(plan):
             conv = conv + reply + [rng.randrange(100, vocab - 100) for _ in range(args.new)]
-            profiled = turn == 2   # the same turn again, under the profiler
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if profiled else nullcontext() as prof:
+            profiled = setting == "profiled"
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if profiled else nullcontext() as prof, \
+                    environment(None if profiled else setting):
                 steps, total, request = first_token_steps(engine, f"d{depth}-t{turn}", conv, params, len(conv) - 5)
-            print(f"depth {depth} turn {turn}{' (profiled)' if profiled else ''}: prompt {len(conv)}, cached "
+            label = " (profiled)" if profiled else f" [{setting}]" if setting else ""
+            print(f"depth {depth} turn {turn}{label}: prompt {len(conv)}, cached "
                   f"{request.num_cached}: first token in {total:.1f} ms over {len(steps)} steps: "
                   + ", ".join(f"{label} {ms:.1f} ms" for label, ms in steps))
             if profiled:
