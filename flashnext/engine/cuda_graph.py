@@ -12,6 +12,13 @@ the table holds, so a short context does not pay for the longest). Graphs are ca
 sequence's at every width already at the engine's warm-up on one GPU) and share one memory pool. `--enforce-eager` turns all of this off (debugging; docs/architecture.md).
 On a CPU nothing is captured: `run` executes the same fixed-shape step eagerly, which is how the tests cover
 the buckets, the padding and the scratch rows without a GPU.
+
+Short prompt chunks of a sequence under way (a resumed conversation's new message, an agent's tool result, the
+generation prompt after a turn's history) go through `extend`: chained steps (models/decode_batch.py) of exact
+power-of-two sizes, the largest first, so no padding row ever reaches the sequence's token-by-token states — 75
+tokens are steps of 64, 8 and 2 and one decode step. Each (size, width) is a graph of its own beside the decode
+ones, captured on first use or at warm-up (`capture_widths`). An eager step of a short chunk cost 120–150 ms of
+host time on the H200 (Flash-Next INT4, ~4,600 launches) however few its tokens.
 """
 from __future__ import annotations
 
@@ -32,15 +39,21 @@ def bucket(n: int, smallest: int = 1) -> int:
     return max(smallest, 1 << max(0, n - 1).bit_length())
 
 
+def chain_sizes(n: int) -> list[int]:
+    """`n` as the chained steps `extend` runs: its binary digits, the largest first (75 → [64, 8, 2, 1])."""
+    return [1 << bit for bit in reversed(range(n.bit_length())) if n >> bit & 1]
+
+
 # What one step changes in a slot's device block table: (slot, reset first?, first row, block ids from there).
 TableDelta = tuple[int, bool, int, list[int]]
 
 
 class DecodeGraphs:
     def __init__(self, model, kv, states, max_batch: int, max_blocks_per_seq: int,
-                 scratch: tuple[int, int] | None = None):
+                 scratch: tuple[int, int] | None = None, max_chain: int = 0):
         """`scratch` (slot, block): the padding rows' slot and block, reserved by rank 0's twin when this runs on a
-        worker rank of several GPUs (parallel/runtime.py); None: reserve them here."""
+        worker rank of several GPUs (parallel/runtime.py); None: reserve them here. `max_chain`: the most tokens
+        `extend` takes (0: none)."""
         self.model = model
         self.kv = kv
         self.states = states
@@ -59,12 +72,16 @@ class DecodeGraphs:
         self.inputs = torch.zeros(3, self.max_batch, **long)
         self.input_ids, self.positions, self.slots = self.inputs
         self.slots.fill_(self.scratch_slot)
+        # The chained steps' static inputs (extend): up to max_chain rows of one sequence.
+        self.max_chain = max_chain
+        self.chain_inputs = torch.zeros(3, max(1, chain_sizes(max_chain)[0] if max_chain else 1), **long)
         # Every slot's KV block table lives on the device and grows by the blocks appended since the last step
         # (a long context is thousands of block ids: not rebuilt from a Python list every token); the step
         # gathers its rows' tables from it by slot, inside the graph.
         self.slot_tables = torch.full((states.num_slots, self.max_width), self.scratch_block, **long)
         self._slot_blocks: dict[int, tuple[list[int], int]] = {}   # slot → (its request's block list, rows known)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+        self.chain_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self.pool = None
         self.capture = self.device.type == "cuda"
 
@@ -74,10 +91,11 @@ class DecodeGraphs:
         (pytorch/pytorch#115388; on 2 × H200 both ranks hung in destroy_process_group)."""
         if self.capture:
             torch.cuda.synchronize(self.device)
-        for graph, _ in self.graphs.values():
-            if graph is not None:
-                graph.reset()
-        self.graphs.clear()
+        for graphs in (self.graphs, self.chain_graphs):
+            for graph, _ in graphs.values():
+                if graph is not None:
+                    graph.reset()
+            graphs.clear()
         self.pool = None
         self.capture = False
 
@@ -99,17 +117,53 @@ class DecodeGraphs:
             self.announce(self, input_ids, positions, slots, width, deltas)
         return self.step(input_ids, positions, slots, width, deltas)
 
-    def capture_widths(self, size: int) -> int:
-        """Capture the step for batch `size` at every table width not captured yet (engine warm-up on one GPU: a
-        conversation resumed at 58K tokens otherwise paid a 0.2–0.3 s capture before its second token on the
-        H200). → how many were captured."""
+    def capture_widths(self, size: int, chained: bool = False) -> int:
+        """Capture the step for batch `size` (or the chained step of `size` rows) at every table width not captured
+        yet (engine warm-up on one GPU: a conversation resumed at 58K tokens otherwise paid a 0.2–0.3 s capture
+        before its second token on the H200). → how many were captured."""
+        graphs, size = (self.chain_graphs, size) if chained else (self.graphs, bucket(size))
         width, count = MIN_WIDTH, 0
         while width <= self.max_width:
-            if (bucket(size), width) not in self.graphs:
-                self._capture(bucket(size), width)
+            if (size, width) not in graphs:
+                self._capture(size, width, chained)
                 count += 1
             width *= 2
         return count
+
+    def can_extend(self, num_tokens: int, start: int, max_blocks: int) -> bool:
+        """Whether `extend` takes a chunk of `num_tokens` at `start` of a sequence whose table is `max_blocks` long:
+        a sequence under way (the chained steps continue its states, never clear them), a chunk of several
+        tokens up to max_chain, one GPU (the workers of several are told decode steps only)."""
+        return (1 < num_tokens <= self.max_chain and start > 0 and self.announce is None and self.keeper is None
+                and max_blocks <= self.max_width)
+
+    def extend(self, tokens: list[int], start: int, slot: int, blocks: list[int]) -> torch.Tensor:
+        """Logits [1, V] of the last of `tokens`, which continue the sequence in `slot` at position `start` (its
+        states and KV pages advance): chained steps of chain_sizes(len(tokens)), the last one token a decode step."""
+        width = bucket(len(blocks), MIN_WIDTH)
+        deltas = [self._table_delta(slot, blocks)]
+        done, logits = 0, None
+        for size in chain_sizes(len(tokens)):
+            ids, positions = tokens[done: done + size], list(range(start + done, start + done + size))
+            if size == 1:
+                logits = self.step(ids, positions, [slot], width, deltas)
+            else:
+                logits = self._chain_step(ids, positions, slot, width, deltas)
+            done, deltas = done + size, []
+        return logits
+
+    def _chain_step(self, ids: list[int], positions: list[int], slot: int, width: int,
+                    deltas: list[TableDelta]) -> torch.Tensor:
+        size = len(ids)
+        if (size, width) not in self.chain_graphs:
+            self._capture(size, width, chained=True)
+        graph, logits = self.chain_graphs[(size, width)]
+        self._apply_deltas(deltas)
+        self.chain_inputs[:, :size].copy_(staged([ids, positions, [slot] * size], self.device), non_blocking=True)
+        if graph is None:
+            return self._step(size, width, chained=True)
+        graph.replay()
+        return logits
 
     def step(self, input_ids: list[int] | torch.Tensor, positions: list[int], slots: list[int], width: int,
              deltas: list[TableDelta]) -> torch.Tensor:
@@ -124,11 +178,7 @@ class DecodeGraphs:
         on_device = isinstance(input_ids, torch.Tensor)
         host = staged([([0] * n if on_device else input_ids) + [0] * pad, positions + [0] * pad,
                        slots + [self.scratch_slot] * pad], self.device)
-        for slot, reset, first, blocks in deltas:
-            if reset:
-                self.slot_tables[slot].fill_(self.scratch_block)
-            if blocks:
-                self.slot_tables[slot, first: first + len(blocks)].copy_(staged(blocks, self.device), non_blocking=True)
+        self._apply_deltas(deltas)
         self.inputs[:, :size].copy_(host, non_blocking=True)
         if on_device:
             self.input_ids[:n].copy_(input_ids)
@@ -142,6 +192,13 @@ class DecodeGraphs:
             self.keeper.after_step()
         return logits[:n]
 
+    def _apply_deltas(self, deltas: list[TableDelta]) -> None:
+        for slot, reset, first, blocks in deltas:
+            if reset:
+                self.slot_tables[slot].fill_(self.scratch_block)
+            if blocks:
+                self.slot_tables[slot, first: first + len(blocks)].copy_(staged(blocks, self.device), non_blocking=True)
+
     def _table_delta(self, slot: int, blocks: list[int]) -> TableDelta:
         """The blocks this slot's table lacks. A request's block list is only ever extended, or replaced by a
         new list (a new request in the slot, a resume): held by reference, so `is` tells them apart."""
@@ -152,45 +209,48 @@ class DecodeGraphs:
         self._slot_blocks[slot] = (blocks, len(blocks))
         return slot, reset, count, blocks[count:]
 
-    def batch(self, size: int, width: int) -> DecodeBatch:
-        """The first `size` rows of the static inputs, their block tables gathered by slot. A new DecodeBatch per
-        call: inside a capture, whatever it caches (its token rows) is computed in the graph from the inputs."""
-        slots = self.slots[:size]
+    def batch(self, size: int, width: int, chained: bool = False) -> DecodeBatch:
+        """The first `size` rows of the static inputs (the chained steps' when `chained`), their block tables
+        gathered by slot. A new DecodeBatch per call: inside a capture, whatever it caches (its token rows) is
+        computed in the graph from the inputs."""
+        input_ids, positions, slots = (self.chain_inputs if chained else self.inputs)[:, :size]
         table = self.slot_tables[:, :width].index_select(0, slots)
-        return DecodeBatch(self.input_ids[:size], self.positions[:size], slots, table, self.kv, self.states)
+        return DecodeBatch(input_ids, positions, slots, table, self.kv, self.states, chained=chained)
 
-    def _step(self, size: int, width: int) -> torch.Tensor:
-        return self.model.compute_logits(self.model.decode(self.batch(size, width)))
+    def _step(self, size: int, width: int, chained: bool = False) -> torch.Tensor:
+        hidden = self.model.decode(self.batch(size, width, chained))
+        return self.model.compute_logits(hidden[-1:] if chained else hidden)   # a chain: its last token's only
 
     @torch.inference_mode()
-    def _capture(self, size: int, width: int) -> None:
+    def _capture(self, size: int, width: int, chained: bool = False) -> None:
+        graphs = self.chain_graphs if chained else self.graphs
         if not self.capture:
-            self.graphs[(size, width)] = (None, None)
+            graphs[(size, width)] = (None, None)
             return
         start = time.perf_counter()
         # Warm-up and capture read the static inputs: point every row at the scratch slot (whose table is all the
         # scratch block) first, so the warm-up runs (which do execute) write only there.
-        self.input_ids.zero_()
-        self.positions.zero_()
-        self.slots.fill_(self.scratch_slot)
+        inputs = self.chain_inputs if chained else self.inputs
+        inputs[:2].zero_()
+        inputs[2].fill_(self.scratch_slot)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):  # compiles and autotunes the Triton kernels outside the capture
-                self._step(size, width)
+                self._step(size, width, chained)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        what = f"the {'chained' if chained else 'decode'} step for batch {size}, {width} KV blocks wide"
         try:
             with torch.cuda.graph(graph, pool=self.pool):
-                logits = self._step(size, width)
+                logits = self._step(size, width, chained)
         except RuntimeError as exc:
             # e.g. a collective that cannot be captured with several GPUs: this bucket keeps the same fixed-shape
             # step, run eagerly (on another rank a captured graph launches the same collectives in the same order)
-            log.warning("capturing the decode step for batch %d, %d KV blocks wide failed (%s); it runs eagerly",
-                        size, width, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-            self.graphs[(size, width)] = (None, None)
+            log.warning("capturing %s failed (%s); it runs eagerly", what,
+                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            graphs[(size, width)] = (None, None)
             return
         self.pool = graph.pool()
-        self.graphs[(size, width)] = (graph, logits)
-        log.info("captured the decode step for batch %d, %d KV blocks wide, in %.2f s", size, width,
-                 time.perf_counter() - start)
+        graphs[(size, width)] = (graph, logits)
+        log.info("captured %s in %.2f s", what, time.perf_counter() - start)

@@ -121,6 +121,7 @@ class LLMEngine:
         block_size = KVPool.fit_block_size(cfg, args.block_size)
         slot_bytes = StatePool.bytes_per_slot(cfg, self.dtype)
         use_graphs = self._use_cuda_graphs()
+        extend_max = args.graph_extend_max if use_graphs and self._extends_capturable() else 0
         # A captured decode step pads its batch with rows on a scratch slot and block (engine/cuda_graph.py).
         num_slots = args.max_num_seqs + use_graphs
         num_blocks = self._plan_kv_blocks(block_size, slot_bytes, num_slots)
@@ -135,7 +136,7 @@ class LLMEngine:
             pacer = PrefillPacer(args.decode_step_budget_ms / 1e3, args.prefill_budget_while_decoding)
         self.scheduler = Scheduler(self.kv, self.states, args.max_num_seqs, args.max_num_batched_tokens,
                                    self.prefix_cache, args.prefix_snapshot_interval, args.prefill_budget_while_decoding,
-                                   pacer, graph_tail=args.graph_prefill_tail if use_graphs else 0,
+                                   pacer, graph_tail=args.graph_prefill_tail if use_graphs and not extend_max else 0,
                                    decode_steps_between_prefill=args.decode_steps_between_prefill)
         eos = set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(e for e in eos if e < cfg.vocab_size)
@@ -145,7 +146,7 @@ class LLMEngine:
             # with an expert cache, batches up to what the decode kernels take read its pools in the graph
             graph_rows = args.max_num_seqs if experts is None else min(args.max_num_seqs, DECODE_MAX_M)
             graphs = DecodeGraphs(self.loaded.model, self.kv, self.states, graph_rows,
-                                  self.kv.blocks_for(self.max_model_len))
+                                  self.kv.blocks_for(self.max_model_len), max_chain=extend_max)
             if experts is not None:
                 graphs.keeper = experts.enable_graphs()
         self.runner = ModelRunner(self.loaded.model, self.kv, self.states, self.eos_token_ids, self.device, args.seed,
@@ -164,6 +165,16 @@ class LLMEngine:
         several GPUs every rank replays its own graph, NCCL all-reduces inside (parallel/runtime.py
         broadcast_decode)."""
         return self.device.type == "cuda" and not self.args.enforce_eager
+
+    def _extends_capturable(self) -> bool:
+        """Whether short prompt chunks can replay chained steps (DecodeGraphs.extend): routed experts INT4 in the
+        device's memory (their grouped kernels need no host sync; the 16-bit experts' decode form gathers every
+        row's expert weights, too much memory for a chunk's rows; an expert cache's eager path syncs)."""
+        from flashnext.models.layers.int4_experts import Int4Experts
+        from flashnext.models.layers.moe import Experts
+
+        experts = [m for m in self.loaded.model.modules() if isinstance(m, (Experts, Int4Experts))]
+        return self.loaded.expert_cache is None and all(isinstance(m, Int4Experts) for m in experts)
 
     def _build_prefix_cache(self, block_size: int) -> PrefixCache | None:
         args = self.args
@@ -342,6 +353,10 @@ class LLMEngine:
         graphs = self.runner.graphs
         if graphs is not None and graphs.announce is None:   # one GPU (several: the workers capture as announced)
             graphs.capture_widths(1)
+            size = 2
+            while size <= graphs.max_chain:   # every chained step extend may run
+                graphs.capture_widths(size, chained=True)
+                size *= 2
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         (self.prompt_tokens_total, self.generation_tokens_total, self.scheduler.prefix_queries,

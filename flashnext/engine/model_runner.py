@@ -2,8 +2,9 @@
 
 This is the one place that turns scheduler output into tensors. Requests that decode one token — or feed one
 prompt token of a sequence under way (Scheduler.graph_tail) — replay the captured decode graph when `graphs` is
-given (engine/cuda_graph.py); other prefill chunks run the eager torch path, in the same step, so running
-streams keep their fast path while a long prompt enters.
+given (engine/cuda_graph.py); short prompt chunks of a sequence under way replay its chained steps
+(DecodeGraphs.extend); other prefill chunks run the eager torch path, in the same step, so running streams keep
+their fast path while a long prompt enters.
 """
 from __future__ import annotations
 
@@ -53,8 +54,10 @@ class ModelRunner:
         batch = self._sampling_batch(requests, appendable) if requests and not appendable else None
         decoding = self._graph_chunks(chunks)   # prefill only: a prompt's last tokens fed one a step replay too
         replayed = {id(c) for c in decoding}
+        extending = [c for c in chunks if id(c) not in replayed and self._extends(c)]
+        replayed |= {id(c) for c in extending}
         eager = [c for c in chunks if id(c) not in replayed]
-        replay_first = bool(decoding) and not eager and self.graphs.captured(
+        replay_first = bool(decoding) and not eager and not extending and self.graphs.captured(
             len(decoding), max(len(c.request.blocks) for c in decoding))
         if not replay_first:
             launched()
@@ -66,6 +69,12 @@ class ModelRunner:
                 parts.append((sampled, logits[:len(sampled)]))
             if replay_first:
                 launched()
+        for chunk in extending:
+            r = chunk.request
+            logits = self.graphs.extend(r.tokens(r.num_computed, r.num_computed + chunk.num_tokens), r.num_computed,
+                                        r.slot, r.blocks)
+            if chunk.samples:
+                parts.append(([r], logits))
         if eager:
             logits = self._forward_eager(eager)
             if logits is not None:
@@ -123,6 +132,11 @@ class ModelRunner:
         if decoding and self.graphs.can_run(len(decoding), max(len(c.request.blocks) for c in decoding)):
             return decoding
         return []
+
+    def _extends(self, chunk: ScheduledChunk) -> bool:
+        """A short prompt chunk of a sequence under way: chained graph steps (DecodeGraphs.extend)."""
+        r = chunk.request
+        return self.graphs is not None and self.graphs.can_extend(chunk.num_tokens, r.num_computed, len(r.blocks))
 
     def _forward_eager(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
         """The torch forward of any chunks → logits of those that sample ([n, V], model dtype), or None."""

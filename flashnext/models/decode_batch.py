@@ -6,6 +6,11 @@ That is this: per row the new token, its position (= tokens of the sequence alre
 recurrent-state slot, and the KV block table padded to a fixed width W. Rows past the real batch point at
 a scratch slot and a scratch block (flashnext/engine/cuda_graph.py), so their writes land where nobody reads.
 Layers implement `decode(x, …, batch)` beside `forward`: the same math as a one-token segment, tested equal.
+
+A `chained` batch is B consecutive tokens of one sequence instead (one slot, positions p … p+B−1): a short prompt
+chunk of a sequence under way, captured too (DecodeGraphs.extend). Attention and the MoE treat its rows like any
+others (each row attends up to its own position, the KV of all rows written first); the layers whose state moves
+token by token — GatedDeltaNet, PLE, the QSA indexer's ring — run its rows in order, as a prefill segment.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ class DecodeBatch:
     block_table: torch.Tensor   # [B, W] int64: KV blocks of each row, padded
     kv: "KVPool"                # noqa: F821 - flashnext.cache.kv_pool
     states: "StatePool"         # noqa: F821 - flashnext.cache.state_pool
+    chained: bool = False       # the rows are one sequence's consecutive tokens (see the module's docstring)
 
     @property
     def size(self) -> int:

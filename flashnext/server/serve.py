@@ -79,6 +79,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
               "short tool result after a prefix hit) is fed one token a step through the captured decode graph "
               "instead of one eager step (6-8 ms a token against 120-150 ms a step for full-size Flash-Next on an "
               "H200); 0: off (default 16)")
+    _add(parser, "--graph-extend-max", type=int,
+         help="with CUDA graphs, a prompt chunk of at most this many tokens that continues a sequence (a resumed "
+              "conversation's new message, a tool result, the generation prompt after a turn's history) replays "
+              "captured steps of one sequence's tokens (powers of two, largest first) instead of one eager step; "
+              "INT4 experts without an expert cache, one GPU; supersedes --graph-prefill-tail; 0: off (default 128)")
     _add(parser, "--decode-ahead", type=_bool,
          help="with CUDA graphs on one GPU, queue each decode step on the device, fed the tokens the step before "
               "sampled there, before the host reads those tokens, so the host's work between steps (detokenising, "
@@ -151,7 +156,7 @@ _ENGINE_FLAGS = {"model": "model", "device": "device", "max_num_batched_tokens":
                  "decode_step_budget_ms": "decode_step_budget_ms",
                  "decode_steps_between_prefill": "decode_steps_between_prefill",
                  "kv_cache_gb": "kv_cache_gb", "block_size": "block_size", "seed": "seed", "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
-                 "max_queued_requests": "max_queued_requests", "graph_prefill_tail": "graph_prefill_tail", "decode_ahead": "decode_ahead", "gpu_memory_fraction": "gpu_memory_fraction",
+                 "max_queued_requests": "max_queued_requests", "graph_prefill_tail": "graph_prefill_tail", "graph_extend_max": "graph_extend_max", "decode_ahead": "decode_ahead", "gpu_memory_fraction": "gpu_memory_fraction",
                  "dtype": "dtype", "quantize": "quantize", "enforce_eager": "enforce_eager", "warmup": "warmup", "ple_placement": "ple_placement", "enable_prefix_caching": "enable_prefix_caching",
                  "prefix_snapshot_interval": "prefix_snapshot_interval", "prefix_cache_gb": "prefix_cache_gb",
                  "kv_host_gb": "kv_host_gb", "kv_host_write_through": "kv_host_write_through",

@@ -85,29 +85,50 @@ class GatedDeltaNet(nn.Module):
             return None
         return BAProjection(x, self.in_proj_ba.weight, group=self.num_v_heads // self.num_k_heads)
 
+    def _decay_and_beta(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """→ (log decay g [N, Hv] fp32, beta [N, Hv])."""
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias), b.sigmoid()
+
+    def _segment(self, mixed, g, beta, conv_tail, ssm):
+        """One sequence's rows in order: conv from its tail, then the delta rule from its state S.
+        → (o [T, Hv, Dv], new conv tail, new S)."""
+        n = mixed.shape[0]
+        qkv, conv_tail = causal_conv1d(mixed, self.conv1d.weight.squeeze(1), conv_tail)
+        q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        o, ssm = gated_delta_rule(q.reshape(n, self.num_k_heads, self.head_k_dim),
+                                  k.reshape(n, self.num_k_heads, self.head_k_dim),
+                                  v.reshape(n, self.num_v_heads, self.head_v_dim), g, beta, ssm)
+        return o, conv_tail, ssm
+
+    def _gated_out(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        n = o.shape[0]
+        out = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(out.reshape(n, self.value_dim))
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         mixed, z, b, a = self._project(x)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        g, beta = self._decay_and_beta(b, a)
         conv_state, ssm_state = ctx.states.conv[self.layer_idx], ctx.states.ssm[self.layer_idx]
-        weight = self.conv1d.weight.squeeze(1)
         out = torch.empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
         for seg in ctx.segments:
             rows = slice(seg.start, seg.end)
-            qkv, conv_state[seg.slot] = causal_conv1d(mixed[rows], weight, conv_state[seg.slot])
-            q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            o, ssm_state[seg.slot] = gated_delta_rule(
-                q.reshape(seg.length, self.num_k_heads, self.head_k_dim),
-                k.reshape(seg.length, self.num_k_heads, self.head_k_dim),
-                v.reshape(seg.length, self.num_v_heads, self.head_v_dim),
-                g[rows], beta[rows], ssm_state[seg.slot])
-            out[rows] = o
-        out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-        return self.out_proj(out.reshape(x.shape[0], self.value_dim))
+            out[rows], conv_state[seg.slot], ssm_state[seg.slot] = self._segment(
+                mixed[rows], g[rows], beta[rows], conv_state[seg.slot], ssm_state[seg.slot])
+        return self._gated_out(out, z)
 
     def decode(self, x: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """One token per row: conv, delta rule and gated norm fused in ops.gdn_decode (states updated in place); with
-        FLASHNEXT_GDN_FUSED_CONV=1 the b|a projection too (ops.gdn_decode.folds_ba)."""
+        FLASHNEXT_GDN_FUSED_CONV=1 the b|a projection too (ops.gdn_decode.folds_ba). A chained batch (one sequence's
+        tokens) runs as a prefill segment of its slot, the slot read and written by device index."""
+        if batch.chained:
+            mixed, z, b, a = self._project(x)
+            g, beta = self._decay_and_beta(b, a)
+            conv_state, ssm_state, slot = batch.states.conv[self.layer_idx], batch.states.ssm[self.layer_idx], batch.slots[:1]
+            o, conv_tail, ssm = self._segment(mixed, g, beta, conv_state.index_select(0, slot)[0],
+                                              ssm_state.index_select(0, slot)[0])
+            conv_state.index_copy_(0, slot, conv_tail[None].to(conv_state.dtype))
+            ssm_state.index_copy_(0, slot, ssm[None])
+            return self._gated_out(o, z)
         ba = self._ba_projection(x) if folds_ba(x, self.head_k_dim, self.head_v_dim) else None
         if ba is None:
             mixed, z, b, a = self._project(x)

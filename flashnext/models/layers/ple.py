@@ -127,17 +127,33 @@ class PLELayer(nn.Module):
         ids_state, conv_state = ctx.states.ple_ids[self.layer_idx], ctx.states.ple_conv[self.layer_idx]
         emb = torch.empty(h.shape[0], self.value_proj.in_features, dtype=h.dtype, device=h.device)
         for seg in ctx.segments:
-            history = torch.cat([ids_state[seg.slot], input_ids[seg.start: seg.end]])
-            emb[seg.start: seg.end] = self.ple_embedding(history, seg.length).to(h.dtype)
-            ids_state[seg.slot] = history[-ids_state.shape[1]:]
+            emb[seg.start: seg.end], ids_state[seg.slot] = self._embed(ids_state[seg.slot], input_ids[seg.start: seg.end])
         gated = self._gated(h, emb)
         normed = self.norm_conv(gated)
         conv_out = torch.empty_like(gated)
-        weight = self.conv1d.weight.squeeze(1)
         for seg in ctx.segments:
             rows = slice(seg.start, seg.end)
-            conv_out[rows], conv_state[seg.slot] = causal_conv1d(normed[rows], weight, conv_state[seg.slot], self.dilation)
+            conv_out[rows], conv_state[seg.slot] = self._conv(normed[rows], conv_state[seg.slot])
         return gated + conv_out
+
+    def _embed(self, carried: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's n-gram rows of `ids` after its carried ids → (embeddings [T, E], the ids to carry)."""
+        history = torch.cat([carried, ids])
+        return self.ple_embedding(history, ids.shape[0]), history[-carried.shape[0]:]
+
+    def _conv(self, normed: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return causal_conv1d(normed, self.conv1d.weight.squeeze(1), tail, self.dilation)
+
+    def _decode_chain(self, h: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        """A chained batch (models/decode_batch.py): its rows as one prefill segment, the slot by device index."""
+        ids_state, conv_state = batch.states.ple_ids[self.layer_idx], batch.states.ple_conv[self.layer_idx]
+        slot = batch.slots[:1]
+        emb, carried = self._embed(ids_state.index_select(0, slot)[0], batch.input_ids)
+        ids_state.index_copy_(0, slot, carried[None].to(ids_state.dtype))
+        gated = self._gated(h, emb.to(h.dtype))
+        conv, tail = self._conv(self.norm_conv(gated), conv_state.index_select(0, slot)[0])
+        conv_state.index_copy_(0, slot, tail[None].to(conv_state.dtype))
+        return gated + conv
 
     def _gated(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """The value of each token's n-gram rows, gated per stream by signed-sqrt key · query."""
@@ -150,6 +166,8 @@ class PLELayer(nn.Module):
 
     def decode(self, h: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """One token per row; the id history and the conv tail of each row's slot move on by one."""
+        if batch.chained:
+            return self._decode_chain(h, batch)
         ids_state, conv_state = batch.states.ple_ids[self.layer_idx], batch.states.ple_conv[self.layer_idx]
         history = torch.cat([ids_state[batch.slots], batch.input_ids[:, None]], dim=1)     # [B, ngram_size]
         ids_state[batch.slots] = history[:, 1:]

@@ -1,0 +1,131 @@
+"""Short prompt chunks of a sequence under way through chained steps (DecodeGraphs.extend, models/decode_batch.py):
+the same logits, states, KV rows and pooled index keys as the eager forward of that chunk, for every architecture,
+across the QSA indexer's dense/sparse threshold and the chunked form of the delta rule; and through the engine, a
+multi-turn conversation whose follow-ups hit the prefix cache gives the eager engine's tokens."""
+import pytest
+import torch
+
+from flashnext.cache.kv_pool import KVPool
+from flashnext.cache.state_pool import StatePool
+from flashnext.engine.cuda_graph import DecodeGraphs, chain_sizes
+from flashnext.models.context import ForwardContext, Segment
+from oracle import hf_model, ours_from_hf, rel_err
+from test_model_parity import CASES, IDS
+
+TOL = 1e-5
+PROMPT = 5    # below the tiny QSA budgets (8–12 tokens): the chunk crosses into the scored selection
+
+
+def test_chain_sizes_are_the_binary_digits_largest_first():
+    assert chain_sizes(75) == [64, 8, 2, 1]
+    assert chain_sizes(64) == [64]
+    assert chain_sizes(3) == [2, 1]
+    assert all(sum(chain_sizes(n)) == n for n in range(1, 300))
+
+
+def _pools(cfg, num_blocks):
+    kv = KVPool(cfg, num_blocks, KVPool.fit_block_size(cfg, 8), torch.float32, "cpu")
+    return kv, StatePool(cfg, 4, torch.float32, "cpu")
+
+
+def _eager_chunk(model, kv, states, slot, table, ids, context_len):
+    hidden = model(ids, ForwardContext([Segment(slot, torch.tensor(table), 0, len(ids), context_len)], kv, states))
+    return model.compute_logits(hidden[-1:])
+
+
+@pytest.mark.parametrize("chunk", [13, 37], ids=["8+4+1", "32+4+1"])   # 32 rows: the chunked delta rule
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_extend_equals_eager_chunk(case, chunk):
+    arch, overrides = case
+    hf, raw = hf_model(arch, seed=CASES.index(case), **overrides)
+    model = ours_from_hf(hf, raw)
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(11)
+    prompt, more = (torch.randint(2, cfg.vocab_size, (n,), generator=g) for n in (PROMPT, chunk))
+    eager, fixed = _pools(cfg, 24), _pools(cfg, 24)
+    need = eager[0].blocks_for(PROMPT + chunk + 1)
+    tables = [pools[0].allocate(need) for pools in (eager, fixed)]
+    slots = [pools[1].allocate() for pools in (eager, fixed)]
+    assert tables[0] == tables[1] and slots[0] == slots[1]
+    table, slot = tables[0], slots[0]
+    graphs = DecodeGraphs(model, *fixed, max_batch=1, max_blocks_per_seq=need, max_chain=64)
+    with torch.inference_mode():
+        for pools in (eager, fixed):
+            _eager_chunk(model, *pools, slot, table, prompt, 0)
+        want = _eager_chunk(model, *eager, slot, table, more, PROMPT)
+        got = graphs.extend(more.tolist(), PROMPT, slot, table)
+        assert got.shape == want.shape and rel_err(got, want) < TOL
+        # and the sequence goes on from there: one decode step after the chunk
+        token = int(want.argmax())
+        want = _eager_chunk(model, *eager, slot, table, torch.tensor([token]), PROMPT + chunk)
+        assert rel_err(graphs.run([token], [PROMPT + chunk], [slot], [table]), want) < TOL
+    if arch == "qwen4_exp":
+        assert PROMPT < cfg.indexer_budget < PROMPT + chunk
+    total = PROMPT + chunk + 1
+    for name, t in eager[1].tensors().items():
+        # the ring's rows past the incomplete block's tokens are stale in both, not the same stale ones
+        held = slice(total % cfg.indexer_compress_ratio) if name.startswith("index_ring") else slice(None)
+        assert rel_err(fixed[1].tensors()[name][slot][held].float(), t[slot][held].float()) < TOL, name
+    rows = eager[0].token_rows(torch.tensor(table), 0, total)
+    for layer in cfg.attention_layers():
+        for cache in ("k", "v"):
+            pages = [getattr(pools[0], cache)[layer] for pools in (fixed, eager)]
+            got, want = (p.view(-1, *p.shape[2:])[rows] for p in pages)
+            assert rel_err(got, want) < TOL, (cache, layer)
+        if arch == "qwen4_exp":   # the pooled index keys of the blocks the chunk completed
+            per_page = eager[0].index_keys[layer].shape[1]
+            blocks = torch.arange(total // cfg.indexer_compress_ratio)
+            key_rows = torch.tensor(table)[blocks // per_page] * per_page + blocks % per_page
+            got, want = (pools[0].index_keys[layer].view(-1, cfg.indexer_head_dim)[key_rows] for pools in (fixed, eager))
+            assert rel_err(got, want) < TOL, layer
+
+
+def test_engine_follow_up_turns_extend_through_chained_steps():
+    """A conversation's follow-up turns hit the prefix cache and prefill their new message and generation prompt
+    through DecodeGraphs.extend (every such chunk: several tokens, a sequence under way); the tokens and the cached
+    counts equal the eager engine's."""
+    from flashnext.engine.args import EngineArgs
+    from flashnext.engine.llm_engine import LLMEngine
+    from flashnext.engine.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(5)
+    history = torch.randint(3, 400, (40,), generator=g).tolist()
+    args = dict(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
+                decode_ahead=False)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def conversation(engine):
+        prompt, hist, turns = history + [7, 8, 9, 10, 11], 40, []
+        for turn in range(3):
+            request = engine.add_request(f"t{turn}", prompt, params, history_len=hist)
+            tokens = []
+            while engine.has_work():
+                for o in engine.step():
+                    tokens += o.token_ids
+            turns.append((tokens, request.num_cached))
+            new_message = torch.randint(3, 400, (9 + 4 * turn,), generator=g).tolist()
+            hist = len(prompt) + len(tokens) + len(new_message)
+            prompt = prompt + tokens + new_message + [7, 8, 9, 10, 11][: 2 + turn]
+        return turns
+
+    g.manual_seed(6)
+    want = conversation(LLMEngine(EngineArgs(**args)))
+    engine = LLMEngine(EngineArgs(**args))
+    runner = engine.runner
+    runner.graphs = DecodeGraphs(runner.model, engine.kv, engine.states, max_batch=4,
+                                 max_blocks_per_seq=engine.kv.blocks_for(engine.max_model_len), max_chain=16)
+    extended = []
+    original = runner.graphs.extend
+
+    def spy(tokens, start, slot, blocks):
+        extended.append(len(tokens))
+        return original(tokens, start, slot, blocks)
+
+    runner.graphs.extend = spy
+    g.manual_seed(6)
+    got = conversation(engine)
+    assert got == want
+    assert all(cached > 0 for _, cached in got[1:])
+    assert len(extended) >= 4 and all(1 < n <= 16 for n in extended)
+    # a short prompt that starts a sequence runs eagerly: chained steps continue a slot's states, never clear them
+    assert not runner.graphs.can_extend(6, 0, 1) and runner.graphs.can_extend(6, 2, 1)
