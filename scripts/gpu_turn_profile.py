@@ -12,7 +12,6 @@ turn's prefill by the profiler.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import time
@@ -23,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from flashnext.engine.llm import LLM
 from flashnext.engine.sampling_params import SamplingParams
-from gpu_common import sync
+from gpu_common import environment, sync
 
 
 def first_token_steps(engine, request_id, prompt, params, history_len):
@@ -41,21 +40,23 @@ def first_token_steps(engine, request_id, prompt, params, history_len):
 
 
 @contextmanager
-def environment(setting):
-    """`NAME=VALUE` set for the block (None: nothing)."""
+def variant(engine, setting: str | None):
+    """`NAME=VALUE` for the turn: an environment switch, or `extend=off` (the short chunk eager, its generation prompt
+    fed one token a step: the engine without DecodeGraphs.extend)."""
     if setting is None:
         yield
-        return
-    name, _, value = setting.partition("=")
-    previous = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = previous
+    elif setting == "extend=off":
+        graphs, scheduler = engine.runner.graphs, engine.scheduler
+        chain, tail = graphs.max_chain, scheduler.graph_tail
+        graphs.max_chain, scheduler.graph_tail = 0, engine.args.graph_prefill_tail
+        try:
+            yield
+        finally:
+            graphs.max_chain, scheduler.graph_tail = chain, tail
+    else:
+        name, _, value = setting.partition("=")
+        with environment({name: value}):
+            yield
 
 
 def main() -> int:
@@ -67,12 +68,13 @@ def main() -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE",
                     help="also run two turns with this environment switch set (one read on the eager path per call, "
-                         "e.g. FLASHNEXT_HC_DECODE_MAX_ROWS=256); repeatable")
+                         "e.g. FLASHNEXT_HC_DECODE_MAX_ROWS=256), or extend=off; repeatable")
     args = ap.parse_args()
     llm = LLM(args.model, quantize=args.quantize or None, max_num_seqs=2, kv_cache_gb=16.0, kv_host_gb=8.0,
               device=args.device)
     engine = llm.engine
-    engine.warm_up()
+    print(f"warm-up (graph captures included): {engine.warm_up():.1f} s; chained graphs "
+          f"{len(engine.runner.graphs.chain_graphs) if engine.runner.graphs else 0}")
     vocab = engine.config.vocab_size
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -86,7 +88,7 @@ def main() -> int:
             conv = conv + reply + [rng.randrange(100, vocab - 100) for _ in range(args.new)]
             profiled = setting == "profiled"
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if profiled else nullcontext() as prof, \
-                    environment(None if profiled else setting):
+                    variant(engine, None if profiled else setting):
                 steps, total, request = first_token_steps(engine, f"d{depth}-t{turn}", conv, params, len(conv) - 5)
             label = " (profiled)" if profiled else f" [{setting}]" if setting else ""
             print(f"depth {depth} turn {turn}{label}: prompt {len(conv)}, cached "
