@@ -2,18 +2,15 @@
 
     python scripts/gpu_gdn_decode.py       # one table, ~20 s on an H200
 
-For each (model, B) it runs one step of the Triton kernels and of gdn_decode_reference on copies of the same
-random states (bf16 activations, fp32 S) and compares the output and both states, then times the Triton step
-with triton.testing.do_bench (eager launches) and do_bench_cudagraph (the step replayed in a graph: the decode
-engine's situation), for the default num_warps of the delta-rule kernel and the best of a few; each model twice, the
-conv as its own launch and inside the delta rule's ("fused": FLASHNEXT_GDN_FUSED_CONV=1). Bytes = S read
-and written (fp32) + the conv tail read and written; GB/s is compared with the 4.27 TB/s device-to-device copy
-ceiling (PERF.md). The last column is the torch reference, eager, for scale.
+For each (model, B) it runs one step of the Triton kernels (the conv kernel, then the delta-rule kernel) and of
+gdn_decode_reference on copies of the same random states (bf16 activations, fp32 S) and compares the output and
+both states, then times the Triton step with triton.testing.do_bench (eager launches) and do_bench_cudagraph (the
+step replayed in a graph: the decode engine's situation), for the default num_warps of the delta-rule kernel and
+the best of a few. Bytes = S read and written (fp32) + the conv tail read and written; GB/s is compared with the
+4.27 TB/s device-to-device copy ceiling (PERF.md). The last column is the torch reference, eager, for scale.
 """
 from __future__ import annotations
 
-import itertools
-import os
 import sys
 
 import torch
@@ -65,14 +62,12 @@ def main() -> int:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
-    header = (f"{'model':17} {'B':>2} {'out err':>8} {'S err':>8} {'conv':>5} {'eager us':>9} {'graph us':>9} "
+    header = (f"{'model':11} {'B':>2} {'out err':>8} {'S err':>8} {'conv':>5} {'eager us':>9} {'graph us':>9} "
               f"{'GB/s':>6} {'%ceil':>6} {'best us':>8} {'warps':>5} {'best GB/s':>9} {'ref us':>8}")
     print(header)
     print("-" * len(header))
     failures = 0
-    for (name, hk, hv, dk, dv, width, activation), fused in itertools.product(MODELS, ("0", "1")):
-        os.environ["FLASHNEXT_GDN_FUSED_CONV"] = fused   # the conv in the delta rule's launch, or before it
-        name = f"{name}{' fused' if fused == '1' else ''}"
+    for name, hk, hv, dk, dv, width, activation in MODELS:
         for rows in BATCHES:
             inputs, kw = make_problem(hk, hv, dk, dv, width, rows, gen, dev)
             kw["activation"] = activation
@@ -96,12 +91,12 @@ def main() -> int:
                 ref = tt.do_bench(lambda inputs=inputs, kw=kw: gdn_decode_reference(**inputs, **kw), warmup=5, rep=50)
             except Exception as error:  # noqa: BLE001 - one broken shape must not hide the others
                 failures += 1
-                print(f"{name:17} {rows:2d}  FAILED: {type(error).__name__}: {error}")
+                print(f"{name:11} {rows:2d}  FAILED: {type(error).__name__}: {error}")
                 continue
             nbytes = state_bytes(hk, hv, dk, dv, width, rows)
             gbs = nbytes / (graph * 1e-3) / 1e9
             best_gbs = nbytes / (sweep[best_warps] * 1e-3) / 1e9
-            print(f"{name:17} {rows:2d} {out_err:8.1e} {s_err:8.1e} {'ok' if conv_ok else 'DIFF':>5}"
+            print(f"{name:11} {rows:2d} {out_err:8.1e} {s_err:8.1e} {'ok' if conv_ok else 'DIFF':>5}"
                   f"{'' if ok else '!'} {eager * 1e3:9.1f} {graph * 1e3:9.1f} {gbs:6.0f} "
                   f"{100 * gbs * 1e9 / COPY_CEILING:5.1f}% {sweep[best_warps] * 1e3:8.1f} {best_warps:5d} "
                   f"{best_gbs:9.0f} {ref * 1e3:8.1f}")

@@ -128,21 +128,6 @@ def run_both(kernels, inputs, kw, activation):
     return got, want, ref_states
 
 
-@pytest.fixture(params=[False, True], ids=["two-launches", "fused-conv"])
-def fused_conv(request, monkeypatch):
-    """Both forms of the Triton step: the conv kernel then the delta-rule kernel, and FLASHNEXT_GDN_FUSED_CONV=1's
-    one launch (the q and k tails shifted by the last of a key head's value heads to arrive)."""
-    monkeypatch.setenv("FLASHNEXT_GDN_FUSED_CONV", "1" if request.param else "0")
-    return request.param
-
-
-def counters_zeroed():
-    from flashnext.ops import arrival
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return all(int(b.abs().sum()) == 0 for b in arrival.buffers(device))
-
-
 KERNEL_CASES = [  # (Hk, Hv, Dk, Dv, K, B, S, strided)
     (2, 6, 16, 32, 4, 3, 5, False),
     (1, 3, 12, 20, 4, 4, 6, True),     # non-power-of-two heads: masked lanes
@@ -155,7 +140,7 @@ KERNEL_CASES = [  # (Hk, Hv, Dk, Dv, K, B, S, strided)
 @needs_triton
 @pytest.mark.parametrize("activation", ["silu", "sigmoid"])
 @pytest.mark.parametrize("hk,hv,dk,dv,width,rows,num_slots,strided", KERNEL_CASES)
-def test_triton_matches_reference(kernels, fused_conv, hk, hv, dk, dv, width, rows, num_slots, strided, activation):
+def test_triton_matches_reference(kernels, hk, hv, dk, dv, width, rows, num_slots, strided, activation):
     inputs, kw = make_problem(hk, hv, dk, dv, width, rows, num_slots, torch.float32, seed=rows + dv, strided=strided)
     before = {n: inputs[n].clone() for n in ("conv_state", "ssm_state")}
     got, want, ref_states = run_both(kernels, inputs, kw, activation)
@@ -167,11 +152,10 @@ def test_triton_matches_reference(kernels, fused_conv, hk, hv, dk, dv, width, ro
     untouched[inputs["slots"].cpu()] = False
     for name in ("conv_state", "ssm_state"):
         assert torch.equal(inputs[name][untouched], before[name][untouched])
-    assert counters_zeroed()
 
 
 @needs_triton
-def test_triton_consecutive_steps(kernels, fused_conv):
+def test_triton_consecutive_steps(kernels):
     inputs, kw = make_problem(2, 6, 16, 32, 4, 3, 5, torch.float32, seed=11)
     ref_states = {n: inputs[n].clone() for n in ("conv_state", "ssm_state")}
     gen = torch.Generator().manual_seed(12)
@@ -189,7 +173,7 @@ def test_triton_consecutive_steps(kernels, fused_conv):
 
 @needs_triton
 @pytest.mark.parametrize("norm_dtype", [torch.float16, torch.float32])
-def test_triton_half_precision(kernels, fused_conv, norm_dtype):
+def test_triton_half_precision(kernels, norm_dtype):
     # fp16 exercises the rounding points (conv output, β, o, the weighted norm when the weight is fp16). bf16 is
     # only checked on the GPU (scripts/gpu_gdn_decode.py): Triton's interpreter gets bf16 casts wrong.
     inputs, kw = make_problem(2, 6, 16, 32, 4, 3, 5, torch.float16, seed=5, strided=True)
@@ -210,50 +194,3 @@ def test_dispatch_and_empty_batch(kernels, monkeypatch):
     empty = {**inputs, "mixed_qkv": inputs["mixed_qkv"][:0], "z": inputs["z"][:0], "b": inputs["b"][:0],
              "a": inputs["a"][:0], "slots": inputs["slots"][:0]}
     assert kernels.gdn_decode_triton(**empty, **kw, activation="silu").shape == (0, 4 * 16)
-
-
-@needs_triton
-@pytest.mark.parametrize("fused,dtype,group", [(True, torch.float32, 0), (True, torch.float32, 3),
-                                               (True, torch.float16, 3), (False, torch.float32, 0)])
-def test_triton_step_computes_b_and_a_from_the_projection(kernels, monkeypatch, fused, dtype, group):
-    """Handed the layer's b|a projection (ops.gdn_decode.BAProjection) the step kernel computes each head's b and a
-    from x and its two rows of the weight — [b; a] (group 0, split checkpoints) or per key head b then a (qwen3_next,
-    group 3 = value heads a key head) — over a hidden size of two of its 1024-wide passes, rounded to the activation
-    dtype (fp16 too); it runs without FLASHNEXT_GDN_FUSED_CONV as well (the layer hands it over only where
-    ops.gdn_decode.folds_ba). It equals the reference given b and a."""
-    from flashnext.ops.gdn_decode import BAProjection
-
-    monkeypatch.setenv("FLASHNEXT_GDN_FUSED_CONV", "1" if fused else "0")
-    hk, hv, hidden = 2, 6, 1100
-    inputs, kw = make_problem(hk, hv, 16, 32, 4, 3, 5, dtype, seed=21)
-    gen = torch.Generator().manual_seed(22)
-    device = inputs["mixed_qkv"].device
-    x = torch.randn(3, hidden, generator=gen).to(device, dtype)
-    weight = (torch.randn(2 * hv, hidden, generator=gen) * 0.03).to(device, dtype)
-    ba = BAProjection(x, weight, group)
-    b, a = ba.outputs(hv)
-    ref_states = {n: inputs[n].clone() for n in ("conv_state", "ssm_state")}
-    want = gdn_decode_reference(**{**inputs, **ref_states, "b": b, "a": a}, **kw, activation="silu")
-    got = kernels.gdn_decode_triton(**{**inputs, "b": None, "a": None}, **kw, activation="silu", ba=ba)
-    tol = 1e-5 if dtype == torch.float32 else 5e-3
-    assert rel_err(got, want) < tol
-    assert rel_err(inputs["ssm_state"], ref_states["ssm_state"]) < tol
-    assert torch.equal(inputs["conv_state"], ref_states["conv_state"])
-
-
-@pytest.mark.parametrize("arch,activation,overrides", LAYER_CASES)
-@torch.no_grad()
-def test_the_layers_b_and_a_as_rows_of_one_weight(arch, activation, overrides):
-    """GatedDeltaNet._ba_projection (what a decode step with FLASHNEXT_GDN_FUSED_CONV=1 hands the step kernel): its
-    rows of the stacked [b; a] (split checkpoints) or of qwen3_next's per-key-head interleaved in_proj_ba give the
-    layer's own b and a; without a 16-bit stacked weight (split, not stacked) there is none."""
-    from flashnext.models.stacked import stack_projections
-
-    layer, cfg = make_layer(arch, activation, **overrides)
-    x = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
-    want = layer._project_ba(x)
-    if layer.split:
-        assert layer._ba_projection(x) is None
-        stack_projections(layer)
-    b, a = layer._ba_projection(x).outputs(layer.num_v_heads)
-    assert rel_err(b, want[0]) < 1e-6 and rel_err(a, want[1]) < 1e-6   # one GEMM or two: BLAS may block apart

@@ -16,7 +16,6 @@ FLASHNEXT_GDN_DECODE=reference forces the reference (to bisect a wrong answer on
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,46 +25,11 @@ from flashnext.ops.gated_delta_rule import gated_delta_rule_recurrent
 from flashnext.ops.rms_norm import gated_rms_norm_reference
 
 
-@dataclass(frozen=True)
-class BAProjection:
-    """b and a not computed yet: x [B, H] @ weightᵀ, the layer's 16-bit b|a projection — which the fused step kernel
-    computes itself, one launch fewer a layer (FLASHNEXT_GDN_FUSED_CONV=1; models/layers/gated_delta_net.py hands it
-    over). The weight's rows: [b of every head; a of every head] (split checkpoints, stacked), or `group` > 0:
-    qwen3_next's in_proj_ba, for each key head its `group` value heads' b rows then their a rows."""
-    x: torch.Tensor
-    weight: torch.Tensor
-    group: int = 0
-
-    def rows(self, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weight rows of b and a for heads 0..heads-1 (the kernel computes the same from the head)."""
-        head = torch.arange(heads, device=self.x.device)
-        if not self.group:
-            return head, heads + head
-        b = head // self.group * 2 * self.group + head % self.group
-        return b, b + self.group
-
-    def outputs(self, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-        out = F.linear(self.x, self.weight)
-        b_rows, a_rows = self.rows(heads)
-        return out[:, b_rows], out[:, a_rows]
-
-
-def folds_ba(x: torch.Tensor, head_k_dim: int, head_v_dim: int) -> bool:
-    """Whether gdn_decode on x would compute b and a inside its launch (the Triton step with the conv fused)."""
-    if not _use_triton(x, head_k_dim, head_v_dim):
-        return False
-    from flashnext.ops.gdn_decode_triton import fused_conv
-
-    return fused_conv()
-
-
 def gdn_decode_reference(mixed_qkv, z, b, a, conv_state, conv_weight, ssm_state, slots, A_log, dt_bias,
                          norm_weight, *, num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int,
-                         eps: float, activation: str, ba: BAProjection | None = None) -> torch.Tensor:
+                         eps: float, activation: str) -> torch.Tensor:
     """The layer's own references on B one-token sequences: causal_conv1d_reference, gated_delta_rule_recurrent row by
-    row (a Python loop over rows, no host sync), gated_rms_norm_reference. `ba`: b and a from it (b, a None)."""
-    if ba is not None:
-        b, a = ba.outputs(num_v_heads)
+    row (a Python loop over rows, no host sync), gated_rms_norm_reference."""
     rows = mixed_qkv.shape[0]
     key_dim = num_k_heads * head_k_dim
     qkv, conv_state[slots] = causal_conv1d_reference(mixed_qkv[:, None], conv_weight, conv_state[slots])
@@ -92,11 +56,11 @@ def _use_triton(mixed_qkv: torch.Tensor, head_k_dim: int, head_v_dim: int) -> bo
 
 def gdn_decode(mixed_qkv, z, b, a, conv_state, conv_weight, ssm_state, slots, A_log, dt_bias, norm_weight, *,
                num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int, eps: float,
-               activation: str, ba: BAProjection | None = None) -> torch.Tensor:
-    """See the module docstring; the states at `slots` are updated in place. b and a given, or `ba` (b, a None)."""
+               activation: str) -> torch.Tensor:
+    """See the module docstring; the states at `slots` are updated in place."""
     fn = gdn_decode_reference
     if _use_triton(mixed_qkv, head_k_dim, head_v_dim):
         from flashnext.ops.gdn_decode_triton import gdn_decode_triton as fn
     return fn(mixed_qkv, z, b, a, conv_state, conv_weight, ssm_state, slots, A_log, dt_bias, norm_weight,
               num_k_heads=num_k_heads, head_k_dim=head_k_dim, num_v_heads=num_v_heads, head_v_dim=head_v_dim,
-              eps=eps, activation=activation, ba=ba)
+              eps=eps, activation=activation)

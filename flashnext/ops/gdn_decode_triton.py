@@ -12,24 +12,17 @@
 The state is the traffic (Flash-Next: 48 heads × 64 KiB per sequence and layer, read and written); the rest
 is a few KiB per row. No host sync and no data-dependent allocation: the step can be captured in a CUDA graph.
 
-`FLASHNEXT_GDN_FUSED_CONV=1` (read when a step is traced or captured; off until measured on the GPU): one launch,
-`_step_kernel`: each value-head program convolves its own channels — q and k of its key head, which the r value
-heads of that key head all compute, and its v — and the last of the r to arrive (ops/arrival.py: every program
-has read the tail before its release atomic) shifts the q and k tails; each v tail has one owner. Given the layer's
-b|a projection (ops.gdn_decode.BAProjection: its input and one 16-bit weight, rows by layout) a program also computes its
-head's b and a, two dots over the hidden size before it loads its state, so the layer runs no b|a GEMV. 72 launches
-and a [B, C] round trip fewer a Flash-Next step (the conv kernel took 2.4 µs and the b|a GEMV 2.3 of each
-GatedDeltaNet layer's 84, H200, session 13).
+A fused form (the conv and the layer's b|a projection inside the delta-rule launch, sessions 13/14) was measured
+slower on the H200: 4.709 ms a Flash-Next INT4 decode step against 4.504 (scripts/gpu_decode.py), and alone
+9.5 / 16.9 / 27.5 µs at B = 1 / 4 / 8 against 5.8 / 9.3 / 15.5 for the delta-rule kernel, more than the conv kernel
+(~2.1 µs) and the b|a GEMV (~2.3 µs) it saved (scripts/gpu_gdn_decode.py). So the conv stays its own launch.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from flashnext.ops.arrival import arrival_counters, arrive_last
 from flashnext.ops.pdl import launch_options, wait_for_inputs
 
 CONV_BLOCK = 256
@@ -63,25 +56,35 @@ def _conv_kernel(x_ptr, w_ptr, tail_ptr, slots_ptr, y_ptr, C, stride_x, stride_w
 
 
 @triton.jit
-def _delta_rule_head(q, k, v, z_ptr, b, a, state_ptr, slot, a_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr, row,
-                     head, stride_zb, stride_zh, stride_slot, stride_sh,
-                     stride_sk, q_scale, eps, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                     BK: tl.constexpr, BV: tl.constexpr, SIGMOID_GATE: tl.constexpr, ROUND_WEIGHTED: tl.constexpr):
-    """One value head of one row from its conv outputs q, k [BK] and v [BV] (fp32, rounded to the dtype): l2norm,
-    β and the decay, the state's update in place, o = Sᵀq and the gated RMSNorm into out."""
+def _delta_rule_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, state_ptr, slots_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
+                       out_ptr, stride_qkv, stride_zb, stride_zh, stride_bb, stride_bh, stride_ab, stride_ah,
+                       stride_slot, stride_sh, stride_sk, q_scale, eps,
+                       HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, SIGMOID_GATE: tl.constexpr, ROUND_WEIGHTED: tl.constexpr,
+                       PDL: tl.constexpr):
+    wait_for_inputs(PDL)
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    key_head = head // (HV // HK)
     dtype = out_ptr.dtype.element_ty
     offs_k = tl.arange(0, BK)
     offs_v = tl.arange(0, BV)
     mask_k = offs_k < DK
     mask_v = offs_v < DV
+
+    qkv = qkv_ptr + row * stride_qkv
+    q = tl.load(qkv + key_head * DK + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    k = tl.load(qkv + (HK + key_head) * DK + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    v = tl.load(qkv + 2 * HK * DK + head * DV + offs_v, mask=mask_v, other=0.0).to(tl.float32)
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
     # β is rounded to x's dtype: the layer takes sigmoid(b) before the recurrence casts to fp32.
-    beta = tl.sigmoid(b).to(dtype).to(tl.float32)
-    a = a + tl.load(dt_bias_ptr + head).to(tl.float32)
+    beta = tl.sigmoid(tl.load(b_ptr + row * stride_bb + head * stride_bh).to(tl.float32)).to(dtype).to(tl.float32)
+    a = tl.load(a_ptr + row * stride_ab + head * stride_ah).to(tl.float32) + tl.load(dt_bias_ptr + head).to(tl.float32)
     softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
     g = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * softplus
 
+    slot = tl.load(slots_ptr + row)
     s_ptrs = state_ptr + slot * stride_slot + head * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :]
     s_mask = mask_k[:, None] & mask_v[None, :]
     s = tl.load(s_ptrs, mask=s_mask, other=0.0) * tl.exp(g)
@@ -103,127 +106,6 @@ def _delta_rule_head(q, k, v, z_ptr, b, a, state_ptr, slot, a_log_ptr, dt_bias_p
     tl.store(out_ptr + row * HV * DV + head * DV + offs_v, (h * gate).to(dtype), mask=mask_v)
 
 
-@triton.jit
-def _delta_rule_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, state_ptr, slots_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
-                       out_ptr, stride_qkv, stride_zb, stride_zh, stride_bb, stride_bh, stride_ab, stride_ah,
-                       stride_slot, stride_sh, stride_sk, q_scale, eps,
-                       HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, SIGMOID_GATE: tl.constexpr, ROUND_WEIGHTED: tl.constexpr,
-                       PDL: tl.constexpr):
-    wait_for_inputs(PDL)
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    key_head = head // (HV // HK)
-    offs_k = tl.arange(0, BK)
-    offs_v = tl.arange(0, BV)
-    qkv = qkv_ptr + row * stride_qkv
-    q = tl.load(qkv + key_head * DK + offs_k, mask=offs_k < DK, other=0.0).to(tl.float32)
-    k = tl.load(qkv + (HK + key_head) * DK + offs_k, mask=offs_k < DK, other=0.0).to(tl.float32)
-    v = tl.load(qkv + 2 * HK * DK + head * DV + offs_v, mask=offs_v < DV, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + row * stride_bb + head * stride_bh).to(tl.float32)
-    a = tl.load(a_ptr + row * stride_ab + head * stride_ah).to(tl.float32)
-    _delta_rule_head(q, k, v, z_ptr, b, a, state_ptr, tl.load(slots_ptr + row), a_log_ptr, dt_bias_ptr,
-                     norm_w_ptr, out_ptr, row, head, stride_zb, stride_zh,
-                     stride_slot, stride_sh, stride_sk, q_scale, eps, HV, DV=DV, DK=DK, BK=BK, BV=BV,
-                     SIGMOID_GATE=SIGMOID_GATE, ROUND_WEIGHTED=ROUND_WEIGHTED)
-
-
-@triton.jit
-def _conv_channels(x_ptr, w_ptr, tail_ptr, cols, mask, stride_wc, stride_wt, stride_t, WIDTH: tl.constexpr,
-                   TAIL_P2: tl.constexpr):
-    """The causal conv of the new token x over the carried tail at channels `cols`, silu, rounded to x's dtype (the
-    conv kernel's arithmetic, in its order) → (that [BLOCK] in fp32, the shifted tail [TAIL_P2, BLOCK] to store
-    once every reader of this tail has read it: rows 1.. of the tail, then x)."""
-    t = tl.arange(0, TAIL_P2)
-    t_ok = t < WIDTH - 1
-    x = tl.load(x_ptr + cols, mask=mask, other=0.0)
-    tail = tl.load(tail_ptr + t[:, None] * stride_t + cols[None, :], mask=t_ok[:, None] & mask[None, :], other=0.0)
-    w_last = tl.load(w_ptr + cols * stride_wc + (WIDTH - 1) * stride_wt, mask=mask, other=0.0)
-    acc = x.to(tl.float32) * w_last.to(tl.float32)
-    for i in tl.static_range(WIDTH - 1):
-        prev = tl.sum(tl.where(t[:, None] == i, tail.to(x.dtype).to(tl.float32), 0.0), axis=0)   # row i, exact
-        w = tl.load(w_ptr + cols * stride_wc + i * stride_wt, mask=mask, other=0.0).to(tl.float32)
-        acc += prev * w
-    later = tl.load(tail_ptr + (t + 1)[:, None] * stride_t + cols[None, :],
-                    mask=(t + 1 < WIDTH - 1)[:, None] & mask[None, :], other=0.0)
-    shifted = tl.where(t[:, None] == WIDTH - 2, x[None, :].to(tail.dtype), later)
-    y = acc * tl.sigmoid(acc)
-    return y.to(x_ptr.dtype.element_ty).to(tl.float32), shifted
-
-
-@triton.jit
-def _ba_dots(x_ptr, w_ptr, b_row, a_row, HIDDEN, dtype: tl.constexpr, BLOCK_HIDDEN: tl.constexpr):
-    """x · W[b_row] and x · W[a_row] (W [rows, HIDDEN], the layer's b|a projection), summed in fp32 and rounded to the
-    activation dtype as the projection's output is → (b, a) as fp32 scalars."""
-    acc_b = tl.zeros((BLOCK_HIDDEN,), tl.float32)
-    acc_a = tl.zeros((BLOCK_HIDDEN,), tl.float32)
-    for h0 in range(0, HIDDEN, BLOCK_HIDDEN):
-        offs = h0 + tl.arange(0, BLOCK_HIDDEN)
-        ok = offs < HIDDEN
-        x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        acc_b += x * tl.load(w_ptr + b_row.to(tl.int64) * HIDDEN + offs, mask=ok, other=0.0).to(tl.float32)
-        acc_a += x * tl.load(w_ptr + a_row.to(tl.int64) * HIDDEN + offs, mask=ok, other=0.0).to(tl.float32)
-    return tl.sum(acc_b, axis=0).to(dtype).to(tl.float32), tl.sum(acc_a, axis=0).to(dtype).to(tl.float32)
-
-
-@triton.jit
-def _store_tail(tail_ptr, cols, mask, shifted, stride_t, WIDTH: tl.constexpr, TAIL_P2: tl.constexpr):
-    t = tl.arange(0, TAIL_P2)
-    tl.store(tail_ptr + t[:, None] * stride_t + cols[None, :], shifted, mask=(t < WIDTH - 1)[:, None] & mask[None, :])
-
-
-@triton.jit
-def _step_kernel(x_ptr, w_ptr, tail_ptr, z_ptr, b_ptr, a_ptr, state_ptr, slots_ptr, a_log_ptr, dt_bias_ptr,
-                 norm_w_ptr, out_ptr, counter_ptr, hidden_ptr, ba_w_ptr, stride_x, stride_wc,
-                 stride_wt, stride_tslot, stride_t, stride_zb, stride_zh, stride_bb, stride_bh, stride_ab, stride_ah,
-                 stride_slot, stride_sh, stride_sk, stride_hidden, HIDDEN, q_scale, eps, HK: tl.constexpr,
-                 HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                 WIDTH: tl.constexpr, TAIL_P2: tl.constexpr, SIGMOID_GATE: tl.constexpr, ROUND_WEIGHTED: tl.constexpr,
-                 FOLD_BA: tl.constexpr, BA_GROUP: tl.constexpr, BLOCK_HIDDEN: tl.constexpr, PDL: tl.constexpr):
-    wait_for_inputs(PDL)
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    if FOLD_BA:   # b and a of this head from the layer's input: its two rows of the b|a weight (before the state)
-        if BA_GROUP == 0:   # [b of every head; a of every head]
-            b_row, a_row = head, HV + head
-        else:               # per key head: its BA_GROUP value heads' b rows, then their a rows
-            b_row = head // BA_GROUP * 2 * BA_GROUP + head % BA_GROUP
-            a_row = b_row + BA_GROUP
-        b, a = _ba_dots(hidden_ptr + row * stride_hidden, ba_w_ptr, b_row, a_row, HIDDEN, out_ptr.dtype.element_ty,
-                        BLOCK_HIDDEN)
-    else:
-        b = tl.load(b_ptr + row * stride_bb + head * stride_bh).to(tl.float32)
-        a = tl.load(a_ptr + row * stride_ab + head * stride_ah).to(tl.float32)
-    GROUP: tl.constexpr = HV // HK
-    key_head = head // GROUP
-    slot = tl.load(slots_ptr + row)
-    x_row = x_ptr + row * stride_x
-    tail = tail_ptr + slot * stride_tslot
-    offs_k = tl.arange(0, BK)
-    offs_v = tl.arange(0, BV)
-    mask_k = offs_k < DK
-    mask_v = offs_v < DV
-    q_cols = key_head * DK + offs_k
-    k_cols = (HK + key_head) * DK + offs_k
-    v_cols = 2 * HK * DK + head * DV + offs_v
-    q, q_tail = _conv_channels(x_row, w_ptr, tail, q_cols, mask_k, stride_wc, stride_wt, stride_t, WIDTH, TAIL_P2)
-    k, k_tail = _conv_channels(x_row, w_ptr, tail, k_cols, mask_k, stride_wc, stride_wt, stride_t, WIDTH, TAIL_P2)
-    v, v_tail = _conv_channels(x_row, w_ptr, tail, v_cols, mask_v, stride_wc, stride_wt, stride_t, WIDTH, TAIL_P2)
-    # every tail read of this program (its warps too: a channel's lanes may sit in several) before any store
-    if arrive_last(counter_ptr + row * HK + key_head, GROUP):            # the key head's readers are all done
-        _store_tail(tail, q_cols, mask_k, q_tail, stride_t, WIDTH, TAIL_P2)
-        _store_tail(tail, k_cols, mask_k, k_tail, stride_t, WIDTH, TAIL_P2)
-    _store_tail(tail, v_cols, mask_v, v_tail, stride_t, WIDTH, TAIL_P2)   # this head's own channels
-    _delta_rule_head(q, k, v, z_ptr, b, a, state_ptr, slot, a_log_ptr, dt_bias_ptr, norm_w_ptr, out_ptr, row,
-                     head, stride_zb, stride_zh, stride_slot, stride_sh, stride_sk, q_scale, eps, HV, DV=DV, DK=DK,
-                     BK=BK, BV=BV, SIGMOID_GATE=SIGMOID_GATE, ROUND_WEIGHTED=ROUND_WEIGHTED)
-
-
-def fused_conv() -> bool:
-    """FLASHNEXT_GDN_FUSED_CONV=1: the conv inside the delta-rule launch (`_step_kernel`; see the module docstring)."""
-    return os.environ.get("FLASHNEXT_GDN_FUSED_CONV", "0") == "1"
-
-
 def supports(head_k_dim: int, head_v_dim: int) -> bool:
     return triton.next_power_of_2(head_k_dim) * triton.next_power_of_2(head_v_dim) <= MAX_STATE_ELEMENTS
 
@@ -240,10 +122,9 @@ def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:
 
 def gdn_decode_triton(mixed_qkv, z, b, a, conv_state, conv_weight, ssm_state, slots, A_log, dt_bias, norm_weight, *,
                       num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int, eps: float,
-                      activation: str, num_warps: int | None = None, ba=None) -> torch.Tensor:
+                      activation: str, num_warps: int | None = None) -> torch.Tensor:
     """Same contract as gdn_decode_reference. The states are written in place, so their innermost dimension
-    must be contiguous (as StatePool allocates them); the inputs may have any strides. `ba` (an
-    ops.gdn_decode.BAProjection, b and a None): with fused_conv() the step kernel computes b and a itself."""
+    must be contiguous (as StatePool allocates them); the inputs may have any strides."""
     rows, channels = mixed_qkv.shape
     width = conv_weight.shape[1]
     key_dim = num_k_heads * head_k_dim
@@ -257,25 +138,6 @@ def gdn_decode_triton(mixed_qkv, z, b, a, conv_state, conv_weight, ssm_state, sl
     if rows == 0:
         return out
     mixed_qkv, z, conv_weight = _last_dim_unit(mixed_qkv), _last_dim_unit(z), _last_dim_unit(conv_weight)
-    warps = num_warps or default_num_warps(head_k_dim, head_v_dim)
-    shapes = dict(HK=num_k_heads, HV=num_v_heads, DK=head_k_dim, DV=head_v_dim, BK=triton.next_power_of_2(head_k_dim),
-                  BV=triton.next_power_of_2(head_v_dim), SIGMOID_GATE=activation == "sigmoid",
-                  ROUND_WEIGHTED=norm_weight.dtype == dtype)
-    fold = ba is not None   # the layer hands b|a over only where folds_ba: the step kernel with the conv in it
-    if fold or fused_conv():
-        assert not fold or (ba.weight.is_contiguous() and ba.x.shape == (rows, ba.weight.shape[1])), "b|a: [B, H] x, rows"
-        hidden = _last_dim_unit(ba.x) if fold else out           # never read without FOLD_BA
-        b, a = (hidden, hidden) if fold else (b, a)
-        weight = ba.weight if fold else out
-        _step_kernel[(rows, num_v_heads)](
-            mixed_qkv, conv_weight, conv_state, z, b, a, ssm_state, slots, A_log, dt_bias, norm_weight, out,
-            arrival_counters(mixed_qkv.device, rows * num_k_heads), hidden, weight,
-            mixed_qkv.stride(0), conv_weight.stride(0), conv_weight.stride(1), conv_state.stride(0),
-            conv_state.stride(1), z.stride(0), z.stride(1), b.stride(0), b.stride(-1), a.stride(0), a.stride(-1),
-            ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), hidden.stride(0),
-            weight.shape[-1], head_k_dim ** -0.5, eps, WIDTH=width, TAIL_P2=max(2, triton.next_power_of_2(width - 1)),
-            FOLD_BA=fold, BA_GROUP=ba.group if fold else 0, BLOCK_HIDDEN=1024, **shapes, num_warps=warps, **launch_options(out.device))
-        return out
     qkv = torch.empty(rows, channels, dtype=dtype, device=mixed_qkv.device)
     _conv_kernel[(rows, triton.cdiv(channels, CONV_BLOCK))](
         mixed_qkv, conv_weight, conv_state, slots, qkv, channels, mixed_qkv.stride(0), conv_weight.stride(0),
@@ -285,5 +147,8 @@ def gdn_decode_triton(mixed_qkv, z, b, a, conv_state, conv_weight, ssm_state, sl
         qkv, z, b, a, ssm_state, slots, A_log, dt_bias, norm_weight, out,
         qkv.stride(0), z.stride(0), z.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), head_k_dim ** -0.5, eps,
-        **shapes, num_warps=warps, **launch_options(qkv.device))
+        HK=num_k_heads, HV=num_v_heads, DK=head_k_dim, DV=head_v_dim,
+        BK=triton.next_power_of_2(head_k_dim), BV=triton.next_power_of_2(head_v_dim),
+        SIGMOID_GATE=activation == "sigmoid", ROUND_WEIGHTED=norm_weight.dtype == dtype,
+        num_warps=num_warps or default_num_warps(head_k_dim, head_v_dim), **launch_options(qkv.device))
     return out

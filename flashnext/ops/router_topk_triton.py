@@ -2,11 +2,9 @@
 E ≤ 4096 experts fit one program's registers (512 in Flash-Next and Qwen3-Next). Reference: ops/router_topk.py.
 
 Each round is a reduction across the program's warps (3.9 µs a call at 4 warps on the H200, 48 a Flash-Next step,
-session 13): `FLASHNEXT_ROUTER_TOPK_WARPS` (read when a step is traced or captured; 4 until measured) sets them — at 1
-warp a round needs no shared-memory step (`scripts/gpu_decode.py --variant FLASHNEXT_ROUTER_TOPK_WARPS=1`)."""
+session 13). 1 warp, whose rounds need no shared-memory step, was measured slower: 4.604 ms a Flash-Next INT4 decode
+step against 4.504 at 4 warps (scripts/gpu_decode.py)."""
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -49,7 +47,6 @@ def router_topk_triton(logits: torch.Tensor, top_k: int, normalize: bool) -> tup
     ids = torch.empty(rows, top_k, dtype=torch.long, device=logits.device)
     if rows:
         _router_topk_kernel[(rows,)](logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
-                                     BLOCK_E=triton.next_power_of_2(experts), NORMALIZE=normalize,
-                                     num_warps=int(os.environ.get("FLASHNEXT_ROUTER_TOPK_WARPS", 4)),
+                                     BLOCK_E=triton.next_power_of_2(experts), NORMALIZE=normalize, num_warps=4,
                                      **launch_options(logits.device))
     return weights, ids

@@ -14,7 +14,7 @@ from flashnext.models.decode_batch import DecodeBatch
 from flashnext.models.layers.norms import GatedRMSNorm
 from flashnext.ops import branches
 from flashnext.ops.causal_conv1d import causal_conv1d
-from flashnext.ops.gdn_decode import BAProjection, folds_ba, gdn_decode
+from flashnext.ops.gdn_decode import gdn_decode
 from flashnext.ops.gated_delta_rule import gated_delta_rule
 from flashnext.weights.config import ModelConfig
 
@@ -74,17 +74,6 @@ class GatedDeltaNet(nn.Module):
         b, a = torch.split(self.in_proj_ba(x).view(n, self.num_k_heads, 2 * r), [r, r], dim=-1)
         return b.reshape(n, -1), a.reshape(n, -1)
 
-    def _ba_projection(self, x: torch.Tensor) -> BAProjection | None:
-        """The b|a projection as one 16-bit weight, for a decode step that computes b and a inside its GatedDeltaNet
-        launch (ops.gdn_decode.BAProjection): the stacked [b; a] of split checkpoints, or qwen3_next's in_proj_ba.
-        None for INT4 or unstacked projections (they keep their GEMV)."""
-        if self.split:
-            weight = self.project_ba.weight if self.project_ba is not None else None
-            return None if weight is None else BAProjection(x, weight)
-        if not isinstance(self.in_proj_ba, nn.Linear):
-            return None
-        return BAProjection(x, self.in_proj_ba.weight, group=self.num_v_heads // self.num_k_heads)
-
     def _decay_and_beta(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """→ (log decay g [N, Hv] fp32, beta [N, Hv])."""
         return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias), b.sigmoid()
@@ -117,11 +106,11 @@ class GatedDeltaNet(nn.Module):
         return self._gated_out(out, z)
 
     def decode(self, x: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
-        """One token per row: conv, delta rule and gated norm fused in ops.gdn_decode (states updated in place); with
-        FLASHNEXT_GDN_FUSED_CONV=1 the b|a projection too (ops.gdn_decode.folds_ba). A chained batch (one sequence's
-        tokens) runs as a prefill segment of its slot, the slot read and written by device index."""
+        """One token per row: conv, delta rule and gated norm fused in ops.gdn_decode (states updated in place). A
+        chained batch (one sequence's tokens) runs as a prefill segment of its slot, the slot read and written by device
+        index."""
+        mixed, z, b, a = self._project(x)
         if batch.chained:
-            mixed, z, b, a = self._project(x)
             g, beta = self._decay_and_beta(b, a)
             conv_state, ssm_state, slot = batch.states.conv[self.layer_idx], batch.states.ssm[self.layer_idx], batch.slots[:1]
             o, conv_tail, ssm = self._segment(mixed, g, beta, conv_state.index_select(0, slot)[0],
@@ -129,13 +118,8 @@ class GatedDeltaNet(nn.Module):
             conv_state.index_copy_(0, slot, conv_tail[None].to(conv_state.dtype))
             ssm_state.index_copy_(0, slot, ssm[None])
             return self._gated_out(o, z)
-        ba = self._ba_projection(x) if folds_ba(x, self.head_k_dim, self.head_v_dim) else None
-        if ba is None:
-            mixed, z, b, a = self._project(x)
-        else:
-            (mixed, z), b, a = self._project_qkvz(x), None, None
         out = gdn_decode(mixed, z, b, a, batch.states.conv[self.layer_idx], self.conv1d.weight.squeeze(1),
                          batch.states.ssm[self.layer_idx], batch.slots, self.A_log, self.dt_bias, self.norm.weight,
                          num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim, num_v_heads=self.num_v_heads,
-                         head_v_dim=self.head_v_dim, eps=self.norm.eps, activation=self.norm.activation, ba=ba)
+                         head_v_dim=self.head_v_dim, eps=self.norm.eps, activation=self.norm.activation)
         return self.out_proj(out)
