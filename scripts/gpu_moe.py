@@ -1,6 +1,7 @@
 """On the GPU machine: the INT4 MoE kernels at the real shapes — correct against the torch reference, and how
 fast: decode M = 1, 2, 4, 8 (the decode GEMV kernels of moe_int4_decode_triton against the grouped kernels of
-moe_int4_triton, which decode ran before) and prefill M = 4096 (grouped, and FLASHNEXT_MOE_PREFILL=dequant's
+moe_int4_triton, which decode ran before), M = 16–128 (the grouped kernels' small-M configs: decode batches of
+16, the chained steps of a short prompt chunk) and prefill M = 4096 (grouped, and FLASHNEXT_MOE_PREFILL=dequant's
 dequantised experts through torch's grouped GEMM), with small config sweeps.
 
 Flash-Next (H 2560, I 640) and Qwen3-Next (H 2048, I 512): E 512, top-10, g 128, symmetric (plus asymmetric
@@ -13,7 +14,8 @@ each call) and, for decode, do_bench_cudagraph over 8 layers' distinct weights (
 runs it; rows are sorted by the smaller of the two. The decode checks also ask for the same bits run to
 run, alone and in a batch, and replayed in a CUDA graph (the kernels add their partials with arrival
 counters). Exits non-zero on a mismatch.
-Run: python3 scripts/gpu_moe.py [--quick]     (--quick: default configs only, no sweeps)
+Run: python3 scripts/gpu_moe.py [--quick] [flash-next|qwen3-next]   (--quick: default configs only, no sweeps;
+     a model name: only its shapes)
 """
 import sys
 
@@ -32,6 +34,9 @@ CEILING = 4.27e12
 SHAPES = {"flash-next": (2560, 640), "qwen3-next": (2048, 512)}
 E, TOP_K, G = 512, 10, 128
 DECODE_M, PREFILL_M = (1, 2, 4, 8), 4096
+# Mid-sized batches: a decode step of 16 sequences, and the chained steps of a short prompt chunk
+# (DecodeGraphs.extend): the grouped kernels with small-M configs, timed in a graph over LAYERS layers.
+MID_M = (16, 32, 64, 128)
 LAYERS = 8
 # (block_n, down_block_n, block_k, split_k, split_down, warps, stages); split 0 = by the shapes (~4 programs
 # per SM at M = 1)
@@ -39,6 +44,10 @@ DECODE_SWEEP = [DEFAULT] + [DecodeConfig(*c) for c in [
     (32, 128, 128, 0, 0, 4, 3), (32, 256, 128, 0, 0, 4, 3), (32, 256, 128, 0, 0, 8, 3), (64, 128, 128, 0, 0, 4, 3),
     (64, 256, 128, 0, 0, 8, 3), (128, 128, 128, 0, 0, 4, 4), (128, 256, 128, 0, 0, 8, 3),
     (64, 128, 128, 0, 0, 8, 2), (32, 64, 128, 0, 0, 4, 3), (64, 64, 128, 0, 0, 4, 3), (64, 0, 128, 10, 5, 4, 3)]]
+MID_SWEEP = [DECODE, PREFILL] + [MoeConfig(bm, bn, bk, w, st, tile) for bm, bn, bk, w, st, tile in [
+    (16, 64, 128, 4, 3, False), (16, 64, 64, 4, 4, False), (16, 128, 128, 8, 3, False), (16, 32, 128, 4, 4, False),
+    (16, 32, 64, 4, 4, False), (16, 64, 128, 4, 3, True), (32, 32, 128, 4, 3, False), (32, 64, 128, 4, 3, False),
+    (16, 128, 64, 4, 4, False), (16, 32, 128, 2, 3, False), (32, 128, 64, 4, 4, True)]]
 PREFILL_SWEEP = [PREFILL] + [MoeConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in
                              [(64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 128, 128, 8, 3), (128, 64, 64, 4, 4),
                               (32, 128, 64, 4, 4), (128, 128, 128, 8, 2)]]
@@ -123,14 +132,16 @@ def bench(name, h, i, quick):
     print(f"  {'M':>5} {'experts':>7} {'MB read':>8} {'kernel / config':>34} {'µs (bench)':>10} {'µs (graph)':>10} "
           f"{'GB/s':>7} {'% ceil':>6}")
     best_decode = {}
-    for m in DECODE_M + (PREFILL_M,):
+    for m in DECODE_M + MID_M + (PREFILL_M,):
         x, ids, w = routing(m, h, seed=m)
         experts = ids.unique().numel()
         nbytes = weight_bytes(wgu, experts) + weight_bytes(wd, experts)
-        decode = m <= 16
-        if decode:
+        decode = m in DECODE_M or m in MID_M   # timed in a graph over the layers too
+        if m in DECODE_M:
             runs = [("grouped", moe_int4_triton, DECODE)]
             runs += [("decode", moe_int4_decode, c) for c in (DECODE_SWEEP[:1] if quick else DECODE_SWEEP)]
+        elif m in MID_M:
+            runs = [("grouped", moe_int4_triton, c) for c in (MID_SWEEP[:2] if quick else MID_SWEEP)]
         else:
             runs = [("grouped", moe_int4_triton, c) for c in (PREFILL_SWEEP[:1] if quick else PREFILL_SWEEP)]
             # FLASHNEXT_MOE_PREFILL=dequant: the layer's experts dequantised, then torch's grouped GEMM
@@ -148,7 +159,7 @@ def bench(name, h, i, quick):
             print(f"  {m:5d} {experts:7d} {nbytes / 1e6:8.1f} {label + ' ' + _cfg(cfg):>34} {t * 1e6:10.1f} "
                   f"{tg * 1e6:10.1f} {nbytes / tt / 1e9:7.0f} {100 * nbytes / tt / CEILING:5.1f}%"
                   f"{'  <- best' if rank == 0 and len(results) > 1 else ''}")
-        if decode:
+        if m in DECODE_M:
             best_decode[m] = {_cfg(cfg): tt for tt, _, _, label, cfg in results if label == "decode"}
     if best_decode and not quick:
         totals = {c: sum(best_decode[m].get(c, float("inf")) for m in DECODE_M) for c in best_decode[DECODE_M[0]]}
@@ -163,14 +174,15 @@ def _cfg(c) -> str:
     if isinstance(c, DecodeConfig):
         return (f"n{c.block_n}/{c.down_block_n or c.block_n} k{c.block_k} s{c.split_k}/{c.split_down} w{c.num_warps} "
                 f"st{c.num_stages}")
-    return f"m{c.block_m} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}"
+    return f"m{c.block_m} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}{' tile' if c.scale_in_tile else ''}"
 
 
 def main() -> int:
     quick = "--quick" in sys.argv
+    shapes = {name: shape for name, shape in SHAPES.items() if name in sys.argv[1:]} or SHAPES
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
-    ok = all([check(name, h, i) for name, (h, i) in SHAPES.items()])
-    for name, (h, i) in SHAPES.items():
+    ok = all([check(name, h, i) for name, (h, i) in shapes.items()])
+    for name, (h, i) in shapes.items():
         bench(name, h, i, quick)
     print("\nall checks passed" if ok else "\nMISMATCH: see the check lines above")
     return 0 if ok else 1

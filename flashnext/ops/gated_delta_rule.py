@@ -109,10 +109,13 @@ def gated_delta_rule_fla(q, k, v, g, beta, state):
     return o[0].to(v.dtype), final[0].float()
 
 
+CHUNKED_MIN = 16   # gated_delta_rule's shortest input for the chunked form
+
+
 def gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
     """Picks the form the way fla's layers do: token by token for short inputs, chunked otherwise — on a GPU
     through fla-core when it is installed (docs/architecture.md), else the torch reference."""
-    if v.shape[0] < 16:
+    if v.shape[0] < CHUNKED_MIN:
         return gated_delta_rule_recurrent(q, k, v, g, beta, state)
     if v.is_cuda and _fla_chunk() is not None:
         return gated_delta_rule_fla(q, k, v, g, beta, state)

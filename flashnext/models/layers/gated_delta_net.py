@@ -15,7 +15,7 @@ from flashnext.models.layers.norms import GatedRMSNorm
 from flashnext.ops import branches
 from flashnext.ops.causal_conv1d import causal_conv1d
 from flashnext.ops.gdn_decode import gdn_decode
-from flashnext.ops.gated_delta_rule import gated_delta_rule
+from flashnext.ops.gated_delta_rule import CHUNKED_MIN, gated_delta_rule
 from flashnext.weights.config import ModelConfig
 
 
@@ -107,10 +107,11 @@ class GatedDeltaNet(nn.Module):
 
     def decode(self, x: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """One token per row: conv, delta rule and gated norm fused in ops.gdn_decode (states updated in place). A
-        chained batch (one sequence's tokens) runs as a prefill segment of its slot, the slot read and written by device
-        index."""
+        chained batch (one sequence's tokens) of CHUNKED_MIN rows or more runs as a prefill segment of its slot (the
+        chunked delta rule; the slot read and written by device index); a shorter one row by row through the decode
+        kernels (the torch recurrence a short segment takes costs ~10 launches a token over the whole state)."""
         mixed, z, b, a = self._project(x)
-        if batch.chained:
+        if batch.chained and batch.size >= CHUNKED_MIN:
             g, beta = self._decay_and_beta(b, a)
             conv_state, ssm_state, slot = batch.states.conv[self.layer_idx], batch.states.ssm[self.layer_idx], batch.slots[:1]
             o, conv_tail, ssm = self._segment(mixed, g, beta, conv_state.index_select(0, slot)[0],
@@ -118,8 +119,10 @@ class GatedDeltaNet(nn.Module):
             conv_state.index_copy_(0, slot, conv_tail[None].to(conv_state.dtype))
             ssm_state.index_copy_(0, slot, ssm[None])
             return self._gated_out(o, z)
-        out = gdn_decode(mixed, z, b, a, batch.states.conv[self.layer_idx], self.conv1d.weight.squeeze(1),
-                         batch.states.ssm[self.layer_idx], batch.slots, self.A_log, self.dt_bias, self.norm.weight,
-                         num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim, num_v_heads=self.num_v_heads,
-                         head_v_dim=self.head_v_dim, eps=self.norm.eps, activation=self.norm.activation)
-        return self.out_proj(out)
+        steps = [slice(i, i + 1) for i in range(batch.size)] if batch.chained else [slice(None)]
+        out = [gdn_decode(mixed[rows], z[rows], b[rows], a[rows], batch.states.conv[self.layer_idx],
+                          self.conv1d.weight.squeeze(1), batch.states.ssm[self.layer_idx], batch.slots[rows], self.A_log,
+                          self.dt_bias, self.norm.weight, num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim,
+                          num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim, eps=self.norm.eps,
+                          activation=self.norm.activation) for rows in steps]
+        return self.out_proj(out[0] if len(out) == 1 else torch.cat(out))
