@@ -26,7 +26,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 from flashnext.ops.moe_int4 import moe_int4_reference
 from flashnext.ops.moe_int4_decode_triton import DEFAULT, DecodeConfig, moe_int4_decode
 from flashnext.ops.moe_int4_dequant import moe_int4_dequant
-from flashnext.ops.moe_int4_triton import DECODE, PREFILL, MoeConfig, moe_int4_triton
+from flashnext.ops.moe_int4_triton import PREFILL, SMALL, MoeConfig, moe_int4_triton
 from flashnext.weights.int4_layout import Int4Weight
 from gpu_common import rel
 
@@ -44,10 +44,10 @@ DECODE_SWEEP = [DEFAULT] + [DecodeConfig(*c) for c in [
     (32, 128, 128, 0, 0, 4, 3), (32, 256, 128, 0, 0, 4, 3), (32, 256, 128, 0, 0, 8, 3), (64, 128, 128, 0, 0, 4, 3),
     (64, 256, 128, 0, 0, 8, 3), (128, 128, 128, 0, 0, 4, 4), (128, 256, 128, 0, 0, 8, 3),
     (64, 128, 128, 0, 0, 8, 2), (32, 64, 128, 0, 0, 4, 3), (64, 64, 128, 0, 0, 4, 3), (64, 0, 128, 10, 5, 4, 3)]]
-MID_SWEEP = [DECODE, PREFILL] + [MoeConfig(bm, bn, bk, w, st, tile) for bm, bn, bk, w, st, tile in [
-    (16, 64, 128, 4, 3, False), (16, 64, 64, 4, 4, False), (16, 128, 128, 8, 3, False), (16, 32, 128, 4, 4, False),
-    (16, 32, 64, 4, 4, False), (16, 64, 128, 4, 3, True), (32, 32, 128, 4, 3, False), (32, 64, 128, 4, 3, False),
-    (16, 128, 64, 4, 4, False), (16, 32, 128, 2, 3, False), (32, 128, 64, 4, 4, True)]]
+MID_SWEEP = [SMALL, PREFILL] + [MoeConfig(bm, bn, bk, w, st, tile) for bm, bn, bk, w, st, tile in [
+    (16, 64, 128, 4, 3, False), (16, 64, 64, 4, 4, False), (16, 128, 128, 8, 3, False), (16, 32, 128, 4, 3, False),
+    (16, 128, 64, 8, 4, False), (16, 256, 64, 8, 4, False), (16, 128, 32, 4, 4, False), (16, 128, 64, 4, 3, False),
+    (16, 128, 64, 4, 5, False)]]
 PREFILL_SWEEP = [PREFILL] + [MoeConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in
                              [(64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 128, 128, 8, 3), (128, 64, 64, 4, 4),
                               (32, 128, 64, 4, 4), (128, 128, 128, 8, 2)]]
@@ -138,10 +138,11 @@ def bench(name, h, i, quick):
         nbytes = weight_bytes(wgu, experts) + weight_bytes(wd, experts)
         decode = m in DECODE_M or m in MID_M   # timed in a graph over the layers too
         if m in DECODE_M:
-            runs = [("grouped", moe_int4_triton, DECODE)]
+            runs = [("grouped", moe_int4_triton, SMALL)]
             runs += [("decode", moe_int4_decode, c) for c in (DECODE_SWEEP[:1] if quick else DECODE_SWEEP)]
         elif m in MID_M:
             runs = [("grouped", moe_int4_triton, c) for c in (MID_SWEEP[:2] if quick else MID_SWEEP)]
+            runs.append(("decode", moe_int4_decode, DEFAULT))   # re-reads an expert per token that chose it
         else:
             runs = [("grouped", moe_int4_triton, c) for c in (PREFILL_SWEEP[:1] if quick else PREFILL_SWEEP)]
             # FLASHNEXT_MOE_PREFILL=dequant: the layer's experts dequantised, then torch's grouped GEMM

@@ -116,12 +116,13 @@ def test_dequant_grouped_gemm_fp16():
     assert got.dtype == torch.float16 and rel_err(got, want) < 2e-3
 
 
-@pytest.mark.parametrize("m", [3, 40])
+@pytest.mark.parametrize("m", [3, 40, 150])
 def test_triton_default_configs(m):
-    """No config given: DECODE's blocks up to its block_m tokens, PREFILL's grouped tiles (scale in the tile) above."""
-    from flashnext.ops.moe_int4_triton import DECODE, PREFILL, moe_int4_triton
+    """No config given: SMALL's tiles up to SMALL_MAX_M tokens (blocks at each expert's first row while no run can
+    pass its block_m: 3 tokens), PREFILL's grouped tiles (scale in the tile) above."""
+    from flashnext.ops.moe_int4_triton import SMALL, SMALL_MAX_M, moe_int4_triton
 
-    assert 3 <= DECODE.block_m < 40 < 2 * PREFILL.block_m
+    assert 3 * 3 < SMALL.block_m < 40 * 3 and 40 < SMALL_MAX_M < 150
     x, ids, weights, w_gate_up, w_down = case(m, 8, 3, 128, 64, 64, 64, asym=True)
     got = moe_int4_triton(x, ids, weights, w_gate_up, w_down)
     assert rel_err(got, moe_int4_reference(x, ids, weights, w_gate_up, w_down)) < 1e-5

@@ -121,7 +121,7 @@ def test_the_grouped_kernels_do_not_take_a_shared_expert(monkeypatch):
     from flashnext.ops import moe_int4 as ops
 
     cuda_rows = lambda m: SimpleNamespace(is_cuda=True, shape=(m, H))   # noqa: E731 - the decision reads only these
-    assert ops.runs_shared_expert(cuda_rows(ops.DECODE_MAX_M)) and not ops.runs_shared_expert(cuda_rows(9))
+    assert ops.runs_shared_expert(cuda_rows(ops.DECODE_MAX_M)) and not ops.runs_shared_expert(cuda_rows(ops.DECODE_MAX_M + 1))
     assert ops.runs_shared_expert(torch.zeros(300, H))                  # the CPU reference takes one at any M
     monkeypatch.setattr(ops, "_BACKEND", "grouped")
     assert not ops.runs_shared_expert(cuda_rows(1))

@@ -1,4 +1,4 @@
-"""Routed experts with INT4 weights for decode (M <= 8 tokens): two GEMV kernels, no sort (reference: ops/moe_int4.py;
+"""Routed experts with INT4 weights for decode (M <= DECODE_MAX_M tokens): two GEMV kernels, no sort (reference: ops/moe_int4.py;
 ops.moe_int4.moe_int4 sends M <= DECODE_MAX_M here on CUDA).
 
 At decode the expert weights are the whole cost (Flash-Next: ~25 MB of INT4 per layer at M = 1, ~6 µs at
@@ -13,13 +13,13 @@ expert's words instead of a routed one's and weighs it by sigmoid of its gate lo
 is skipped (its K loop empty, nothing read): under expert parallel the choices routed to other ranks reach a rank's
 kernels that way (parallel/layers.py LocalExperts.decode), about half of them with two ranks.
 No padding of M, no sort, no block table; an expert chosen by several tokens is read once per token
-(up to 8 times at M = 8: accepted, the grouped kernels of moe_int4_triton take over above that).
+(up to M times: accepted up to ops.moe_int4.DECODE_MAX_M, where the grouped kernels of moe_int4_triton take over).
 
 Split-K and the sum over k without atomics on the values: each program stores its fp32 partial, then
 counts itself in with one atomic on a per-tile counter; the program that arrives last adds all the
 partials of the tile in a fixed order (a tl.sum over them) and resets the counter. So results are the same
 bits run to run, and, the splits being chosen from the shapes and not from M, a token gets the same bits
-at any M <= 8. The counters live in one zeroed buffer per device that the kernels leave zeroed, so a call
+at any M. The counters live in one zeroed buffer per device that the kernels leave zeroed, so a call
 needs no memset; two of these kernels must not run concurrently on one device (they are issued on the
 decode stream, one layer after the other).
 

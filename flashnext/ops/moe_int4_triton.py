@@ -39,11 +39,15 @@ class MoeConfig:
     scale_in_tile: bool = False   # see _dequant_dot
 
 
-# Decode: many narrow N tiles so 10 experts still fill 132 SMs; prefill: tensor-core-sized tiles, the scale in
-# the tile (the best of scripts/gpu_prefill_gemm.py's 18-config H200 sweep at 8,192 tokens, 2026-11-30: 5.0 ms per
-# Flash-Next layer, 161 TFLOP/s, vs 5.8 ms with the scale on each K tile's partial). scripts/gpu_moe.py sweeps
-# alternatives on the GPU.
-DECODE = MoeConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=3)
+# Up to SMALL_MAX_M tokens (decode batches past the decode kernels, the chained steps of a short prompt chunk):
+# the fewest rows tl.dot takes and wide N tiles — the best of scripts/gpu_moe.py's 13-config H200 sweep at every M
+# of 16–128 (session 14, Flash-Next, per layer in a graph: 394 / 590 / 810 / 1021 µs at M = 16 / 32 / 64 / 128,
+# against 442 / 702 / 1007 / 1296 for the earlier 32-wide tiles and 517 / 821 / 1172 / 1483 for PREFILL's);
+# prefill: tensor-core-sized tiles, the scale in the tile (the best of scripts/gpu_prefill_gemm.py's 18-config
+# H200 sweep at 8,192 tokens, 2026-11-30: 5.0 ms per Flash-Next layer, 161 TFLOP/s, vs 5.8 ms with the scale on
+# each K tile's partial).
+SMALL = MoeConfig(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=4)
+SMALL_MAX_M = 128
 PREFILL = MoeConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4, scale_in_tile=True)
 
 
@@ -208,7 +212,7 @@ def moe_int4_triton_pairs(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_do
     top_k = topk_ids.shape[1]
     num_experts, _, two_i = w_gate_up.qweight.shape
     inter = two_i // 2
-    config = config or (DECODE if m <= DECODE.block_m else PREFILL)
+    config = config or (SMALL if m <= SMALL_MAX_M else PREFILL)
     x = x.contiguous()
     flat = topk_ids.reshape(-1)
     sorted_ids, order = torch.sort(flat, stable=True)
