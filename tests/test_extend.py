@@ -129,3 +129,64 @@ def test_engine_follow_up_turns_extend_through_chained_steps():
     assert len(extended) >= 4 and all(1 < n <= 16 for n in extended)
     # a short prompt that starts a sequence runs eagerly: chained steps continue a slot's states, never clear them
     assert not runner.graphs.can_extend(6, 0, 1) and runner.graphs.can_extend(6, 2, 1)
+
+
+def test_step_with_two_extends_and_a_decode_keeps_every_chunks_logits():
+    """Two follow-ups whose short chunks extend in the same step as another sequence's decode: each chunk's logits
+    survive the later replays (extend returns a copy; the decode replay comes last), the tokens equal the eager
+    engine's. Nothing is captured on a CPU, so each step's output goes to one buffer per graph here, as a graph's
+    static output does."""
+    from flashnext.engine.args import EngineArgs
+    from flashnext.engine.llm_engine import LLMEngine
+    from flashnext.engine.sampling_params import SamplingParams
+
+    args = dict(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
+                decode_ahead=False)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    g = torch.Generator().manual_seed(8)
+    firsts = [torch.randint(3, 400, (20,), generator=g).tolist() for _ in range(3)]
+    news = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (11, 6)]
+
+    def run(engine, spy=None):
+        outputs = {}
+
+        def drain(steps=None):
+            while engine.has_work() and steps != 0:
+                for o in engine.step():
+                    outputs.setdefault(o.request_id, []).extend(o.token_ids)
+                steps = None if steps is None else steps - 1
+
+        for i, prompt in enumerate(firsts[:2]):
+            engine.add_request(f"first{i}", prompt, params)
+        drain()
+        engine.add_request("long", firsts[2], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        drain(steps=3)                                         # "long" is decoding now
+        for i in range(2):
+            engine.add_request(f"follow{i}", firsts[i] + outputs[f"first{i}"] + news[i], params)
+        drain()
+        return outputs
+
+    want = run(LLMEngine(EngineArgs(**args)))
+    engine = LLMEngine(EngineArgs(**args))
+    runner = engine.runner
+    runner.graphs = DecodeGraphs(runner.model, engine.kv, engine.states, max_batch=4,
+                                 max_blocks_per_seq=engine.kv.blocks_for(engine.max_model_len), max_chain=16)
+    static, fixed_shape_step = {}, runner.graphs._step
+
+    def static_output(size, width, chained=False):
+        out = fixed_shape_step(size, width, chained)
+        return static.setdefault((size, width, chained), torch.empty_like(out)).copy_(out)
+
+    runner.graphs._step = static_output
+    steps = []
+    run_step, extend, replay = runner.run, runner.graphs.extend, runner._replay
+
+    def spy_run(chunks, *rest):
+        steps.append([])
+        return run_step(chunks, *rest)
+
+    runner.run = spy_run
+    runner.graphs.extend = lambda *a: steps[-1].append("extend") or extend(*a)
+    runner._replay = lambda *a: steps[-1].append("decode") or replay(*a)
+    assert run(engine) == want
+    assert ["extend", "extend", "decode"] in steps

@@ -139,7 +139,8 @@ class DecodeGraphs:
 
     def extend(self, tokens: list[int], start: int, slot: int, blocks: list[int]) -> torch.Tensor:
         """Logits [1, V] of the last of `tokens`, which continue the sequence in `slot` at position `start` (its
-        states and KV pages advance): chained steps of chain_sizes(len(tokens)), the last one token a decode step."""
+        states and KV pages advance): chained steps of chain_sizes(len(tokens)), the last one token a decode step.
+        A copy: the graphs' static outputs are overwritten by their next replay (another chunk's, the step's decodes)."""
         width = bucket(len(blocks), MIN_WIDTH)
         deltas = [self._table_delta(slot, blocks)]
         done, logits = 0, None
@@ -150,7 +151,7 @@ class DecodeGraphs:
             else:
                 logits = self._chain_step(ids, positions, slot, width, deltas)
             done, deltas = done + size, []
-        return logits
+        return logits.clone()
 
     def _chain_step(self, ids: list[int], positions: list[int], slot: int, width: int,
                     deltas: list[TableDelta]) -> torch.Tensor:

@@ -62,6 +62,14 @@ class ModelRunner:
         if not replay_first:
             launched()
         parts = []
+        # Chained steps before the decode replay: an extend may end with the decode graph of the same batch and
+        # width, whose static logits the replay would overwrite; extend's own logits are copies.
+        for chunk in extending:
+            r = chunk.request
+            logits = self.graphs.extend(r.tokens(r.num_computed, r.num_computed + chunk.num_tokens), r.num_computed,
+                                        r.slot, r.blocks)
+            if chunk.samples:
+                parts.append(([r], logits))
         if decoding:
             logits = self._replay([c.request for c in decoding])
             sampled = [c.request for c in decoding if c.samples]   # the first rows (_graph_chunks' order)
@@ -69,12 +77,6 @@ class ModelRunner:
                 parts.append((sampled, logits[:len(sampled)]))
             if replay_first:
                 launched()
-        for chunk in extending:
-            r = chunk.request
-            logits = self.graphs.extend(r.tokens(r.num_computed, r.num_computed + chunk.num_tokens), r.num_computed,
-                                        r.slot, r.blocks)
-            if chunk.samples:
-                parts.append(([r], logits))
         if eager:
             logits = self._forward_eager(eager)
             if logits is not None:
