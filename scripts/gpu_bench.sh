@@ -97,6 +97,7 @@ if [ -n "${QUICK:-}" ]; then
   BENCH_ARGS="--max-tokens 128 --warmups 1 --runs 2 --depths 0,10000 --lengths 10000 --scale 0.3 \
 --conversations 2 --conv-tokens 8000 --churn-tokens 16000 --streams 1,2,4 --prompt-tokens 8000 ${BENCH_ARGS:-}"
 fi
+STARTED=$(mktemp)   # the report covers the results files this run writes (the folder also holds scripts' outputs)
 # One archive (the device machine returns only a few files), plus the report when there is one.
 copy_out() {
   if [ -n "${OUT:-}" ]; then
@@ -123,5 +124,8 @@ for name in "${BENCHES[@]}"; do
     bench experts "${SERVER_ARGS:-} $EXPERT_BUDGET_ARGS"
   fi
 done
-"$PY" -m flashnext.bench report "$OUT_DIR"/*.json --out "$OUT_DIR/report.md" && cat "$OUT_DIR/report.md"
+mapfile -t written < <(find "$OUT_DIR" -maxdepth 1 -name '*.json' -newer "$STARTED" | sort)
+if [ ${#written[@]} -gt 0 ]; then
+  "$PY" -m flashnext.bench report "${written[@]}" --out "$OUT_DIR/report.md" && cat "$OUT_DIR/report.md"
+fi
 copy_out
