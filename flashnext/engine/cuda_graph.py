@@ -33,6 +33,10 @@ from flashnext.weights.pinned import staged
 log = logging.getLogger("flashnext.engine")
 
 MIN_WIDTH = 16
+# The narrowest table a chained step is captured with (4,096 tokens of 16): its width buckets are captured at warm-up
+# for every size, 7 sizes × 11 widths took 38 s of the server's warm-up on the H200 (full-size Flash-Next), and below
+# this a wider table costs a chained step little (each row still attends up to its own position).
+CHAIN_MIN_WIDTH = 256
 
 
 def bucket(n: int, smallest: int = 1) -> int:
@@ -122,7 +126,7 @@ class DecodeGraphs:
         yet (engine warm-up on one GPU: a conversation resumed at 58K tokens otherwise paid a 0.2–0.3 s capture
         before its second token on the H200). → how many were captured."""
         graphs, size = (self.chain_graphs, size) if chained else (self.graphs, bucket(size))
-        width, count = MIN_WIDTH, 0
+        width, count = self._chain_width(0) if chained else MIN_WIDTH, 0
         while width <= self.max_width:
             if (size, width) not in graphs:
                 self._capture(size, width, chained)
@@ -141,7 +145,7 @@ class DecodeGraphs:
         """Logits [1, V] of the last of `tokens`, which continue the sequence in `slot` at position `start` (its
         states and KV pages advance): chained steps of chain_sizes(len(tokens)), the last one token a decode step.
         A copy: the graphs' static outputs are overwritten by their next replay (another chunk's, the step's decodes)."""
-        width = bucket(len(blocks), MIN_WIDTH)
+        width = self._chain_width(len(blocks))
         deltas = [self._table_delta(slot, blocks)]
         done, logits = 0, None
         for size in chain_sizes(len(tokens)):
@@ -152,6 +156,9 @@ class DecodeGraphs:
                 logits = self._chain_step(ids, positions, slot, width, deltas)
             done, deltas = done + size, []
         return logits.clone()
+
+    def _chain_width(self, num_blocks: int) -> int:
+        return min(max(bucket(num_blocks, MIN_WIDTH), CHAIN_MIN_WIDTH), self.max_width)
 
     def _chain_step(self, ids: list[int], positions: list[int], slot: int, width: int,
                     deltas: list[TableDelta]) -> torch.Tensor:
