@@ -30,7 +30,10 @@ def main() -> int:
               enable_prefix_caching=False)
     engine = llm.engine
     graphs = engine.runner.graphs
-    sizes = [1 << i for i in range(1, graphs.max_chain.bit_length())]
+    sizes = graphs.chain_steps
+    if not sizes:
+        print("no chained steps: the engine runs short chunks eagerly here (LLMEngine._extends_capturable)")
+        return 1
     print(f"{'context':>8} {'width':>6} {'decode ms':>9} " + " ".join(f"{f'x{s} ms':>8}" for s in sizes)
           + "   (tok/s of each chained step below)")
     largest = None

@@ -33,7 +33,9 @@ def _eager_chunk(model, kv, states, slot, table, ids, context_len):
     return model.compute_logits(hidden[-1:])
 
 
-@pytest.mark.parametrize("chunk", [13, 37], ids=["8+4+1", "32+4+1"])   # 32 rows: the chunked delta rule
+# 2 and 16: one chained step, the logits its last row's; 16 and 128 rows: the chunked delta rule (128: two chunks of
+# 64); 13: rows one by one through the GatedDeltaNet decode kernels, then a decode step
+@pytest.mark.parametrize("chunk", [2, 13, 16, 37, 128], ids=["2", "8+4+1", "16", "32+4+1", "128"])
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_extend_equals_eager_chunk(case, chunk):
     arch, overrides = case
@@ -42,13 +44,13 @@ def test_extend_equals_eager_chunk(case, chunk):
     cfg = model.cfg
     g = torch.Generator().manual_seed(11)
     prompt, more = (torch.randint(2, cfg.vocab_size, (n,), generator=g) for n in (PROMPT, chunk))
-    eager, fixed = _pools(cfg, 24), _pools(cfg, 24)
+    eager, fixed = _pools(cfg, 40), _pools(cfg, 40)
     need = eager[0].blocks_for(PROMPT + chunk + 1)
     tables = [pools[0].allocate(need) for pools in (eager, fixed)]
     slots = [pools[1].allocate() for pools in (eager, fixed)]
     assert tables[0] == tables[1] and slots[0] == slots[1]
     table, slot = tables[0], slots[0]
-    graphs = DecodeGraphs(model, *fixed, max_batch=1, max_blocks_per_seq=need, max_chain=64)
+    graphs = DecodeGraphs(model, *fixed, max_batch=1, max_blocks_per_seq=need, max_chain=128)
     with torch.inference_mode():
         for pools in (eager, fixed):
             _eager_chunk(model, *pools, slot, table, prompt, 0)
@@ -59,7 +61,7 @@ def test_extend_equals_eager_chunk(case, chunk):
         token = int(want.argmax())
         want = _eager_chunk(model, *eager, slot, table, torch.tensor([token]), PROMPT + chunk)
         assert rel_err(graphs.run([token], [PROMPT + chunk], [slot], [table]), want) < TOL
-    if arch == "qwen4_exp":
+    if arch == "qwen4_exp" and chunk > 8:   # the chunk crosses the budget: its rows switch to the scored selection
         assert PROMPT < cfg.indexer_budget < PROMPT + chunk
     total = PROMPT + chunk + 1
     for name, t in eager[1].tensors().items():
@@ -114,6 +116,7 @@ def test_engine_follow_up_turns_extend_through_chained_steps():
     runner = engine.runner
     runner.graphs = DecodeGraphs(runner.model, engine.kv, engine.states, max_batch=4,
                                  max_blocks_per_seq=engine.kv.blocks_for(engine.max_model_len), max_chain=16)
+    engine.scheduler.extend_max = 16    # what the engine sets beside the graphs on a GPU
     extended = []
     original = runner.graphs.extend
 
@@ -128,7 +131,7 @@ def test_engine_follow_up_turns_extend_through_chained_steps():
     assert all(cached > 0 for _, cached in got[1:])
     assert len(extended) >= 4 and all(1 < n <= 16 for n in extended)
     # a short prompt that starts a sequence runs eagerly: chained steps continue a slot's states, never clear them
-    assert not runner.graphs.can_extend(6, 0, 1) and runner.graphs.can_extend(6, 2, 1)
+    assert not runner.graphs.can_extend(6, 0) and runner.graphs.can_extend(6, 2)
 
 
 def test_step_with_two_extends_and_a_decode_keeps_every_chunks_logits():
@@ -171,6 +174,7 @@ def test_step_with_two_extends_and_a_decode_keeps_every_chunks_logits():
     runner = engine.runner
     runner.graphs = DecodeGraphs(runner.model, engine.kv, engine.states, max_batch=4,
                                  max_blocks_per_seq=engine.kv.blocks_for(engine.max_model_len), max_chain=16)
+    engine.scheduler.extend_max = 16
     static, fixed_shape_step = {}, runner.graphs._step
 
     def static_output(size, width, chained=False):
@@ -190,3 +194,53 @@ def test_step_with_two_extends_and_a_decode_keeps_every_chunks_logits():
     runner._replay = lambda *a: steps[-1].append("decode") or replay(*a)
     assert run(engine) == want
     assert ["extend", "extend", "decode"] in steps
+
+
+def test_chained_chunks_are_not_held_back_like_eager_prefill():
+    """--decode-steps-between-prefill holds eager prefill chunks back after one ran beside decodes; a follow-up's
+    chunks that replay chained steps (its history's new tokens, then its generation prompt) neither wait for those
+    steps nor cause them: its first token comes two steps after it is admitted, while another sequence decodes."""
+    from flashnext.engine.args import EngineArgs
+    from flashnext.engine.llm_engine import LLMEngine
+    from flashnext.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineArgs(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=4,
+                                  max_num_batched_tokens=64, decode_ahead=False, decode_steps_between_prefill=3))
+    runner = engine.runner
+    runner.graphs = DecodeGraphs(runner.model, engine.kv, engine.states, max_batch=4,
+                                 max_blocks_per_seq=engine.kv.blocks_for(engine.max_model_len), max_chain=16)
+    engine.scheduler.extend_max = 16
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    first = list(range(10, 40))
+    request = engine.add_request("first", first, params)
+    while engine.has_work():
+        engine.step()
+    engine.add_request("long", list(range(50, 90)), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    for _ in range(3):
+        engine.step()                                    # "long" decodes
+    history = first + request.output_ids + list(range(100, 110))
+    follow = engine.add_request("follow", history + [7, 8, 9], params, history_len=len(history))
+    steps = 0
+    while not follow.output_ids:
+        engine.step()
+        steps += 1
+    assert follow.num_cached > 0 and steps == 2
+    assert engine.scheduler._decode_only_steps == 0
+
+
+def test_engine_turns_chained_steps_on_only_where_they_can_run():
+    """INT4 experts on one device: chained steps; 16-bit experts (their decode form gathers every row's weights), an
+    expert cache (its eager path syncs) or several GPUs (workers are told decode steps only): not."""
+    from dataclasses import replace
+
+    from flashnext.engine.args import EngineArgs
+    from flashnext.engine.llm_engine import LLMEngine
+
+    args = EngineArgs(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=2)
+    assert not LLMEngine(args)._extends_capturable()
+    int4 = LLMEngine(replace(args, quantize="int4"))
+    assert int4._extends_capturable()
+    int4.args = replace(int4.args, expert_parallel=2)
+    assert not int4._extends_capturable()
+    assert not LLMEngine(replace(args, quantize="int4", expert_vram_gb=0.001))._extends_capturable()
+    assert int4.runner.graphs is None and int4.scheduler.extend_max == 0   # a CPU engine captures nothing

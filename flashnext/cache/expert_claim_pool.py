@@ -18,13 +18,13 @@ from __future__ import annotations
 import torch
 
 from flashnext.ops.expert_claims import claim_slots
-from flashnext.ops.moe_int4 import DECODE_MAX_M, CachedExperts
+from flashnext.ops.moe_int4 import CACHED_MAX_M, CachedExperts
 from flashnext.weights.pinned import upload
 
 
 class ClaimPool:
     """The keeper of captured decode steps (DecodeGraphs.keeper) for all layers' pools (cache/expert_cache.py's
-    LayerExpertCache: `layers`): decode steps of up to DECODE_MAX_M rows (the decode kernels' limit)."""
+    LayerExpertCache: `layers`): decode steps of up to CACHED_MAX_M rows (what the decode kernels take with a cache)."""
 
     def __init__(self, layers: list):
         self.layers, self.device = layers, layers[0].device
@@ -43,7 +43,7 @@ class ClaimPool:
         # real rows (the kernels skip a bucket's padding rows past them: every row, as many as the kernels take,
         # until before_step says otherwise — the warm-ups of a capture run without it)
         self.tables = torch.stack([layer.slot_table for layer in layers])
-        self.live_rows = torch.full((1,), DECODE_MAX_M, dtype=torch.int32, device=self.device)
+        self.live_rows = torch.full((1,), CACHED_MAX_M, dtype=torch.int32, device=self.device)
         for i, layer in enumerate(layers):   # each layer's view for graph steps
             layer.slot_table = self.tables[i]
             layer.claim_pool, layer.pool_index = self, i

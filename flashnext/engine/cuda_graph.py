@@ -78,7 +78,7 @@ class DecodeGraphs:
         self.slots.fill_(self.scratch_slot)
         # The chained steps' static inputs (extend): up to max_chain rows of one sequence.
         self.max_chain = max_chain
-        self.chain_inputs = torch.zeros(3, max(1, chain_sizes(max_chain)[0] if max_chain else 1), **long)
+        self.chain_inputs = torch.zeros(3, max(self.chain_steps, default=1), **long)
         # Every slot's KV block table lives on the device and grows by the blocks appended since the last step
         # (a long context is thousands of block ids: not rebuilt from a Python list every token); the step
         # gathers its rows' tables from it by slot, inside the graph.
@@ -134,12 +134,11 @@ class DecodeGraphs:
             width *= 2
         return count
 
-    def can_extend(self, num_tokens: int, start: int, max_blocks: int) -> bool:
-        """Whether `extend` takes a chunk of `num_tokens` at `start` of a sequence whose table is `max_blocks` long:
-        a sequence under way (the chained steps continue its states, never clear them), a chunk of several
-        tokens up to max_chain, one GPU (the workers of several are told decode steps only)."""
-        return (1 < num_tokens <= self.max_chain and start > 0 and self.announce is None and self.keeper is None
-                and max_blocks <= self.max_width)
+    def can_extend(self, num_tokens: int, start: int) -> bool:
+        """Whether `extend` takes a chunk of `num_tokens` at `start`: a sequence under way (the chained steps
+        continue its states, never clear them), several tokens up to max_chain (which the engine sets only where
+        chained steps can run: LLMEngine._extends_capturable; Scheduler.replays agrees)."""
+        return 1 < num_tokens <= self.max_chain and start > 0
 
     def extend(self, tokens: list[int], start: int, slot: int, blocks: list[int]) -> torch.Tensor:
         """Logits [1, V] of the last of `tokens`, which continue the sequence in `slot` at position `start` (its
@@ -156,6 +155,11 @@ class DecodeGraphs:
                 logits = self._chain_step(ids, positions, slot, width, deltas)
             done, deltas = done + size, []
         return logits.clone()
+
+    @property
+    def chain_steps(self) -> list[int]:
+        """The sizes of the chained steps `extend` may run: the powers of two from 2 to max_chain."""
+        return [1 << i for i in range(1, self.max_chain.bit_length())]
 
     def _chain_width(self, num_blocks: int) -> int:
         return min(max(bucket(num_blocks, MIN_WIDTH), CHAIN_MIN_WIDTH), self.max_width)
@@ -175,7 +179,8 @@ class DecodeGraphs:
 
     def step(self, input_ids: list[int] | torch.Tensor, positions: list[int], slots: list[int], width: int,
              deltas: list[TableDelta]) -> torch.Tensor:
-        """`run` once the table changes are known: what a worker rank runs for rank 0's announcement."""
+        """`run` once the table changes are known: what a worker rank runs for rank 0's announcement, and `extend`
+        for a chunk's last token."""
         n = len(input_ids)
         size = bucket(n)
         key = (size, width)

@@ -28,7 +28,7 @@ from flashnext.engine.sampled_on_host import SampledOnHost
 from flashnext.engine.sampler import SamplerOutput, validate_token_ids
 from flashnext.engine.sampling_params import InvalidParams, SamplingParams
 from flashnext.engine.scheduler import Scheduler
-from flashnext.ops.moe_int4 import DECODE_MAX_M
+from flashnext.ops.moe_int4 import CACHED_MAX_M
 from flashnext.engine.structured.backend import InvalidConstraint, shared_backend
 from flashnext.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -137,14 +137,14 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, self.states, args.max_num_seqs, args.max_num_batched_tokens,
                                    self.prefix_cache, args.prefix_snapshot_interval, args.prefill_budget_while_decoding,
                                    pacer, graph_tail=args.graph_prefill_tail if use_graphs and not extend_max else 0,
-                                   decode_steps_between_prefill=args.decode_steps_between_prefill)
+                                   decode_steps_between_prefill=args.decode_steps_between_prefill, extend_max=extend_max)
         eos = set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(e for e in eos if e < cfg.vocab_size)
         graphs = None
         experts = self.loaded.expert_cache
         if use_graphs:
             # with an expert cache, batches up to what the decode kernels take read its pools in the graph
-            graph_rows = args.max_num_seqs if experts is None else min(args.max_num_seqs, DECODE_MAX_M)
+            graph_rows = args.max_num_seqs if experts is None else min(args.max_num_seqs, CACHED_MAX_M)
             graphs = DecodeGraphs(self.loaded.model, self.kv, self.states, graph_rows,
                                   self.kv.blocks_for(self.max_model_len), max_chain=extend_max)
             if experts is not None:
@@ -167,14 +167,17 @@ class LLMEngine:
         return self.device.type == "cuda" and not self.args.enforce_eager
 
     def _extends_capturable(self) -> bool:
-        """Whether short prompt chunks can replay chained steps (DecodeGraphs.extend): routed experts INT4 in the
-        device's memory (their grouped kernels need no host sync; the 16-bit experts' decode form gathers every
-        row's expert weights, too much memory for a chunk's rows; an expert cache's eager path syncs)."""
+        """Whether short prompt chunks can replay chained steps (DecodeGraphs.extend): one GPU (rank 0 announces
+        decode steps only to the workers of several), routed experts INT4 in the device's memory (their kernels need
+        no host sync; the 16-bit experts' decode form gathers every row's expert weights, too much memory for a
+        chunk's rows; an expert cache's eager path syncs)."""
         from flashnext.models.layers.int4_experts import Int4Experts
         from flashnext.models.layers.moe import Experts
+        from flashnext.parallel.runtime import world_size
 
         experts = [m for m in self.loaded.model.modules() if isinstance(m, (Experts, Int4Experts))]
-        return self.loaded.expert_cache is None and all(isinstance(m, Int4Experts) for m in experts)
+        return (world_size(self.args.tensor_parallel, self.args.expert_parallel) == 1
+                and self.loaded.expert_cache is None and all(isinstance(m, Int4Experts) for m in experts))
 
     def _build_prefix_cache(self, block_size: int) -> PrefixCache | None:
         args = self.args
@@ -353,10 +356,8 @@ class LLMEngine:
         graphs = self.runner.graphs
         if graphs is not None and graphs.announce is None:   # one GPU (several: the workers capture as announced)
             graphs.capture_widths(1)
-            size = 2
-            while size <= graphs.max_chain:   # every chained step extend may run
+            for size in graphs.chain_steps:
                 graphs.capture_widths(size, chained=True)
-                size *= 2
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         (self.prompt_tokens_total, self.generation_tokens_total, self.scheduler.prefix_queries,
@@ -396,6 +397,8 @@ class LLMEngine:
                 if c.request.metrics.first_scheduled_time is None:
                     c.request.metrics.first_scheduled_time = now
             sampling = [c.request for c in chunks if c.samples]
+            # decodes, prompt tails and chained steps' tokens: graph rows to the pacer, not eager prefill
+            graphed = sum(c.num_tokens for c in chunks if self.scheduler.replays(c.request, c.num_tokens))
             sampled = self.runner.run(chunks, launched)
             launched = None   # the runner called it
             self.scheduler.computed(chunks)
@@ -420,8 +423,7 @@ class LLMEngine:
                 if chunks is None:   # a decode step launched ahead ran from the last step's tokens to these
                     self.scheduler.pacer.record(0, len(sampling), read - self._tokens_read_at)
                 else:
-                    decodes = sum(c.num_tokens == 1 for c in chunks)   # decodes and prompt tails: graph rows
-                    self.scheduler.pacer.record(sum(c.num_tokens for c in chunks) - decodes, decodes, read - started)
+                    self.scheduler.pacer.record(sum(c.num_tokens for c in chunks) - graphed, graphed, read - started)
             self._tokens_read_at = read
         elif launched is not None:
             launched()

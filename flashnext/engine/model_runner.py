@@ -41,8 +41,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], launched: Callable[[], None] | None = None) -> SamplerOutput | None:
         """One step: one-token chunks of sequences under way (decodes, prompt tails) go through the captured graph
-        (when there is one), the rest (prefill chunks) through the eager forward, in the same step; the chunks
-        that sample are sampled in the order of `chunks`.
+        (when there is one), short chunks of sequences under way through chained steps (DecodeGraphs.extend), the
+        rest (prefill chunks) through the eager forward, in the same step; the chunks that sample are sampled in the
+        order of `chunks`.
         `launched` is called once: after the graph replay when an existing graph runs the whole step, else first
         (before an eager forward or a graph capture, which may keep the host for a while)."""
         launched = launched or (lambda: None)
@@ -138,7 +139,7 @@ class ModelRunner:
     def _extends(self, chunk: ScheduledChunk) -> bool:
         """A short prompt chunk of a sequence under way: chained graph steps (DecodeGraphs.extend)."""
         r = chunk.request
-        return self.graphs is not None and self.graphs.can_extend(chunk.num_tokens, r.num_computed, len(r.blocks))
+        return self.graphs is not None and self.graphs.can_extend(chunk.num_tokens, r.num_computed)
 
     def _forward_eager(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
         """The torch forward of any chunks → logits of those that sample ([n, V], model dtype), or None."""

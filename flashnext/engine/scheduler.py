@@ -11,8 +11,9 @@ While any running sequence decodes, prefill chunks (of running and newly admitte
 a smaller budget, `prefill_budget_while_decoding` (or what a PrefillPacer's step-time budget allows): a step
 with a long prefill chunk stalls every decoding stream for as long as the chunk takes, while a prefill alone
 runs at the full budget (larger chunks keep the GEMMs busier). With `decode_steps_between_prefill` K > 0, each
-step that carries a prefill chunk while others decode is followed by K steps of decodes alone (and prompt tails fed
-one token a step), as SGLang alternates prefill and decode batches: an eager prefill step costs full-size
+step that carries an eager prefill chunk while others decode is followed by K steps of decodes alone (and the chunks
+that replay captured graphs: prompt tails fed one token a step, chained chunks — `replays`), as SGLang alternates
+prefill and decode batches: an eager prefill step costs full-size
 Flash-Next ~150 ms of host time however small its chunk, so a shorter chunk cannot make a mixed step short; the
 streams get K fast tokens per prefill chunk instead, and the prompt enters K steps slower a chunk.
 
@@ -51,14 +52,18 @@ class Scheduler:
     def __init__(self, kv: KVPool, states: StatePool, max_num_seqs: int, token_budget: int,
                  prefix_cache: PrefixCache | None = None, snapshot_interval: int = 0,
                  prefill_budget_while_decoding: int | None = None, pacer: PrefillPacer | None = None,
-                 graph_tail: int = 0, decode_steps_between_prefill: int = 0):
+                 graph_tail: int = 0, decode_steps_between_prefill: int = 0, extend_max: int = 0):
         self.kv = kv
         # A prompt chunk of at most this many tokens goes one token a step, so the captured decode graph runs it
-        # (ModelRunner._graph_chunks): the engine sets it when it has decode graphs. On the H200 an eager prefill
+        # (ModelRunner._graph_chunks): the engine sets it when it has decode graphs but no chained steps (below:
+        # those take such chunks whole). On the H200 an eager prefill
         # step of full-size Flash-Next INT4 costs 120–150 ms of host time however few its tokens (~4,000 kernel
         # launches), a graph step 6–8 ms a token; an agent's turn ends its prompt with such a chunk (the generation
         # prompt after the history cut, ~5 tokens), and a short tool result after a prefix hit is one too.
         self.graph_tail = graph_tail
+        # A prompt chunk of 2 to extend_max tokens of a sequence under way replays chained graph steps instead
+        # (DecodeGraphs.extend, ModelRunner): the engine sets it where those run, and graph_tail to 0 then.
+        self.extend_max = extend_max
         self.states = states
         self.max_num_seqs = max_num_seqs
         self.token_budget = token_budget
@@ -94,13 +99,14 @@ class Scheduler:
             if not decode and prefill_budget == 0:
                 continue
             n = self._chunk_len(request, request.num_computed, budget if decode else min(budget, prefill_budget))
-            if decode_only and n > 1:            # a prefill chunk waits; a prompt tail fed one token a step goes
+            replayed = self.replays(request, n)
+            if decode_only and not replayed:     # an eager prefill chunk waits; what graphs replay goes
                 continue
             if not self._reserve_blocks(request, n, chunks):
                 continue
             chunks.append(ScheduledChunk(request, n))
             budget -= n
-            prefilled |= n > 1
+            prefilled |= not replayed
             if not decode:
                 prefill_budget -= n
         # what is left is for admitting waiting requests (prefill), none on a decode-only step
@@ -142,7 +148,7 @@ class Scheduler:
             self.running.append(request)
             chunks.append(ScheduledChunk(request, n))
             budget -= n
-            prefilled |= n > 1
+            prefilled |= not self.replays(request, n)
         if prefilled and decoding:
             self._decode_only_steps = self.decode_steps_between_prefill
         return chunks
@@ -184,6 +190,12 @@ class Scheduler:
     def _has_room(self) -> bool:
         return len(self.running) < self.max_num_seqs and self.states.num_free > 0
 
+    def replays(self, request: Request, n: int) -> bool:
+        """Whether the next chunk of `n` tokens of `request` (before the step runs) replays captured graphs: one
+        token of a sequence under way (a decode, a prompt tail), or a chained chunk (extend_max). Those are not the
+        eager prefill that decode-only steps and the pacer hold back."""
+        return request.num_computed > 0 and (n == 1 or n <= self.extend_max)
+
     def _reading(self, request: Request) -> bool:
         """Its cached prefix is being read from disk: the requests behind it go first (no lookup until done)."""
         return self.prefix_cache is not None and self.prefix_cache.waiting_for_read(request.request_id)
@@ -194,7 +206,8 @@ class Scheduler:
         at 4.1K tok/s through the server when snapshots cut it into 1024-token chunks, and at 7.9K tok/s in the
         engine with 8192-token chunks. The one cut is at the request's history_len, the snapshot the
         conversation's next turn resumes from: it costs one short chunk (the generation prompt's few tokens), which
-        with decode graphs goes one token a step (graph_tail)."""
+        with decode graphs replays chained steps (extend_max) or, where those cannot run, goes one token a step
+        (graph_tail)."""
         remaining = request.num_tokens - start
         n = min(remaining, budget)
         history = request.history_len
