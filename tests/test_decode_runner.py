@@ -85,6 +85,22 @@ def test_advanced_sampling_batch_equals_rebuilt():
     assert len(rebuilds) > 10
 
 
+def conversation_turns(engine, history, params, new_messages):
+    """One chat's turns: each prompt is the last one, its reply, the next new message (history_len there) and a
+    generation prompt of 2–4 tokens → [(reply tokens, cached tokens)] per turn."""
+    prompt, hist, turns = history + [7, 8, 9, 10, 11], len(history), []
+    for turn, message in enumerate(new_messages):
+        request = engine.add_request(f"t{turn}", prompt, params, history_len=hist)
+        tokens = []
+        while engine.has_work():
+            for o in engine.step():
+                tokens += o.token_ids
+        turns.append((tokens, request.num_cached))
+        hist = len(prompt) + len(tokens) + len(message)
+        prompt = prompt + tokens + message + [7, 8, 9, 10, 11][: 2 + turn]
+    return turns
+
+
 def test_prompt_tail_fed_one_token_a_step_through_the_decode_graph():
     """Scheduler.graph_tail: a prompt chunk of at most that many tokens (an agent turn's generation prompt after
     the history cut; a short remainder after a prefix hit) goes one token a step through the fixed-shape runner,
@@ -94,18 +110,7 @@ def test_prompt_tail_fed_one_token_a_step_through_the_decode_graph():
     args = dict(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
-    def conversation(engine):
-        prompt, hist, turns = history + [7, 8, 9, 10, 11], 40, []
-        for turn in range(3):
-            request = engine.add_request(f"t{turn}", prompt, params, history_len=hist)
-            tokens = []
-            while engine.has_work():
-                for o in engine.step():
-                    tokens += o.token_ids
-            turns.append((tokens, request.num_cached))
-            hist = len(prompt) + len(tokens) + 3          # the reply and three tokens of a new user message
-            prompt = prompt + tokens + [12, 13, 14] + [7, 8, 9, 10, 11][: 2 + turn]
-        return turns
+    conversation = lambda engine: conversation_turns(engine, history, params, [[12, 13, 14]] * 3)  # noqa: E731
 
     want = conversation(LLMEngine(EngineArgs(**args)))
     # decode ahead off: with it a reply's end snapshot also covers its last token, one more cached next turn

@@ -10,6 +10,7 @@ from flashnext.cache.state_pool import StatePool
 from flashnext.engine.cuda_graph import DecodeGraphs, chain_sizes
 from flashnext.models.context import ForwardContext, Segment
 from oracle import hf_model, ours_from_hf, rel_err
+from test_decode_runner import conversation_turns
 from test_model_parity import CASES, IDS
 
 TOL = 1e-5
@@ -96,21 +97,9 @@ def test_engine_follow_up_turns_extend_through_chained_steps():
                 decode_ahead=False)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
-    def conversation(engine):
-        prompt, hist, turns = history + [7, 8, 9, 10, 11], 40, []
-        for turn in range(3):
-            request = engine.add_request(f"t{turn}", prompt, params, history_len=hist)
-            tokens = []
-            while engine.has_work():
-                for o in engine.step():
-                    tokens += o.token_ids
-            turns.append((tokens, request.num_cached))
-            new_message = torch.randint(3, 400, (9 + 4 * turn,), generator=g).tolist()
-            hist = len(prompt) + len(tokens) + len(new_message)
-            prompt = prompt + tokens + new_message + [7, 8, 9, 10, 11][: 2 + turn]
-        return turns
+    messages = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (9, 13, 17)]
+    conversation = lambda engine: conversation_turns(engine, history, params, messages)  # noqa: E731
 
-    g.manual_seed(6)
     want = conversation(LLMEngine(EngineArgs(**args)))
     engine = LLMEngine(EngineArgs(**args))
     runner = engine.runner
@@ -125,7 +114,6 @@ def test_engine_follow_up_turns_extend_through_chained_steps():
         return original(tokens, start, slot, blocks)
 
     runner.graphs.extend = spy
-    g.manual_seed(6)
     got = conversation(engine)
     assert got == want
     assert all(cached > 0 for _, cached in got[1:])
