@@ -37,9 +37,23 @@ def qsa_key_append_reference(raw, ring, slots, positions, block_table, index_key
     ring[slots, at] = torch.where((offset == r - 1)[:, None], kept, raw)
 
 
-def qsa_key_append(raw, ring, slots, positions, block_table, index_keys, norm_weight, eps, inv_freq) -> None:
+def qsa_key_append_chain_reference(raw, ring, slots, positions, block_table, index_keys, norm_weight, eps,
+                                   inv_freq) -> None:
+    """Rows that are one sequence's consecutive tokens (a chained decode batch): appended one after the other."""
+    for row in range(raw.shape[0]):
+        rows = slice(row, row + 1)
+        qsa_key_append_reference(raw[rows], ring, slots[rows], positions[rows], block_table[rows], index_keys,
+                                 norm_weight, eps, inv_freq)
+
+
+def qsa_key_append(raw, ring, slots, positions, block_table, index_keys, norm_weight, eps, inv_freq,
+                   chained: bool = False) -> None:
+    """`chained`: the rows are one sequence's consecutive tokens; the Triton form appends them in two launches (its
+    module docstring), leaving the same pooled keys of complete blocks and the same ring as the reference's loop."""
     if raw.is_cuda and os.environ.get("FLASHNEXT_QSA_KEY", "triton") != "reference":
         from flashnext.ops.qsa_key_append_triton import qsa_key_append_triton
 
-        return qsa_key_append_triton(raw, ring, slots, positions, block_table, index_keys, norm_weight, eps, inv_freq)
-    return qsa_key_append_reference(raw, ring, slots, positions, block_table, index_keys, norm_weight, eps, inv_freq)
+        return qsa_key_append_triton(raw, ring, slots, positions, block_table, index_keys, norm_weight, eps, inv_freq,
+                                     chained=chained)
+    reference = qsa_key_append_chain_reference if chained else qsa_key_append_reference
+    return reference(raw, ring, slots, positions, block_table, index_keys, norm_weight, eps, inv_freq)

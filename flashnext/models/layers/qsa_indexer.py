@@ -127,13 +127,8 @@ class QSAIndexer(nn.Module):
         pos, r = batch.positions, self.ratio
         keys = batch.kv.index_keys[self.layer_idx]                                 # [blocks, per_page, D]
         per_page = keys.shape[1]
-        # a chained batch's rows share a ring: appended one row a launch, in order (a block a row completes is pooled
-        # from the keys the rows before it put in the ring)
-        appends = [slice(i, i + 1) for i in range(batch.size)] if batch.chained else [slice(None)]
-        for rows in appends:
-            qsa_key_append(raw[rows], batch.states.index_ring[self.layer_idx], batch.slots[rows], pos[rows],
-                           batch.block_table[rows], keys, self.k_layernorm.weight, self.k_layernorm.eps,
-                           self._rope[0].inv_freq)
+        qsa_key_append(raw, batch.states.index_ring[self.layer_idx], batch.slots, pos, batch.block_table, keys,
+                       self.k_layernorm.weight, self.k_layernorm.eps, self._rope[0].inv_freq, chained=batch.chained)
 
         capacity = batch.block_table.shape[1] * per_page                         # block slots of the table
         if capacity <= self.block_topk:
