@@ -46,10 +46,10 @@ def kernels() -> bool:
         table = torch.arange(experts.num_experts, device="cuda")
         table[1::2] = -1                      # odd experts from host memory
         g = torch.Generator(device="cuda").manual_seed(0)
-        for m in (1, 3, 8, 41):
+        for m in (1, 3, 8, 41, 97):   # the decode kernels up to DECODE_MAX_M (64) rows, the grouped ones above
             x = torch.randn(m, model.cfg.hidden_size, device="cuda", generator=g).to(dtype)
             weights, ids, logit = moe._route(x, decode=m <= 8)
-            if m <= 8:
+            if m <= moe_ops.DECODE_MAX_M:
                 fused = experts.shared_int4(moe.shared_expert, x)
                 shared = None if fused is None else moe_ops.SharedExpert(*fused, logit)
                 want = moe_ops.moe_int4(x, ids, weights, gate_up, down, shared=shared)
@@ -67,7 +67,7 @@ def kernels() -> bool:
                 what = "grouped kernels in 3 rounds"
             same = torch.equal(got, want)
             ok &= same
-            print(f"kernels {str(dtype):15} M={m:2} {what}: {'equal' if same else 'MISMATCH'} "
+            print(f"kernels {str(dtype):15} M={m:3} {what}: {'equal' if same else 'MISMATCH'} "
                   f"(max diff {(got.float() - want.float()).abs().max().item():.3g})")
     return ok
 

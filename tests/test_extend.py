@@ -118,8 +118,11 @@ def test_engine_follow_up_turns_extend_through_chained_steps():
     assert got == want
     assert all(cached > 0 for _, cached in got[1:])
     assert len(extended) >= 4 and all(1 < n <= 16 for n in extended)
-    # a short prompt that starts a sequence runs eagerly: chained steps continue a slot's states, never clear them
-    assert not runner.graphs.can_extend(6, 0) and runner.graphs.can_extend(6, 2)
+    # a short prompt that starts a sequence runs eagerly (chained steps continue a slot's states, never clear them),
+    # and so does a chunk the budget cut short (the prompt goes on in large eager chunks)
+    fresh = engine.add_request("fresh", list(range(5, 13)), params)
+    chains = engine.scheduler._chains
+    assert not chains(fresh, 0, 8) and chains(fresh, 2, 6) and not chains(fresh, 2, 4)
 
 
 def test_step_with_two_extends_and_a_decode_keeps_every_chunks_logits():

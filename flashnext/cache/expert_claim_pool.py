@@ -24,7 +24,7 @@ from flashnext.weights.pinned import upload
 
 class ClaimPool:
     """The keeper of captured decode steps (DecodeGraphs.keeper) for all layers' pools (cache/expert_cache.py's
-    LayerExpertCache: `layers`): decode steps of up to CACHED_MAX_M rows (what the decode kernels take with a cache)."""
+    LayerExpertCache: `layers`): decode steps of up to CACHED_MAX_M rows (ops/moe_int4.py)."""
 
     def __init__(self, layers: list):
         self.layers, self.device = layers, layers[0].device

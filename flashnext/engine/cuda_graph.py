@@ -134,15 +134,10 @@ class DecodeGraphs:
             width *= 2
         return count
 
-    def can_extend(self, num_tokens: int, start: int) -> bool:
-        """Whether `extend` takes a chunk of `num_tokens` at `start`: a sequence under way (the chained steps
-        continue its states, never clear them), several tokens up to max_chain (which the engine sets only where
-        chained steps can run: LLMEngine._extends_capturable; Scheduler.replays agrees)."""
-        return 1 < num_tokens <= self.max_chain and start > 0
-
     def extend(self, tokens: list[int], start: int, slot: int, blocks: list[int]) -> torch.Tensor:
-        """Logits [1, V] of the last of `tokens`, which continue the sequence in `slot` at position `start` (its
-        states and KV pages advance): chained steps of chain_sizes(len(tokens)), the last one token a decode step.
+        """Logits [1, V] of the last of `tokens` (2 to max_chain of them; the scheduler picks such chunks: Scheduler.
+        _chains), which continue the sequence in `slot` at position `start` > 0 (its states and KV pages advance; the
+        chained steps never clear a slot): chained steps of chain_sizes(len(tokens)), the last one token a decode step.
         A copy: the graphs' static outputs are overwritten by their next replay (another chunk's, the step's decodes)."""
         width = self._chain_width(len(blocks))
         deltas = [self._table_delta(slot, blocks)]

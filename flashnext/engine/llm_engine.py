@@ -397,8 +397,6 @@ class LLMEngine:
                 if c.request.metrics.first_scheduled_time is None:
                     c.request.metrics.first_scheduled_time = now
             sampling = [c.request for c in chunks if c.samples]
-            # decodes, prompt tails and chained steps' tokens: graph rows to the pacer, not eager prefill
-            graphed = sum(c.num_tokens for c in chunks if self.scheduler.replays(c.request, c.num_tokens))
             sampled = self.runner.run(chunks, launched)
             launched = None   # the runner called it
             self.scheduler.computed(chunks)
@@ -422,8 +420,9 @@ class LLMEngine:
             if self.scheduler.pacer is not None:   # the sampled tokens are on the host: the GPU is done
                 if chunks is None:   # a decode step launched ahead ran from the last step's tokens to these
                     self.scheduler.pacer.record(0, len(sampling), read - self._tokens_read_at)
-                else:
-                    self.scheduler.pacer.record(sum(c.num_tokens for c in chunks) - graphed, graphed, read - started)
+                elif not any(c.chained for c in chunks):   # a chained step's time fits neither of its terms
+                    decodes = sum(c.num_tokens == 1 for c in chunks)   # decodes and prompt tails: graph rows
+                    self.scheduler.pacer.record(sum(c.num_tokens for c in chunks) - decodes, decodes, read - started)
             self._tokens_read_at = read
         elif launched is not None:
             launched()

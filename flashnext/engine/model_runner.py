@@ -55,7 +55,7 @@ class ModelRunner:
         batch = self._sampling_batch(requests, appendable) if requests and not appendable else None
         decoding = self._graph_chunks(chunks)   # prefill only: a prompt's last tokens fed one a step replay too
         replayed = {id(c) for c in decoding}
-        extending = [c for c in chunks if id(c) not in replayed and self._extends(c)]
+        extending = [c for c in chunks if c.chained]   # the scheduler sets it only where graphs run them
         replayed |= {id(c) for c in extending}
         eager = [c for c in chunks if id(c) not in replayed]
         replay_first = bool(decoding) and not eager and not extending and self.graphs.captured(
@@ -135,11 +135,6 @@ class ModelRunner:
         if decoding and self.graphs.can_run(len(decoding), max(len(c.request.blocks) for c in decoding)):
             return decoding
         return []
-
-    def _extends(self, chunk: ScheduledChunk) -> bool:
-        """A short prompt chunk of a sequence under way: chained graph steps (DecodeGraphs.extend)."""
-        r = chunk.request
-        return self.graphs is not None and self.graphs.can_extend(chunk.num_tokens, r.num_computed)
 
     def _forward_eager(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
         """The torch forward of any chunks → logits of those that sample ([n, V], model dtype), or None."""

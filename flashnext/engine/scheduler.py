@@ -12,7 +12,8 @@ a smaller budget, `prefill_budget_while_decoding` (or what a PrefillPacer's step
 with a long prefill chunk stalls every decoding stream for as long as the chunk takes, while a prefill alone
 runs at the full budget (larger chunks keep the GEMMs busier). With `decode_steps_between_prefill` K > 0, each
 step that carries an eager prefill chunk while others decode is followed by K steps of decodes alone (and the chunks
-that replay captured graphs: prompt tails fed one token a step, chained chunks — `replays`), as SGLang alternates
+that replay captured graphs: prompt tails fed one token a step, chained chunks — `_chains`; a waiting request, a
+resumed conversation too, is admitted only on the steps between), as SGLang alternates
 prefill and decode batches: an eager prefill step costs full-size
 Flash-Next ~150 ms of host time however small its chunk, so a shorter chunk cannot make a mixed step short; the
 streams get K fast tokens per prefill chunk instead, and the prompt enters K steps slower a chunk.
@@ -41,6 +42,7 @@ from flashnext.engine.request import Request, Status
 class ScheduledChunk:
     request: Request
     num_tokens: int
+    chained: bool = False   # replays chained graph steps (Scheduler._chains, DecodeGraphs.extend)
 
     @property
     def samples(self) -> bool:
@@ -99,12 +101,13 @@ class Scheduler:
             if not decode and prefill_budget == 0:
                 continue
             n = self._chunk_len(request, request.num_computed, budget if decode else min(budget, prefill_budget))
-            replayed = self.replays(request, n)
+            chained = self._chains(request, request.num_computed, n)
+            replayed = chained or n == 1 and request.num_computed > 0   # a decode or a prompt tail: a graph row
             if decode_only and not replayed:     # an eager prefill chunk waits; what graphs replay goes
                 continue
             if not self._reserve_blocks(request, n, chunks):
                 continue
-            chunks.append(ScheduledChunk(request, n))
+            chunks.append(ScheduledChunk(request, n, chained))
             budget -= n
             prefilled |= not replayed
             if not decode:
@@ -146,9 +149,10 @@ class Scheduler:
                 self.prefix_queries += len(request.prompt_ids)
                 self.prefix_hits += start
             self.running.append(request)
-            chunks.append(ScheduledChunk(request, n))
+            chained = self._chains(request, start, n)
+            chunks.append(ScheduledChunk(request, n, chained))
             budget -= n
-            prefilled |= not self.replays(request, n)
+            prefilled |= not (chained or n == 1 and start > 0)
         if prefilled and decoding:
             self._decode_only_steps = self.decode_steps_between_prefill
         return chunks
@@ -190,11 +194,13 @@ class Scheduler:
     def _has_room(self) -> bool:
         return len(self.running) < self.max_num_seqs and self.states.num_free > 0
 
-    def replays(self, request: Request, n: int) -> bool:
-        """Whether the next chunk of `n` tokens of `request` (before the step runs) replays captured graphs: one
-        token of a sequence under way (a decode, a prompt tail), or a chained chunk (extend_max). Those are not the
-        eager prefill that decode-only steps and the pacer hold back."""
-        return request.num_computed > 0 and (n == 1 or n <= self.extend_max)
+    def _chains(self, request: Request, start: int, n: int) -> bool:
+        """Whether the chunk of `n` tokens from `start` replays chained graph steps (DecodeGraphs.extend): several
+        tokens, up to extend_max, of a sequence under way, ending its prompt or its history (a resumed conversation's
+        new message, a tool result, the generation prompt). A chunk the budget cut short stays eager: the prompt goes
+        on in large chunks, and the pacer times eager steps."""
+        end = start + n
+        return 1 < n <= self.extend_max and start > 0 and end in (request.num_tokens, request.history_len)
 
     def _reading(self, request: Request) -> bool:
         """Its cached prefix is being read from disk: the requests behind it go first (no lookup until done)."""

@@ -10,7 +10,8 @@ Layers implement `decode(x, …, batch)` beside `forward`: the same math as a on
 A `chained` batch is B consecutive tokens of one sequence instead (one slot, positions p … p+B−1): a short prompt
 chunk of a sequence under way, captured too (DecodeGraphs.extend). Attention and the MoE treat its rows like any
 others (each row attends up to its own position, the KV of all rows written first); the layers whose state moves
-token by token — GatedDeltaNet, PLE, the QSA indexer's ring — run its rows in order, as a prefill segment.
+token by token run its rows as one sequence's: GatedDeltaNet and PLE as a prefill segment, the QSA indexer's key
+append as the rows appended one after another (ops/qsa_key_append.py).
 """
 from __future__ import annotations
 

@@ -31,8 +31,10 @@ _PREFILL = os.environ.get("FLASHNEXT_MOE_PREFILL", "triton")
 # against 392 / 588 / 805 for the grouped kernels' best small-M tiles (moe_int4_triton.SMALL); at 128, 1,435 against
 # 1,000.
 DECODE_MAX_M = 64
-# With an expert cache the decode kernels read a missing expert from host memory once per token that chose it: they
-# take its batches up to CACHED_MAX_M rows (the limit they were measured at with it; the grouped kernels' rounds above).
+# With an expert cache, captured decode steps go up to CACHED_MAX_M rows: the in-step admission (cache/
+# expert_claim_pool.py) was measured at up to 8, and the decode kernels read a missing expert from host memory once
+# per token that chose it. (The eager path takes the decode kernels up to DECODE_MAX_M, as all-resident does: the
+# same kernels, so the same bits.)
 CACHED_MAX_M = 8
 
 
@@ -182,11 +184,11 @@ def through_table(pool: Int4Weight, host: Int4Weight, table: torch.Tensor) -> In
 
 
 def runs_cached_experts(x) -> bool:
-    """Whether `moe_int4` takes CachedExperts for this input: the decode kernels up to CACHED_MAX_M rows, or the
+    """Whether `moe_int4` takes CachedExperts for this input: the decode kernels (as runs_shared_expert), or the
     reference (over the host store, on the CPU)."""
     if x.device.type == "cpu":
         return True
-    return x.is_cuda and _BACKEND == "auto" and x.shape[0] <= CACHED_MAX_M
+    return x.is_cuda and _BACKEND == "auto" and x.shape[0] <= DECODE_MAX_M
 
 
 def routed_pairs(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weight) -> torch.Tensor:

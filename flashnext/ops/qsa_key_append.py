@@ -9,6 +9,9 @@ raw key goes into ring[s, o] unless the block is now complete. In place; shapes:
     norm_weight [D]; inv_freq [R/2] (RoPE on the first R features).
 `qsa_key_append_reference` is the torch form (the ops of QSAIndexer.decode before this op existed); the Triton
 kernel (ops/qsa_key_append_triton.py) does it in one launch instead of ~25. FLASHNEXT_QSA_KEY=reference forces it.
+Rows that are one sequence's consecutive tokens (`chained`, a chained decode batch) are the reference applied row
+after row (`qsa_key_append_chain_reference`); the Triton form does them in two launches and writes keys only for
+the blocks its rows complete.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 The RoPE tables are computed in the kernel from inv_freq (fp32 angle, cos/sin rounded to the keys' dtype as
 RotaryEmbedding rounds them), and every 16-bit rounding of the reference happens at the same point.
 
-CHAINED (qsa_key_append_chain_triton): the rows are one sequence's consecutive tokens (a chained decode batch,
+CHAINED (`chained=True`): the rows are one sequence's consecutive tokens (a chained decode batch,
 models/decode_batch.py), which the reference appends one row after the other. Here every row's program at once: a
 row that completes its block pools it from the rows of the chain and, for the block's positions before the chain,
 from the ring as it was; the others write no key (the sequential form writes their incomplete blocks' rows, which

@@ -79,7 +79,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
               "short tool result after a prefix hit) is fed one token a step through the captured decode graph "
               "instead of one eager step (6-8 ms a token against 120-150 ms a step for full-size Flash-Next on an "
               "H200), where --graph-extend-max's chained steps cannot run (16-bit experts, --expert-vram-gb, several "
-              "GPUs); 0: off (default 16)")
+              "GPUs) or are off (--graph-extend-max 0); 0: off (default 16)")
     _add(parser, "--graph-extend-max", type=int,
          help="with CUDA graphs, a prompt chunk of at most this many tokens that continues a sequence (a resumed "
               "conversation's new message, a tool result, the generation prompt after a turn's history) replays "

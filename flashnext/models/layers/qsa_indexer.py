@@ -121,8 +121,9 @@ class QSAIndexer(nn.Module):
         sees everything (dense causal attention) and nothing needs scoring — decided by the static table width.
 
         Fixed shapes for a CUDA graph: every block slot of the padded block table is scored and the ones not yet
-        complete are masked, and the new key is pooled every step but written only where its block completes
-        (otherwise into the row of the incomplete block itself, which nothing reads before it completes)."""
+        complete are masked, and the new key is pooled every step but final only where its block completes (else
+        it goes into the row of the incomplete block itself, which nothing reads before it completes; a chained
+        batch's kernel writes only completed blocks' keys)."""
         q, raw = torch.split(self.index_qk_proj(x), [self.num_heads * self.head_dim, self.head_dim], dim=-1)
         pos, r = batch.positions, self.ratio
         keys = batch.kv.index_keys[self.layer_idx]                                 # [blocks, per_page, D]
