@@ -45,6 +45,14 @@ class DecodeBatch:
         """Flat KV row of each row's new token: computed once per step, used by every attention layer."""
         return self.page_rows(self.positions, self.kv.block_size)
 
+    def chain_state(self, pool: torch.Tensor) -> torch.Tensor:
+        """A chained batch's slot of a per-slot state tensor [slots, …] (a copy: read by device index, no sync)."""
+        return pool.index_select(0, self.slots[:1])[0]
+
+    def set_chain_state(self, pool: torch.Tensor, value: torch.Tensor) -> None:
+        """Write a chained batch's slot of `pool` back (by device index)."""
+        pool.index_copy_(0, self.slots[:1], value[None].to(pool.dtype))
+
     def page_rows(self, index: torch.Tensor, per_page: int) -> torch.Tensor:
         """Flat row ids of per-sequence item `index` [B, ...] in a paged [blocks, per_page, ...] tensor (KV
         tokens with per_page = block_size, pooled indexer keys with block_size / compress_ratio)."""

@@ -113,11 +113,10 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self._project(x)
         if batch.chained and batch.size >= CHUNKED_MIN:
             g, beta = self._decay_and_beta(b, a)
-            conv_state, ssm_state, slot = batch.states.conv[self.layer_idx], batch.states.ssm[self.layer_idx], batch.slots[:1]
-            o, conv_tail, ssm = self._segment(mixed, g, beta, conv_state.index_select(0, slot)[0],
-                                              ssm_state.index_select(0, slot)[0])
-            conv_state.index_copy_(0, slot, conv_tail[None].to(conv_state.dtype))
-            ssm_state.index_copy_(0, slot, ssm[None])
+            conv_state, ssm_state = batch.states.conv[self.layer_idx], batch.states.ssm[self.layer_idx]
+            o, conv_tail, ssm = self._segment(mixed, g, beta, batch.chain_state(conv_state), batch.chain_state(ssm_state))
+            batch.set_chain_state(conv_state, conv_tail)
+            batch.set_chain_state(ssm_state, ssm)
             return self._gated_out(o, z)
         steps = [slice(i, i + 1) for i in range(batch.size)] if batch.chained else [slice(None)]
         out = [gdn_decode(mixed[rows], z[rows], b[rows], a[rows], batch.states.conv[self.layer_idx],

@@ -147,12 +147,11 @@ class PLELayer(nn.Module):
     def _decode_chain(self, h: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """A chained batch (models/decode_batch.py): its rows as one prefill segment, the slot by device index."""
         ids_state, conv_state = batch.states.ple_ids[self.layer_idx], batch.states.ple_conv[self.layer_idx]
-        slot = batch.slots[:1]
-        emb, carried = self._embed(ids_state.index_select(0, slot)[0], batch.input_ids)
-        ids_state.index_copy_(0, slot, carried[None].to(ids_state.dtype))
+        emb, carried = self._embed(batch.chain_state(ids_state), batch.input_ids)
+        batch.set_chain_state(ids_state, carried)
         gated = self._gated(h, emb.to(h.dtype))
-        conv, tail = self._conv(self.norm_conv(gated), conv_state.index_select(0, slot)[0])
-        conv_state.index_copy_(0, slot, tail[None].to(conv_state.dtype))
+        conv, tail = self._conv(self.norm_conv(gated), batch.chain_state(conv_state))
+        batch.set_chain_state(conv_state, tail)
         return gated + conv
 
     def _gated(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
