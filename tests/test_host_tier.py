@@ -153,6 +153,12 @@ def test_arena_recycles_buffers_by_size():
     assert store.buffers[b"j"][0].data_ptr() == held                 # the dropped snapshot's buffer, reused
     small = PinnedArena(3 * PAGE + 5, pin=False)                     # a tier under a slab: one slab of its size
     assert small.slab_bytes == 3 * PAGE and small.take(100) is not None
+    ahead = PinnedArena(2 * pinned_arena.SLAB_BYTES + PAGE, pin=False)
+    ahead.reserve()                                                  # every slab the capacity allows, at once
+    slabs = [s.data_ptr() for s in ahead.slabs]
+    assert len(slabs) == 2 and ahead.take(100).data_ptr() == slabs[0]
+    assert ahead.take(pinned_arena.SLAB_BYTES).data_ptr() == slabs[1]   # the first is used: the reserved second
+    assert ahead.take(PAGE) is None and [s.data_ptr() for s in ahead.slabs] == slabs
 
 
 def test_entry_evicted_from_the_host_while_it_is_installed(monkeypatch):

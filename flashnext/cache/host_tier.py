@@ -13,11 +13,16 @@ batch holds.
 """
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from flashnext.cache.cache_entry import copy_tensors, packed_bytes, tensor_bytes
 from flashnext.cache.pinned_arena import PinnedArena
 from flashnext.cache.tier_index import BlockData, SnapshotData, SnapshotMeta, TierStore, row_runs
+
+log = logging.getLogger("flashnext.cache")
 
 
 class HostStore(TierStore):
@@ -28,6 +33,11 @@ class HostStore(TierStore):
         serve get an allocation of their own)."""
         self.pin = torch.cuda.is_available()
         self.arena = PinnedArena(capacity, self.pin)
+        if self.pin:   # page-locked now, not inside the write-downs that make room for requests (pinned_arena.py)
+            started = time.perf_counter()
+            self.arena.reserve()
+            log.info("host tier: %.1f GiB page-locked in %.1f s", self.arena.reserved / 2**30,
+                     time.perf_counter() - started)
         self.buffers: dict[object, list[torch.Tensor]] = {}   # batch id or snapshot key → its host buffers
         self.batches: dict[int, BlockData] = {}          # batch id → name → [rows, …]
         self.live_rows: dict[int, int] = {}              # batch id → rows still stored

@@ -10,6 +10,11 @@ is 116 MB), inside the engine step that moves the entry down: the turn waited ~1
 ~0.1 s per GiB once; a recycled buffer costs nothing. A buffer given back may still be the source of an
 asynchronous host→device copy: it is handed out again only once an event recorded at give-back has passed (one
 not yet passed is left for later, not waited for).
+
+`reserve` page-locks every slab the capacity allows at once (the host tier does at startup on a GPU: ~4 s for
+40 GB): slabs registered as the tier grew cost ~0.14 s inside the write-down of each 58K-token conversation that
+needed new ones — on a request's path when the write-down makes room for it (session 14's idle bench queued six
+of eight resumes 0.3–0.9 s; how much of that this was is not measured).
 """
 from __future__ import annotations
 
@@ -32,13 +37,19 @@ class PinnedArena:
         self.slab_bytes = min(SLAB_BYTES, capacity // PAGE * PAGE)
         self.pin = pin
         self.slabs: list[torch.Tensor] = []
-        self.used = 0                     # bytes of the last slab handed out
+        self.current = -1                 # the slab buffers are carved from (-1: none yet)
+        self.used = 0                     # bytes of it handed out
         self.free: dict[int, list[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
         self.misses = 0                   # requests it could not serve (the caller allocates on its own)
 
     @property
     def reserved(self) -> int:
         return len(self.slabs) * self.slab_bytes
+
+    def reserve(self) -> None:
+        """Page-lock every slab the capacity allows now (take then never allocates)."""
+        while self.slab_bytes and self.reserved + self.slab_bytes <= self.capacity:
+            self.slabs.append(host_empty((self.slab_bytes,), torch.uint8, self.pin, "the host tier"))
 
     def take(self, nbytes: int) -> torch.Tensor | None:
         """A uint8 buffer of nbytes, or None (larger than a slab, or the capacity is reached while no free buffer
@@ -52,13 +63,15 @@ class PinnedArena:
             if done is None or done.query():
                 del free[i]
                 return buf[:nbytes]
-        if not self.slabs or self.used + size > self.slab_bytes:
-            if self.reserved + self.slab_bytes > self.capacity:
-                self.misses += 1
-                return None
-            self.slabs.append(host_empty((self.slab_bytes,), torch.uint8, self.pin, "the host tier"))
+        if self.current < 0 or self.used + size > self.slab_bytes:   # the next slab (reserved, or new)
+            if self.current + 1 == len(self.slabs):
+                if self.reserved + self.slab_bytes > self.capacity:
+                    self.misses += 1
+                    return None
+                self.slabs.append(host_empty((self.slab_bytes,), torch.uint8, self.pin, "the host tier"))
+            self.current += 1
             self.used = 0
-        buf = self.slabs[-1][self.used: self.used + size]
+        buf = self.slabs[self.current][self.used: self.used + size]
         self.used += size
         return buf[:nbytes]
 
