@@ -17,11 +17,12 @@ TOL = 1e-5
 PROMPT = 5    # below the tiny QSA budgets (8–12 tokens): the chunk crosses into the scored selection
 
 
-def test_chain_sizes_are_the_binary_digits_largest_first():
+def test_chain_sizes_are_the_largest_steps_then_the_binary_digits():
     assert chain_sizes(75) == [64, 8, 2, 1]
     assert chain_sizes(64) == [64]
     assert chain_sizes(3) == [2, 1]
-    assert all(sum(chain_sizes(n)) == n for n in range(1, 300))
+    assert chain_sizes(300) == [128, 128, 32, 8, 4] and chain_sizes(300, 64) == [64] * 4 + [32, 8, 4]
+    assert all(sum(chain_sizes(n, largest)) == n for n in range(1, 600) for largest in (16, 128))
 
 
 def _pools(cfg, num_blocks):
@@ -36,7 +37,7 @@ def _eager_chunk(model, kv, states, slot, table, ids, context_len):
 
 # 2 and 16: one chained step, the logits its last row's; 16 and 128 rows: the chunked delta rule (128: two chunks of
 # 64); 13: rows one by one through the GatedDeltaNet decode kernels, then a decode step
-@pytest.mark.parametrize("chunk", [2, 13, 16, 37, 128], ids=["2", "8+4+1", "16", "32+4+1", "128"])
+@pytest.mark.parametrize("chunk", [2, 13, 16, 37, 128, 200], ids=["2", "8+4+1", "16", "32+4+1", "128", "128+64+8"])
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_extend_equals_eager_chunk(case, chunk):
     arch, overrides = case
@@ -45,13 +46,13 @@ def test_extend_equals_eager_chunk(case, chunk):
     cfg = model.cfg
     g = torch.Generator().manual_seed(11)
     prompt, more = (torch.randint(2, cfg.vocab_size, (n,), generator=g) for n in (PROMPT, chunk))
-    eager, fixed = _pools(cfg, 40), _pools(cfg, 40)
+    eager, fixed = _pools(cfg, 60), _pools(cfg, 60)
     need = eager[0].blocks_for(PROMPT + chunk + 1)
     tables = [pools[0].allocate(need) for pools in (eager, fixed)]
     slots = [pools[1].allocate() for pools in (eager, fixed)]
     assert tables[0] == tables[1] and slots[0] == slots[1]
     table, slot = tables[0], slots[0]
-    graphs = DecodeGraphs(model, *fixed, max_batch=1, max_blocks_per_seq=need, max_chain=128)
+    graphs = DecodeGraphs(model, *fixed, max_batch=1, max_blocks_per_seq=need, max_chain=256)
     with torch.inference_mode():
         for pools in (eager, fixed):
             _eager_chunk(model, *pools, slot, table, prompt, 0)

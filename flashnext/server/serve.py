@@ -83,8 +83,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--graph-extend-max", type=int,
          help="with CUDA graphs, a prompt chunk of at most this many tokens that continues a sequence (a resumed "
               "conversation's new message, a tool result, the generation prompt after a turn's history) replays "
-              "captured steps of one sequence's tokens (powers of two, largest first) instead of one eager step; "
-              "INT4 experts without an expert cache, one GPU; supersedes --graph-prefill-tail; 0: off (default 128)")
+              "captured steps of one sequence's tokens (powers of two up to 128, largest first) instead of one eager "
+              "step; INT4 experts without an expert cache, one GPU; supersedes --graph-prefill-tail; 0: off "
+              "(default 256)")
     _add(parser, "--decode-ahead", type=_bool,
          help="with CUDA graphs on one GPU, queue each decode step on the device, fed the tokens the step before "
               "sampled there, before the host reads those tokens, so the host's work between steps (detokenising, "
