@@ -45,14 +45,14 @@ def variant(engine, setting: str | None):
     fed one token a step: the engine without DecodeGraphs.extend)."""
     if setting is None:
         yield
-    elif setting == "extend=off":
-        graphs, scheduler = engine.runner.graphs, engine.scheduler
-        chain, tail = graphs.max_chain, scheduler.graph_tail
-        graphs.max_chain, scheduler.graph_tail = 0, engine.args.graph_prefill_tail
+    elif setting == "extend=off":   # the scheduler marks the chunks that replay chained steps (Scheduler._chains)
+        scheduler = engine.scheduler
+        chain, tail = scheduler.extend_max, scheduler.graph_tail
+        scheduler.extend_max, scheduler.graph_tail = 0, engine.args.graph_prefill_tail
         try:
             yield
         finally:
-            graphs.max_chain, scheduler.graph_tail = chain, tail
+            scheduler.extend_max, scheduler.graph_tail = chain, tail
     else:
         name, _, value = setting.partition("=")
         with environment({name: value}):

@@ -37,22 +37,24 @@ def _eager_chunk(model, kv, states, slot, table, ids, context_len):
 
 # 2 and 16: one chained step, the logits its last row's; 16 and 128 rows: the chunked delta rule (128: two chunks of
 # 64); 13: rows one by one through the GatedDeltaNet decode kernels, then a decode step
-@pytest.mark.parametrize("chunk", [2, 13, 16, 37, 128, 200], ids=["2", "8+4+1", "16", "32+4+1", "128", "128+64+8"])
+@pytest.mark.parametrize("chunk,max_chain", [(2, 256), (13, 256), (16, 256), (37, 256), (128, 256), (200, 256),
+                                             (300, 256), (100, 100)],
+                         ids=["2", "8+4+1", "16", "32+4+1", "128", "128+64+8", "128+128+32+8+4", "64+32+4"])
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_extend_equals_eager_chunk(case, chunk):
+def test_extend_equals_eager_chunk(case, chunk, max_chain):
     arch, overrides = case
     hf, raw = hf_model(arch, seed=CASES.index(case), **overrides)
     model = ours_from_hf(hf, raw)
     cfg = model.cfg
     g = torch.Generator().manual_seed(11)
     prompt, more = (torch.randint(2, cfg.vocab_size, (n,), generator=g) for n in (PROMPT, chunk))
-    eager, fixed = _pools(cfg, 60), _pools(cfg, 60)
+    eager, fixed = _pools(cfg, 80), _pools(cfg, 80)
     need = eager[0].blocks_for(PROMPT + chunk + 1)
     tables = [pools[0].allocate(need) for pools in (eager, fixed)]
     slots = [pools[1].allocate() for pools in (eager, fixed)]
     assert tables[0] == tables[1] and slots[0] == slots[1]
     table, slot = tables[0], slots[0]
-    graphs = DecodeGraphs(model, *fixed, max_batch=1, max_blocks_per_seq=need, max_chain=256)
+    graphs = DecodeGraphs(model, *fixed, max_batch=1, max_blocks_per_seq=need, max_chain=max_chain)
     with torch.inference_mode():
         for pools in (eager, fixed):
             _eager_chunk(model, *pools, slot, table, prompt, 0)

@@ -234,3 +234,19 @@ def test_fit_lets_go_of_entries_held_above_first():
     tier.capacity = tier.used_bytes - 1
     tier.fit()                     # nothing held above: the least recently used moves down, as before
     assert list(tier.snaps) == [b"c" * 16] and list(lower.snaps) == [b"a" * 16]
+
+
+def test_host_tier_larger_than_free_memory_is_refused_before_pinning(monkeypatch):
+    """On a GPU the host tier is page-locked at startup (PinnedArena.reserve): a budget over the host's available
+    memory is a clear error then, not a failed or starving page-lock."""
+    from flashnext.cache import host_tier
+
+    monkeypatch.setattr(host_tier.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(host_tier, "available_host_bytes", lambda: 3 << 30)
+    reserved = []
+    monkeypatch.setattr(host_tier.PinnedArena, "reserve", lambda self: reserved.append(self))
+    with pytest.raises(ValueError, match="more than the 3.0 GiB of host memory available"):
+        host_tier.HostStore(40 << 30)
+    assert not reserved
+    host_tier.HostStore(2 << 30)
+    assert len(reserved) == 1

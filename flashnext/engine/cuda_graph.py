@@ -142,9 +142,9 @@ class DecodeGraphs:
         return count
 
     def extend(self, tokens: list[int], start: int, slot: int, blocks: list[int]) -> torch.Tensor:
-        """Logits [1, V] of the last of `tokens` (2 to max_chain of them; the scheduler picks such chunks: Scheduler.
-        _chains), which continue the sequence in `slot` at position `start` > 0 (its states and KV pages advance; the
-        chained steps never clear a slot): chained steps of chain_sizes(len(tokens)), the last one token a decode step.
+        """Logits [1, V] of the last of `tokens` (the scheduler picks such chunks: Scheduler._chains), which continue
+        the sequence in `slot` at position `start` > 0 (its states and KV pages advance; the chained steps never clear a
+        slot): chained steps of chain_sizes(len(tokens), the largest of chain_steps), a last single token a decode step.
         A copy: the graphs' static outputs are overwritten by their next replay (another chunk's, the step's decodes)."""
         width = self._chain_width(len(blocks))
         deltas = [self._table_delta(slot, blocks)]
@@ -162,7 +162,7 @@ class DecodeGraphs:
     def chain_steps(self) -> list[int]:
         """The sizes of the chained steps `extend` may run: the powers of two from 2 to max_chain, CHAIN_MAX_STEP at
         most."""
-        return [1 << i for i in range(1, min(self.max_chain, CHAIN_MAX_STEP).bit_length())]
+        return [1 << i for i in range(1, max(0, min(self.max_chain, CHAIN_MAX_STEP)).bit_length())]
 
     def _chain_width(self, num_blocks: int) -> int:
         return min(max(bucket(num_blocks, MIN_WIDTH), CHAIN_MIN_WIDTH), self.max_width)

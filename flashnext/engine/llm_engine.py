@@ -121,6 +121,8 @@ class LLMEngine:
         block_size = KVPool.fit_block_size(cfg, args.block_size)
         slot_bytes = StatePool.bytes_per_slot(cfg, self.dtype)
         use_graphs = self._use_cuda_graphs()
+        if args.graph_extend_max < 0:
+            raise ValueError(f"--graph-extend-max {args.graph_extend_max} must be >= 0 (0: off)")
         extend_max = args.graph_extend_max if use_graphs and self._extends_capturable() else 0
         # A captured decode step pads its batch with rows on a scratch slot and block (engine/cuda_graph.py).
         num_slots = args.max_num_seqs + use_graphs
