@@ -146,3 +146,22 @@ def test_terms_in_rounds_sum_to_one_call(m):
     assert rel_err(terms.sum(1).to(x.dtype), want) < 1e-6
     assert rel_err(terms.sum(1), moe_int4_reference(x, ids, weights, w_gate_up, w_down)) < 1e-5
     assert rel_err(part.sum(1), want) > 1e-2       # the last round alone is not it: the merge of the rounds matters
+
+
+@pytest.mark.parametrize("asym", [False, True])
+@pytest.mark.parametrize("tiles", ["SMALL", "PREFILL"])
+def test_magic_dequant_gives_the_same_bits(tiles, asym):
+    """The `magic` configs (ops/int4_magic.py: 16-bit weights made by their bits, no int→float conversion) give the
+    conversion's result exactly, with the scale applied to the partial (SMALL) or in the tile (PREFILL). float16:
+    the interpreter reinterprets its bits, not bfloat16's (scripts/gpu_moe.py checks bfloat16 on the GPU)."""
+    from dataclasses import replace
+
+    from flashnext.ops import moe_int4_triton as grouped
+
+    config = getattr(grouped, tiles)
+    x, ids, weights, w_gate_up, w_down = case(40, 8, 3, 128, 64, 64, 64, asym=asym)
+    x, weights = x.half(), weights.half()
+    plain = grouped.moe_int4_triton(x, ids, weights, w_gate_up, w_down, config=config)
+    magic = grouped.moe_int4_triton(x, ids, weights, w_gate_up, w_down, config=replace(config, magic=True))
+    assert torch.equal(plain, magic)
+    assert rel_err(magic.float(), moe_int4_reference(x.float(), ids, weights.float(), w_gate_up, w_down)) < 2e-3
