@@ -90,6 +90,10 @@ def check(name, h, i) -> bool:
             magic = lambda x, ids, w, a, b, tiles=tiles: moe_int4_triton(x, ids, w, a, b, tiles)  # noqa: E731
             kernels = [("grouped", moe_int4_triton), ("magic", magic)] + (
                 [("decode", moe_int4_decode)] if m <= 8 else [("dequant", moe_int4_dequant)])
+            # the magic tiles make the same exact integers: the same bits as the conversion's in bf16
+            same = torch.equal(magic(x, ids, w, wgu, wd), moe_int4_triton(x, ids, w, wgu, wd, replace(tiles, magic=False)))
+            ok &= same
+            print(f"  check {name:10} {kind:9} M={m:<4} magic = plain tiles, bf16 bits: {'ok' if same else 'MISMATCH'}")
             for label, fn in kernels:
                 e16 = rel(fn(x, ids, w, wgu, wd), ref)
                 e32 = rel(fn(x.float(), ids, w, wgu, wd), ref)
@@ -179,7 +183,8 @@ def _cfg(c) -> str:
     if isinstance(c, DecodeConfig):
         return (f"n{c.block_n}/{c.down_block_n or c.block_n} k{c.block_k} s{c.split_k}/{c.split_down} w{c.num_warps} "
                 f"st{c.num_stages}")
-    return f"m{c.block_m} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}{' tile' if c.scale_in_tile else ''}"
+    return (f"m{c.block_m} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}{' tile' if c.scale_in_tile else ''}"
+            f"{' magic' if c.magic else ''}")
 
 
 def main() -> int:

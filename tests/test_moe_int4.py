@@ -1,7 +1,8 @@
 """INT4 routed experts: the Triton kernels (interpreted on CPU) equal the torch reference, and the reference
 equals the float Experts module run on the dequantised weights. Odd sizes on purpose; symmetric,
-asymmetric and act-order weights; decode blocks and prefill blocks. fp32 only: the Triton 3.9 interpreter
-computes tl.dot on bf16 and int->bf16 casts wrongly, so bf16 is checked on the GPU (scripts/gpu_moe.py)."""
+asymmetric and act-order weights; decode blocks and prefill blocks. fp32 (and fp16 for the magic tiles): the Triton
+3.9 interpreter computes tl.dot on bf16 and int->bf16 casts wrongly, so bf16 is checked on the GPU
+(scripts/gpu_moe.py)."""
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -68,6 +69,17 @@ def test_reference_equals_float_experts(m, k, h, i, g_up, g_down, asym, act_orde
 
 
 triton = pytest.importorskip("triton", reason="triton is not importable: the INT4 MoE kernels are not tested")
+import triton.language as tl  # noqa: E402
+
+from flashnext.ops.int4_magic import int4_values  # noqa: E402
+
+
+@triton.jit
+def _int4_values_kernel(q_ptr, zero_ptr, out_ptr, MAGIC: tl.constexpr):
+    rows, cols = tl.arange(0, 16), tl.arange(0, 32)
+    q = tl.load(q_ptr + rows[:, None] * 32 + cols[None, :])
+    zero = tl.load(zero_ptr + cols)
+    tl.store(out_ptr + rows[:, None] * 32 + cols[None, :], int4_values(q, zero, tl.float16, MAGIC))
 
 
 @pytest.mark.parametrize(PARAMS + ",in_tile", [c + (False,) for c in CASES] + [CASES[1] + (True,), CASES[6] + (True,)])
@@ -165,3 +177,15 @@ def test_magic_dequant_gives_the_same_bits(tiles, asym):
     magic = grouped.moe_int4_triton(x, ids, weights, w_gate_up, w_down, config=replace(config, magic=True))
     assert torch.equal(plain, magic)
     assert rel_err(magic.float(), moe_int4_reference(x.float(), ids, weights.float(), w_gate_up, w_down)) < 2e-3
+
+
+def test_int4_values_by_their_bits_are_exact():
+    """ops/int4_magic.int4_values for every code 0..15 against every zero point 0..16 (auto_gptq's stored 15 is a
+    zero of 16), by the bits (float16 under the interpreter) and by the conversion: q − zero exactly."""
+    q = torch.arange(16, dtype=torch.int32)[:, None].expand(16, 32).contiguous()
+    zero = torch.arange(32, dtype=torch.int32) % 17
+    want = (q - zero[None, :]).half()
+    for magic in (True, False):
+        out = torch.empty(16, 32, dtype=torch.float16)
+        _int4_values_kernel[(1,)](q, zero, out, MAGIC=magic)
+        assert torch.equal(out, want)

@@ -11,11 +11,19 @@ this, off by default until measured: scripts/gpu_moe.py (MoE at 16–128 and 4,0
 scripts/gpu_prefill_gemm.py (dense and MoE prefill tiles) time and check both forms. Other activation dtypes (fp32:
 tests, the CPU path) take the conversion.
 
-The interpreter (TRITON_INTERPRET=1) reinterprets float16 bits but not bfloat16 ones: the tests check float16 on
-the CPU, the GPU scripts check bfloat16.
+The interpreter (TRITON_INTERPRET=1) gets float16 right but not bfloat16 arithmetic on the reinterpreted values
+(NaNs and denormals): there `magic_applies` turns bfloat16's off, the tests check float16 on the CPU, and the GPU
+scripts check bfloat16 (the same bits as the conversion). Zero points must stay below 128 (bfloat16's mantissa
+bits; the layouts store at most 16, auto_gptq's stored 15 + 1).
 """
+import torch
 import triton
 import triton.language as tl
+
+
+def magic_applies(magic: bool, x: torch.Tensor) -> bool:
+    """The MAGIC constexpr of a launch for activations x: the config's choice, except bfloat16 off a GPU."""
+    return magic and (x.is_cuda or x.dtype != torch.bfloat16)
 
 
 @triton.jit

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashnext.ops.int4_magic import int4_values
+from flashnext.ops.int4_magic import int4_values, magic_applies
 from flashnext.weights.int4_layout import Int4Weight
 
 
@@ -233,7 +233,7 @@ def moe_int4_triton_pairs(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_do
     h = torch.empty(n_pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(n_pairs, hidden, dtype=torch.float32, device=x.device)
     common = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, PRECISION=precision,
-                  SCALE_IN_TILE=config.scale_in_tile, MAGIC=config.magic,
+                  SCALE_IN_TILE=config.scale_in_tile, MAGIC=magic_applies(config.magic, x),
                   num_warps=config.num_warps, num_stages=config.num_stages)
 
     def optional(w):  # zeros and perm, or a dummy pointer never read (HAS_ZEROS/HAS_PERM are constexprs)

@@ -45,7 +45,7 @@ import triton.language as tl
 from flashnext.ops.arrival import arrival_counters, arrive_last
 from flashnext.ops.int4_dequant_triton import dequantize_triton
 from flashnext.ops.int4_groups import group_zero_scale, optional_tensors
-from flashnext.ops.int4_magic import int4_values
+from flashnext.ops.int4_magic import int4_values, magic_applies
 from flashnext.ops.device import num_sms
 from flashnext.ops.pdl import launch_options, wait_for_inputs
 from flashnext.weights.int4_layout import Int4Weight
@@ -439,6 +439,6 @@ def w4a16_matmul(x: torch.Tensor, w: Int4Weight, config: LaunchConfig | GemvConf
         GROUP=w.group_size, HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None,
         USE_DOT=cfg.use_dot, REDUCE=split > 1, REDUCE_ROWS=reduce_rows(cfg.block_m, cfg.block_n, cfg.num_warps),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
-        SCALE_IN_TILE=cfg.scale_in_tile and cfg.use_dot, MAGIC=cfg.magic and cfg.use_dot, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SCALE_IN_TILE=cfg.scale_in_tile and cfg.use_dot, MAGIC=magic_applies(cfg.magic and cfg.use_dot, x), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
