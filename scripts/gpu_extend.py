@@ -1,6 +1,7 @@
 """On the GPU machine: the chained steps of DecodeGraphs.extend (a short prompt chunk of a sequence under way),
 each replayed alone: ms a replay for every power-of-two size at the given context depths, beside the one-token
-decode step, and the kernels of the largest chained step by the profiler.
+decode step and the eager forward of a chunk of that many tokens (and of 256: two 128-row steps against one eager
+step, --graph-extend-max's default), and the kernels of the largest chained step by the profiler.
 
     python3 scripts/gpu_extend.py [--model mem:flash-next] [--quantize int4] [--context 3500 --context 58000]
 
@@ -12,12 +13,34 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
 
 from flashnext.engine.cuda_graph import MIN_WIDTH, bucket
 from flashnext.engine.llm import LLM
 from gpu_decode import profile_kernels, replayed_ms
+
+
+@torch.inference_mode()
+def eager_ms(engine, graphs, size: int, context: int, width: int, runs: int = 3) -> float:
+    """ms of the eager forward (and the last row's logits) of a chunk of `size` tokens at `context`, synchronised,
+    the median of `runs` after one: the scratch slot, a table of the scratch block (the same reads as the real
+    chunk's, into garbage)."""
+    from flashnext.models.context import ForwardContext, Segment
+
+    model, device = engine.loaded.model, engine.kv.device
+    blocks = torch.full((width,), graphs.scratch_block, dtype=torch.long, device=device)
+    ids = torch.randint(100, engine.config.vocab_size - 100, (size,), device=device)
+    times = []
+    for _ in range(runs + 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        ctx = ForwardContext([Segment(graphs.scratch_slot, blocks, 0, size, context)], engine.kv, engine.states)
+        model.compute_logits(model(ids, ctx)[-1:])
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times[1:])[runs // 2]
 
 
 def main() -> int:
@@ -54,6 +77,9 @@ def main() -> int:
             times.append(replayed_ms(graphs.chain_graphs[(size, width)][0], steps=20))
         print(f"{context:8} {width:6} {decode_ms:9.3f} " + " ".join(f"{t:8.3f}" for t in times))
         print(f"{'':8} {'':6} {1e3 / decode_ms:9.0f} " + " ".join(f"{s * 1e3 / t:8.0f}" for s, t in zip(sizes, times)))
+        eager = [eager_ms(engine, graphs, size, context, width) for size in sizes + [2 * sizes[-1]]]
+        print(f"{'eager':>8} {'':6} {'':9} " + " ".join(f"{t:8.3f}" for t in eager[:-1])
+              + f"   {2 * sizes[-1]} tokens: eager {eager[-1]:.3f} ms, two chained steps {2 * times[-1]:.3f} ms")
         largest = width
     print(f"\nthe chained step of {sizes[-1]} rows, {largest} blocks wide, run eagerly under the profiler:")
     with torch.inference_mode():
