@@ -61,12 +61,12 @@ def main() -> int:
           + "   (tok/s of each chained step below)")
     largest = None
     for context in args.context or [3500, 58000]:
-        width = bucket(engine.kv.blocks_for(context + sizes[-1]), MIN_WIDTH)
-        graphs.inputs[1].fill_(context)
-        if (1, width) not in graphs.graphs:
-            graphs._capture(1, width)
-        graphs.inputs[1].fill_(context)   # the capture's warm-up zeroed the inputs
-        decode_ms = replayed_ms(graphs.graphs[(1, width)][0])
+        blocks = engine.kv.blocks_for(context + sizes[-1])
+        decode_width, width = bucket(blocks, MIN_WIDTH), graphs._chain_width(blocks)   # what extend runs
+        if (1, decode_width) not in graphs.graphs:
+            graphs._capture(1, decode_width)
+        graphs.inputs[1].fill_(context)   # after the capture, whose warm-up zeroed the inputs
+        decode_ms = replayed_ms(graphs.graphs[(1, decode_width)][0])
         times = []
         for size in sizes:
             if (size, width) not in graphs.chain_graphs:

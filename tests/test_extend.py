@@ -7,7 +7,7 @@ import torch
 
 from flashnext.cache.kv_pool import KVPool
 from flashnext.cache.state_pool import StatePool
-from flashnext.engine.cuda_graph import DecodeGraphs, chain_sizes
+from flashnext.engine.cuda_graph import DecodeGraphs, bucket, chain_sizes
 from flashnext.models.context import ForwardContext, Segment
 from oracle import hf_model, ours_from_hf, rel_err
 from test_decode_runner import conversation_turns
@@ -37,11 +37,14 @@ def _eager_chunk(model, kv, states, slot, table, ids, context_len):
 
 # 2 and 16: one chained step, the logits its last row's; 16 and 128 rows: the chunked delta rule (128: two chunks of
 # 64); 13: rows one by one through the GatedDeltaNet decode kernels, then a decode step
-@pytest.mark.parametrize("chunk,max_chain", [(2, 256), (13, 256), (16, 256), (37, 256), (128, 256), (200, 256),
-                                             (300, 256), (100, 100)],
-                         ids=["2", "8+4+1", "16", "32+4+1", "128", "128+64+8", "128+128+32+8+4", "64+32+4"])
+# widest: the graphs' widest block table (None: the sequence's own); 300 blocks make the chained steps' table 256 wide
+# (CHAIN_MIN_WIDTH), as a GPU engine's is for any context under 4K tokens — the QSA indexer then scores its slots
+@pytest.mark.parametrize("chunk,max_chain,widest", [
+    (2, 256, None), (13, 256, None), (16, 256, None), (37, 256, None), (128, 256, None), (200, 256, None),
+    (300, 256, None), (100, 100, None), (13, 256, 300), (37, 256, 300)],
+    ids=["2", "8+4+1", "16", "32+4+1", "128", "128+64+8", "128+128+32+8+4", "64+32+4", "8+4+1-wide", "32+4+1-wide"])
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_extend_equals_eager_chunk(case, chunk, max_chain):
+def test_extend_equals_eager_chunk(case, chunk, max_chain, widest):
     arch, overrides = case
     hf, raw = hf_model(arch, seed=CASES.index(case), **overrides)
     model = ours_from_hf(hf, raw)
@@ -54,7 +57,8 @@ def test_extend_equals_eager_chunk(case, chunk, max_chain):
     slots = [pools[1].allocate() for pools in (eager, fixed)]
     assert tables[0] == tables[1] and slots[0] == slots[1]
     table, slot = tables[0], slots[0]
-    graphs = DecodeGraphs(model, *fixed, max_batch=1, max_blocks_per_seq=need, max_chain=max_chain)
+    graphs = DecodeGraphs(model, *fixed, max_batch=1, max_blocks_per_seq=widest or need, max_chain=max_chain)
+    assert graphs._chain_width(need) == (256 if widest else bucket(need, 16))
     with torch.inference_mode():
         for pools in (eager, fixed):
             _eager_chunk(model, *pools, slot, table, prompt, 0)
@@ -86,6 +90,19 @@ def test_extend_equals_eager_chunk(case, chunk, max_chain):
             assert rel_err(got, want) < TOL, layer
 
 
+def _chained_engine(**args):
+    """A CPU engine with what a GPU engine has beside its decode graphs: DecodeGraphs that run chained steps of up to
+    16 tokens (uncaptured here) and a scheduler that marks such chunks."""
+    from flashnext.engine.args import EngineArgs
+    from flashnext.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineArgs(**args))
+    engine.runner.graphs = DecodeGraphs(engine.runner.model, engine.kv, engine.states, max_batch=4,
+                                        max_blocks_per_seq=engine.kv.blocks_for(engine.max_model_len), max_chain=16)
+    engine.scheduler.extend_max = 16
+    return engine
+
+
 def test_engine_follow_up_turns_extend_through_chained_steps():
     """A conversation's follow-up turns hit the prefix cache and prefill their new message and generation prompt
     through DecodeGraphs.extend (every such chunk: several tokens, a sequence under way); the tokens and the cached
@@ -104,11 +121,8 @@ def test_engine_follow_up_turns_extend_through_chained_steps():
     conversation = lambda engine: conversation_turns(engine, history, params, messages)  # noqa: E731
 
     want = conversation(LLMEngine(EngineArgs(**args)))
-    engine = LLMEngine(EngineArgs(**args))
+    engine = _chained_engine(**args)
     runner = engine.runner
-    runner.graphs = DecodeGraphs(runner.model, engine.kv, engine.states, max_batch=4,
-                                 max_blocks_per_seq=engine.kv.blocks_for(engine.max_model_len), max_chain=16)
-    engine.scheduler.extend_max = 16    # what the engine sets beside the graphs on a GPU
     extended = []
     original = runner.graphs.extend
 
@@ -164,11 +178,8 @@ def test_step_with_two_extends_and_a_decode_keeps_every_chunks_logits():
         return outputs
 
     want = run(LLMEngine(EngineArgs(**args)))
-    engine = LLMEngine(EngineArgs(**args))
+    engine = _chained_engine(**args)
     runner = engine.runner
-    runner.graphs = DecodeGraphs(runner.model, engine.kv, engine.states, max_batch=4,
-                                 max_blocks_per_seq=engine.kv.blocks_for(engine.max_model_len), max_chain=16)
-    engine.scheduler.extend_max = 16
     static, fixed_shape_step = {}, runner.graphs._step
 
     def static_output(size, width, chained=False):
@@ -194,16 +205,10 @@ def test_chained_chunks_are_not_held_back_like_eager_prefill():
     """--decode-steps-between-prefill holds eager prefill chunks back after one ran beside decodes; a follow-up's
     chunks that replay chained steps (its history's new tokens, then its generation prompt) neither wait for those
     steps nor cause them: its first token comes two steps after it is admitted, while another sequence decodes."""
-    from flashnext.engine.args import EngineArgs
-    from flashnext.engine.llm_engine import LLMEngine
     from flashnext.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineArgs(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=4,
-                                  max_num_batched_tokens=64, decode_ahead=False, decode_steps_between_prefill=3))
-    runner = engine.runner
-    runner.graphs = DecodeGraphs(runner.model, engine.kv, engine.states, max_batch=4,
-                                 max_blocks_per_seq=engine.kv.blocks_for(engine.max_model_len), max_chain=16)
-    engine.scheduler.extend_max = 16
+    engine = _chained_engine(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=4,
+                             max_num_batched_tokens=64, decode_ahead=False, decode_steps_between_prefill=3)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     first = list(range(10, 40))
     request = engine.add_request("first", first, params)
@@ -237,4 +242,25 @@ def test_engine_turns_chained_steps_on_only_where_they_can_run():
     int4.args = replace(int4.args, expert_parallel=2)
     assert not int4._extends_capturable()
     assert not LLMEngine(replace(args, quantize="int4", expert_vram_gb=0.001))._extends_capturable()
-    assert int4.runner.graphs is None and int4.scheduler.extend_max == 0   # a CPU engine captures nothing
+
+
+def test_engine_sets_chained_steps_or_the_graph_tail(monkeypatch):
+    """With decode graphs (forced on a CPU engine, which runs them uncaptured): chained chunks up to
+    --graph-extend-max in steps of at most 128, and no token-a-step tail; without chained steps (16-bit experts,
+    --graph-extend-max 0 or 1) the tail instead; a negative limit is refused."""
+    from dataclasses import replace
+
+    from flashnext.engine.args import EngineArgs
+    from flashnext.engine.llm_engine import LLMEngine
+
+    monkeypatch.setattr(LLMEngine, "_use_cuda_graphs", lambda self: True)
+    args = EngineArgs(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=2, quantize="int4")
+    engine = LLMEngine(args)
+    assert (engine.scheduler.extend_max, engine.scheduler.graph_tail) == (args.graph_extend_max, 0)
+    assert engine.runner.graphs.chain_steps == [2, 4, 8, 16, 32, 64, 128]
+    for off in (replace(args, quantize=None), replace(args, graph_extend_max=1), replace(args, graph_extend_max=0)):
+        engine = LLMEngine(off)
+        assert (engine.scheduler.extend_max, engine.scheduler.graph_tail) == (0, args.graph_prefill_tail)
+        assert engine.runner.graphs.chain_steps == []
+    with pytest.raises(ValueError, match="--graph-extend-max"):
+        LLMEngine(replace(args, graph_extend_max=-1))

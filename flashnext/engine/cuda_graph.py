@@ -18,7 +18,7 @@ generation prompt after a turn's history) go through `extend`: chained steps (mo
 power-of-two sizes, the largest first, so no padding row ever reaches the sequence's token-by-token states — 75
 tokens are steps of 64, 8 and 2 and one decode step. Each (size, width) is a graph of its own beside the decode
 ones, captured on first use or at warm-up (`capture_widths`). An eager step of a short chunk cost 120–150 ms of
-host time on the H200 (Flash-Next INT4, ~4,600 launches) however few its tokens.
+host time on the H200 (Flash-Next INT4, ~4,000–4,600 launches) however few its tokens.
 """
 from __future__ import annotations
 
@@ -34,8 +34,9 @@ log = logging.getLogger("flashnext.engine")
 
 MIN_WIDTH = 16
 # The narrowest table a chained step is captured with (4,096 tokens of 16): its width buckets are captured at warm-up
-# for every size, 7 sizes × 11 widths took 38 s of the server's warm-up on the H200 (full-size Flash-Next), and below
-# this a wider table costs a chained step little (each row still attends up to its own position).
+# for every size, 7 sizes × 11 widths took 38 s of the server's warm-up on the H200 (full-size Flash-Next). Below it
+# a wider table should cost a chained step little — each row still attends up to its own position, the QSA indexer
+# scores the table's block slots — not measured.
 CHAIN_MIN_WIDTH = 256
 
 
@@ -83,8 +84,9 @@ class DecodeGraphs:
         self.inputs = torch.zeros(3, self.max_batch, **long)
         self.input_ids, self.positions, self.slots = self.inputs
         self.slots.fill_(self.scratch_slot)
-        # The chained steps' static inputs (extend): up to max_chain rows of one sequence.
-        self.max_chain = max_chain
+        # The sizes of the chained steps `extend` may run (powers of two from 2 to max_chain, CHAIN_MAX_STEP at most),
+        # and their static inputs: up to the largest's rows of one sequence.
+        self.chain_steps = [1 << i for i in range(1, max(0, min(max_chain, CHAIN_MAX_STEP)).bit_length())]
         self.chain_inputs = torch.zeros(3, max(self.chain_steps, default=1), **long)
         # Every slot's KV block table lives on the device and grows by the blocks appended since the last step
         # (a long context is thousands of block ids: not rebuilt from a Python list every token); the step
@@ -151,18 +153,12 @@ class DecodeGraphs:
         done, logits = 0, None
         for size in chain_sizes(len(tokens), self.chain_steps[-1]):
             ids, positions = tokens[done: done + size], list(range(start + done, start + done + size))
-            if size == 1:
-                logits = self.step(ids, positions, [slot], width, deltas)
+            if size == 1:   # the decode step at its own width, as a decode of this sequence would run it
+                logits = self.step(ids, positions, [slot], bucket(len(blocks), MIN_WIDTH), deltas)
             else:
                 logits = self._chain_step(ids, positions, slot, width, deltas)
             done, deltas = done + size, []
         return logits.clone()
-
-    @property
-    def chain_steps(self) -> list[int]:
-        """The sizes of the chained steps `extend` may run: the powers of two from 2 to max_chain, CHAIN_MAX_STEP at
-        most."""
-        return [1 << i for i in range(1, max(0, min(self.max_chain, CHAIN_MAX_STEP)).bit_length())]
 
     def _chain_width(self, num_blocks: int) -> int:
         return min(max(bucket(num_blocks, MIN_WIDTH), CHAIN_MIN_WIDTH), self.max_width)

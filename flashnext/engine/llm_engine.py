@@ -123,7 +123,8 @@ class LLMEngine:
         use_graphs = self._use_cuda_graphs()
         if args.graph_extend_max < 0:
             raise ValueError(f"--graph-extend-max {args.graph_extend_max} must be >= 0 (0: off)")
-        extend_max = args.graph_extend_max if use_graphs and self._extends_capturable() else 0
+        # chained chunks take 2 tokens or more: --graph-extend-max 1 turns them off like 0 (the graph tail stays)
+        extend_max = args.graph_extend_max if use_graphs and args.graph_extend_max > 1 and self._extends_capturable() else 0
         # A captured decode step pads its batch with rows on a scratch slot and block (engine/cuda_graph.py).
         num_slots = args.max_num_seqs + use_graphs
         num_blocks = self._plan_kv_blocks(block_size, slot_bytes, num_slots)
@@ -340,7 +341,8 @@ class LLMEngine:
         Triton kernels, fla-core's autotuning and the first graph captures (on the H200 the first 10K-token request
         to full-size Flash-Next took 73 s, the next ones 2.4 s): one prompt of a full step budget plus an odd tail
         chunk, and a short one that enters while the first decodes; then one sequence's decode step at every
-        block-table width. The prefix cache, the counters and the pools end
+        block-table width, and every chained step (DecodeGraphs.extend) at every width from CHAIN_MIN_WIDTH (on the
+        H200, full-size Flash-Next: 77 chained captures at all 11 widths took 38 s). The prefix cache, the counters and the pools end
         as they started. → seconds taken."""
         start = time.perf_counter()
         rng = random.Random(0)

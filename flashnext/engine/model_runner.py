@@ -19,6 +19,7 @@ from flashnext.engine.sampler import SamplerOutput, SamplingBatch, sample
 from flashnext.engine.scheduler import ScheduledChunk
 from flashnext.engine.structured.backend import apply_constraints
 from flashnext.models.context import ForwardContext, Segment
+from flashnext.weights.pinned import staged
 
 
 class ModelRunner:
@@ -93,7 +94,8 @@ class ModelRunner:
             logits = torch.empty(len(requests), self.vocab_size, dtype=torch.float32, device=self.device)
             for rs, part in parts:
                 if rs:
-                    logits[torch.tensor([row[id(r)] for r in rs], device=self.device)] = part.float()
+                    # a staged index: a pageable one would make the host wait for every replay queued before it
+                    logits[staged([row[id(r)] for r in rs], self.device).to(self.device, non_blocking=True)] = part.float()
         return self._sample(logits, requests, batch)
 
     def can_run_ahead(self, requests, sampled: SamplerOutput, max_blocks: int) -> bool:

@@ -102,7 +102,7 @@ class Scheduler:
                 continue
             n = self._chunk_len(request, request.num_computed, budget if decode else min(budget, prefill_budget))
             chained = self._chains(request, request.num_computed, n)
-            replayed = chained or n == 1 and request.num_computed > 0   # a decode or a prompt tail: a graph row
+            replayed = self._replays(request.num_computed, n, chained)
             if decode_only and not replayed:     # an eager prefill chunk waits; what graphs replay goes
                 continue
             if not self._reserve_blocks(request, n, chunks):
@@ -152,7 +152,7 @@ class Scheduler:
             chained = self._chains(request, start, n)
             chunks.append(ScheduledChunk(request, n, chained))
             budget -= n
-            prefilled |= not (chained or n == 1 and start > 0)
+            prefilled |= not self._replays(start, n, chained)
         if prefilled and decoding:
             self._decode_only_steps = self.decode_steps_between_prefill
         return chunks
@@ -193,6 +193,12 @@ class Scheduler:
 
     def _has_room(self) -> bool:
         return len(self.running) < self.max_num_seqs and self.states.num_free > 0
+
+    @staticmethod
+    def _replays(start: int, n: int, chained: bool) -> bool:
+        """Whether a chunk replays captured graphs (not the eager prefill that decode-only steps hold back): a chained
+        chunk, or one token of a sequence under way (a decode, a prompt tail)."""
+        return chained or n == 1 and start > 0
 
     def _chains(self, request: Request, start: int, n: int) -> bool:
         """Whether the chunk of `n` tokens from `start` replays chained graph steps (DecodeGraphs.extend): several
