@@ -125,6 +125,7 @@ for name in "${BENCHES[@]}"; do
   fi
 done
 mapfile -t written < <(find "$OUT_DIR" -maxdepth 1 -name '*.json' -newer "$STARTED" | sort)
+rm -f "$STARTED"
 if [ ${#written[@]} -gt 0 ]; then
   "$PY" -m flashnext.bench report "${written[@]}" --out "$OUT_DIR/report.md" && cat "$OUT_DIR/report.md"
 fi

@@ -48,7 +48,7 @@ def kernels() -> bool:
         g = torch.Generator(device="cuda").manual_seed(0)
         for m in (1, 3, 8, 41, 97):   # the decode kernels up to DECODE_MAX_M (64) rows, the grouped ones above
             x = torch.randn(m, model.cfg.hidden_size, device="cuda", generator=g).to(dtype)
-            weights, ids, logit = moe._route(x, decode=m <= 8)
+            weights, ids, logit = moe._route(x, decode=m <= moe_ops.DECODE_MAX_M)
             if m <= moe_ops.DECODE_MAX_M:
                 fused = experts.shared_int4(moe.shared_expert, x)
                 shared = None if fused is None else moe_ops.SharedExpert(*fused, logit)

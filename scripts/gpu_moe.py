@@ -24,10 +24,10 @@ import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
-from flashnext.ops.moe_int4 import moe_int4_reference
+from flashnext.ops.moe_int4 import DECODE_MAX_M, moe_int4_reference
 from flashnext.ops.moe_int4_decode_triton import DEFAULT, DecodeConfig, moe_int4_decode
 from flashnext.ops.moe_int4_dequant import moe_int4_dequant
-from flashnext.ops.moe_int4_triton import PREFILL, SMALL, SMALL_MAX_M, MoeConfig, moe_int4_triton
+from flashnext.ops.moe_int4_triton import PREFILL, SMALL, MoeConfig, default_config, moe_int4_triton
 from flashnext.weights.int4_layout import Int4Weight
 from gpu_common import rel
 
@@ -83,32 +83,34 @@ def check(name, h, i) -> bool:
     for kind in ("sym", "asym", "act-order"):
         wgu = random_experts(2 * i, h, kind == "asym", kind == "act-order", 0)
         wd = random_experts(h, i, kind == "asym", kind == "act-order", 1)
-        for m in (1, 8, 300):
+        for m in (1, 8, DECODE_MAX_M, 300):   # the decode kernels take up to DECODE_MAX_M tokens
             x, ids, w = routing(m, h, seed=m)
             ref = moe_int4_reference(x.float(), ids, w, wgu, wd)
-            tiles = replace(SMALL if m <= SMALL_MAX_M else PREFILL, magic=True)   # 16-bit weights by their bits
+            tiles = replace(default_config(m), magic=True)   # 16-bit weights by their bits
             magic = lambda x, ids, w, a, b, tiles=tiles: moe_int4_triton(x, ids, w, a, b, tiles)  # noqa: E731
             kernels = [("grouped", moe_int4_triton), ("magic", magic)] + (
-                [("decode", moe_int4_decode)] if m <= 8 else [("dequant", moe_int4_dequant)])
-            # the magic tiles make the same exact integers: the same bits as the conversion's in bf16
-            same = torch.equal(magic(x, ids, w, wgu, wd), moe_int4_triton(x, ids, w, wgu, wd, replace(tiles, magic=False)))
-            ok &= same
-            print(f"  check {name:10} {kind:9} M={m:<4} magic = plain tiles, bf16 bits: {'ok' if same else 'MISMATCH'}")
+                [("decode", moe_int4_decode)] if m <= DECODE_MAX_M else [("dequant", moe_int4_dequant)])
+            outputs = {}
             for label, fn in kernels:
-                e16 = rel(fn(x, ids, w, wgu, wd), ref)
+                outputs[label] = fn(x, ids, w, wgu, wd)
+                e16 = rel(outputs[label], ref)
                 e32 = rel(fn(x.float(), ids, w, wgu, wd), ref)
                 # bf16: x (and, grouped only, h) rounded to bf16 as in the bf16 model; fp32: summation order only.
                 good = e16 < 2e-2 and e32 < 1e-4
                 ok &= good
                 print(f"  check {name:10} {kind:9} M={m:<4} {label:7} bf16 {e16:.2e}  fp32 {e32:.2e}  "
                       f"{'ok' if good else 'MISMATCH'}")
+            # the magic tiles make the same exact integers: the same bits as the default tiles' conversion in bf16
+            same = torch.equal(outputs["magic"], outputs["grouped"])
+            ok &= same
+            print(f"  check {name:10} {kind:9} M={m:<4} magic = plain tiles, bf16 bits: {'ok' if same else 'MISMATCH'}")
         ok &= check_decode_bits(name, kind, h, wgu, wd)
     return ok
 
 
 def check_decode_bits(name, kind, h, wgu, wd) -> bool:
-    """Same bits twice, a token alone as in a batch of 8, and replayed in a CUDA graph as run eagerly."""
-    x, ids, w = routing(8, h, seed=8)
+    """Same bits twice, a token alone as in a batch of DECODE_MAX_M, and replayed in a CUDA graph as run eagerly."""
+    x, ids, w = routing(DECODE_MAX_M, h, seed=8)
     first = moe_int4_decode(x, ids, w, wgu, wd)
     again = torch.equal(first, moe_int4_decode(x, ids, w, wgu, wd))
     alone = torch.equal(first[5:6], moe_int4_decode(x[5:6], ids[5:6], w[5:6], wgu, wd))

@@ -28,6 +28,7 @@ from flashnext.models.layers.row_table import RowTable
 from flashnext.models.session import Session
 from flashnext.ops.host_gather import gather_rows
 from flashnext.weights.config import parse_config
+from flashnext.weights.pinned import meminfo_bytes
 from flashnext.weights.presets import get_preset
 from flashnext.weights.synth_device import build_synthetic_model
 
@@ -41,12 +42,9 @@ def say(msg: str) -> None:
 
 
 def meminfo(field: str, path: str = "/proc/meminfo") -> float:
-    """GB of a /proc meminfo-style field (kB)."""
-    with open(path) as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024 / 1e9
-    return float("nan")
+    """GB of a /proc meminfo-style field (nan where there is none)."""
+    nbytes = meminfo_bytes(field, path)
+    return float("nan") if nbytes is None else nbytes / 1e9
 
 
 def time_cuda(fn, iters: int) -> float:

@@ -242,7 +242,7 @@ def test_host_tier_larger_than_free_memory_is_refused_before_pinning(monkeypatch
     from flashnext.cache import host_tier
 
     monkeypatch.setattr(host_tier.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(host_tier, "available_host_bytes", lambda: 3 << 30)
+    monkeypatch.setattr(host_tier, "meminfo_bytes", lambda field: 3 << 30 if field == "MemAvailable" else None)
     reserved = []
     monkeypatch.setattr(host_tier.PinnedArena, "reserve", lambda self: reserved.append(self))
     with pytest.raises(ValueError, match="more than the 3.0 GiB of host memory available"):

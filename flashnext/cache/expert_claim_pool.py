@@ -18,13 +18,19 @@ from __future__ import annotations
 import torch
 
 from flashnext.ops.expert_claims import claim_slots
-from flashnext.ops.moe_int4 import CACHED_MAX_M, CachedExperts
+from flashnext.ops.moe_int4 import CachedExperts
 from flashnext.weights.pinned import upload
+
+
+# The most rows of a captured decode step with an expert cache (LLMEngine's graph batches): the in-step admission was
+# measured at up to 8, and the decode kernels read a missing expert from host memory once per token that chose it.
+# (The eager path takes the decode kernels up to ops.moe_int4.DECODE_MAX_M, as all-resident does: the same bits.)
+CACHED_MAX_M = 8
 
 
 class ClaimPool:
     """The keeper of captured decode steps (DecodeGraphs.keeper) for all layers' pools (cache/expert_cache.py's
-    LayerExpertCache: `layers`): decode steps of up to CACHED_MAX_M rows (ops/moe_int4.py)."""
+    LayerExpertCache: `layers`): decode steps of up to CACHED_MAX_M rows."""
 
     def __init__(self, layers: list):
         self.layers, self.device = layers, layers[0].device
@@ -40,7 +46,7 @@ class ClaimPool:
         self.steps = 0
         self.unsettled = False         # decode steps claimed slots since the last settle
         # every layer's device table a row of one [layers, experts] tensor (settle: one copy each way); the step's
-        # real rows (the kernels skip a bucket's padding rows past them: every row, as many as the kernels take,
+        # real rows (the kernels skip a bucket's padding rows past them: every row, as many as a captured step has,
         # until before_step says otherwise — the warm-ups of a capture run without it)
         self.tables = torch.stack([layer.slot_table for layer in layers])
         self.live_rows = torch.full((1,), CACHED_MAX_M, dtype=torch.int32, device=self.device)

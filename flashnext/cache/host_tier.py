@@ -21,6 +21,7 @@ import torch
 from flashnext.cache.cache_entry import copy_tensors, packed_bytes, tensor_bytes
 from flashnext.cache.pinned_arena import PinnedArena
 from flashnext.cache.tier_index import BlockData, SnapshotData, SnapshotMeta, TierStore, row_runs
+from flashnext.weights.pinned import meminfo_bytes
 
 log = logging.getLogger("flashnext.cache")
 
@@ -34,7 +35,7 @@ class HostStore(TierStore):
         self.pin = torch.cuda.is_available()
         self.arena = PinnedArena(capacity, self.pin)
         if self.pin:   # page-locked now, not inside the write-downs that make room for requests (pinned_arena.py)
-            available = available_host_bytes()
+            available = meminfo_bytes("MemAvailable")
             if available is not None and capacity > available:
                 raise ValueError(f"the host tier's {capacity / 2**30:.1f} GiB (--kv-host-gb, per rank) is more than the "
                                  f"{available / 2**30:.1f} GiB of host memory available: page-locking it would fail or "
@@ -100,18 +101,6 @@ class HostStore(TierStore):
     def drop_snapshot(self, key: bytes) -> None:
         del self.snapshot_data[key]
         self._release(key)
-
-
-def available_host_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (Linux), or None where there is none."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def _powers_of_two(n: int) -> list[int]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashnext.cache.expert_claim_pool import CACHED_MAX_M
 from flashnext.cache.kv_pool import KVPool
 from flashnext.cache.prefix_cache import PrefixCache
 from flashnext.cache.state_pool import StatePool
@@ -28,7 +29,6 @@ from flashnext.engine.sampled_on_host import SampledOnHost
 from flashnext.engine.sampler import SamplerOutput, validate_token_ids
 from flashnext.engine.sampling_params import InvalidParams, SamplingParams
 from flashnext.engine.scheduler import Scheduler
-from flashnext.ops.moe_int4 import CACHED_MAX_M
 from flashnext.engine.structured.backend import InvalidConstraint, shared_backend
 from flashnext.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -146,7 +146,7 @@ class LLMEngine:
         graphs = None
         experts = self.loaded.expert_cache
         if use_graphs:
-            # with an expert cache, batches up to what the decode kernels take read its pools in the graph
+            # with an expert cache, batches up to CACHED_MAX_M read its pools in the graph
             graph_rows = args.max_num_seqs if experts is None else min(args.max_num_seqs, CACHED_MAX_M)
             graphs = DecodeGraphs(self.loaded.model, self.kv, self.states, graph_rows,
                                   self.kv.blocks_for(self.max_model_len), max_chain=extend_max)

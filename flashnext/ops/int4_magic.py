@@ -3,10 +3,10 @@
 A code q in 0..15 OR'd into the bits of 128 in bfloat16 (0x4300) reads as exactly 128 + q, into those of 1024 in
 float16 (0x6400) as 1024 + q; subtracting the zero point made the same way leaves q − zero, exactly — the "magic
 number" conversion of FasterTransformer's and Marlin's INT4 kernels. `(q - zero).to(dtype)` is an int→float
-conversion per weight, which Hopper runs at a quarter of its FP32 rate, and the grouped MoE kernels
+conversion per weight (cvt.rn.bf16.s32 in the sm_90 PTX; conversions run below the FP32 rate), and the grouped MoE kernels
 (ops/moe_int4_triton.py) and the W4A16 GEMM (ops/w4a16_triton.py) convert every weight of every tile they
 multiply: at small M per expert that conversion, not the tensor cores, may bound them (the grouped kernels ran at
-1.1–1.2 TB/s at 16–128 tokens on the H200, session 14). Their `magic` configs (MoeConfig, LaunchConfig) use
+0.9–1.2 TB/s at 16–128 tokens on the H200, session 14). Their `magic` configs (MoeConfig, LaunchConfig) use
 this, off by default until measured: scripts/gpu_moe.py (MoE at 16–128 and 4,096 tokens) and
 scripts/gpu_prefill_gemm.py (dense and MoE prefill tiles) time and check both forms. Other activation dtypes (fp32:
 tests, the CPU path) take the conversion.
@@ -43,3 +43,13 @@ def int4_values(q, zero, dtype: tl.constexpr, MAGIC: tl.constexpr):
         return _biased(q, dtype) - _biased(zero, dtype)[None, :]
     else:
         return (q - zero[None, :]).to(dtype)
+
+
+@triton.jit
+def int4_values_fp32(q, zero, dtype: tl.constexpr, MAGIC: tl.constexpr):
+    """q − zero as fp32 (for a tile scaled before the dot): from the 16-bit values with MAGIC, else converted
+    straight from the integers (one conversion, not two)."""
+    if MAGIC:
+        return int4_values(q, zero, dtype, MAGIC).to(tl.float32)
+    else:
+        return (q - zero[None, :]).to(tl.float32)

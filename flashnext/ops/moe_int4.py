@@ -31,11 +31,6 @@ _PREFILL = os.environ.get("FLASHNEXT_MOE_PREFILL", "triton")
 # against 392 / 588 / 805 for the grouped kernels' best small-M tiles (moe_int4_triton.SMALL); at 128, 1,435 against
 # 1,000.
 DECODE_MAX_M = 64
-# With an expert cache, captured decode steps go up to CACHED_MAX_M rows: the in-step admission (cache/
-# expert_claim_pool.py) was measured at up to 8, and the decode kernels read a missing expert from host memory once
-# per token that chose it. (The eager path takes the decode kernels up to DECODE_MAX_M, as all-resident does: the
-# same kernels, so the same bits.)
-CACHED_MAX_M = 8
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashnext.ops.int4_magic import int4_values, magic_applies
+from flashnext.ops.int4_magic import int4_values, int4_values_fp32, magic_applies
 from flashnext.weights.int4_layout import Int4Weight
 
 
@@ -82,10 +82,7 @@ def _dequant_dot(acc, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, off
         zero = tl.full((BLOCK_N,), 8, tl.int32)
     scale = tl.load(scales_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.float32)
     if SCALE_IN_TILE:
-        if MAGIC:   # exact small integers either way: the scaled tile is the same
-            values = int4_values(q, zero, a.dtype, MAGIC).to(tl.float32)
-        else:
-            values = (q - zero[None, :]).to(tl.float32)
+        values = int4_values_fp32(q, zero, a.dtype, MAGIC)
         return tl.dot(a, (values * scale[None, :]).to(a.dtype), acc, input_precision=PRECISION)
     partial = tl.dot(a, int4_values(q, zero, a.dtype, MAGIC), input_precision=PRECISION)
     return acc + partial * scale[None, :]
@@ -196,6 +193,11 @@ def _prefill_blocks(sorted_ids: torch.Tensor, num_experts: int, block_m: int) ->
     return torch.where(b < block_end[-1], start, -1).to(torch.int32)
 
 
+def default_config(m: int) -> MoeConfig:
+    """The tiles for m tokens: SMALL up to SMALL_MAX_M, PREFILL above."""
+    return SMALL if m <= SMALL_MAX_M else PREFILL
+
+
 def block_k_for_group(config_k: int, group_size: int) -> int:
     """The largest power of two <= config_k dividing the group size (which divides K): tiles stay in one group."""
     bk = config_k
@@ -219,7 +221,7 @@ def moe_int4_triton_pairs(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_do
     top_k = topk_ids.shape[1]
     num_experts, _, two_i = w_gate_up.qweight.shape
     inter = two_i // 2
-    config = config or (SMALL if m <= SMALL_MAX_M else PREFILL)
+    config = config or default_config(m)
     x = x.contiguous()
     flat = topk_ids.reshape(-1)
     sorted_ids, order = torch.sort(flat, stable=True)

@@ -6,10 +6,10 @@ RotaryEmbedding rounds them), and every 16-bit rounding of the reference happens
 CHAINED (`chained=True`): the rows are one sequence's consecutive tokens (a chained decode batch,
 models/decode_batch.py), which the reference appends one row after the other. Here every row's program at once: a
 row that completes its block pools it from the rows of the chain and, for the block's positions before the chain,
-from the ring as it was; the others write no key (the sequential form writes their incomplete blocks' rows, which
-nothing reads before a later row completes them). A second launch (RING) then leaves in the ring what the sequential
-form leaves: each offset's raw key from the last row with that offset (the last RATIO rows), other offsets as they
-were — after the first launch's reads, which a single launch would race with."""
+from the ring as it was; the others return at once, writing no key (the sequential form writes their incomplete
+blocks' rows, which nothing reads before a later row completes them). A second launch (RING), of a program for each of
+the last RATIO rows, then leaves in the ring what the sequential form leaves: each offset's raw key from the last row
+with that offset, other offsets as they were — after the first launch's reads, which a single launch would race with."""
 from __future__ import annotations
 
 import torch
@@ -26,19 +26,24 @@ def _qsa_key_append_kernel(raw_ptr, ring_ptr, slots_ptr, pos_ptr, table_ptr, key
                            BLOCK_D: tl.constexpr, CHAINED: tl.constexpr, RING: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
     b = tl.program_id(0)
+    if RING:   # launched for the last RATIO rows only (the last row of each offset)
+        b += tl.maximum(rows - RATIO, 0)
     dtype = keys_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK_D)
     ok = offs < D
     slot = tl.load(slots_ptr + b).to(tl.int64)
     pos = tl.load(pos_ptr + b).to(tl.int64)
     offset = pos % RATIO
+    if CHAINED and not RING:
+        if offset != RATIO - 1:   # completes no block: no key to write
+            return
     half = R // 2
     partner = tl.where(offs < half, offs + half, offs - half)
     rotating = offs < R
     ring_row = ring_ptr + slot * (RATIO - 1) * D
     raw = tl.load(raw_ptr + b * stride_raw + offs, mask=ok, other=0.0).to(tl.float32)
     if RING:   # a chained batch's second launch: the last row of each offset joins the ring
-        joins = ((offs * 0 + offset) < RATIO - 1) & ((offs * 0 + b + RATIO) >= rows)
+        joins = (offs * 0 + offset) < RATIO - 1
         tl.store(ring_row + offset * D + offs, raw.to(dtype), mask=ok & joins)
         return
     raw_p = tl.load(raw_ptr + b * stride_raw + partner, mask=rotating, other=0.0).to(tl.float32)
@@ -95,4 +100,4 @@ def qsa_key_append_triton(raw, ring, slots, positions, block_table, index_keys, 
                      CHAINED=chained, num_warps=1, **launch_options(raw.device))
     _qsa_key_append_kernel[(rows,)](*args, RING=False, **constants)
     if chained:
-        _qsa_key_append_kernel[(rows,)](*args, RING=True, **constants)
+        _qsa_key_append_kernel[(min(rows, constants["RATIO"]),)](*args, RING=True, **constants)

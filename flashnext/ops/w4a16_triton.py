@@ -45,7 +45,7 @@ import triton.language as tl
 from flashnext.ops.arrival import arrival_counters, arrive_last
 from flashnext.ops.int4_dequant_triton import dequantize_triton
 from flashnext.ops.int4_groups import group_zero_scale, optional_tensors
-from flashnext.ops.int4_magic import int4_values, magic_applies
+from flashnext.ops.int4_magic import int4_values, int4_values_fp32, magic_applies
 from flashnext.ops.device import num_sms
 from flashnext.ops.pdl import launch_options, wait_for_inputs
 from flashnext.weights.int4_layout import Int4Weight
@@ -90,18 +90,11 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, coun
         scale = tl.load(s_ptr + group * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         if SCALE_IN_TILE:
             # the scaled tile (rounded to x's dtype) accumulated straight into acc: chained MMAs on Hopper
-            if MAGIC:   # the same exact integers, made by their bits (ops/int4_magic.py)
-                values = int4_values(codes, zero, x.dtype, MAGIC).to(tl.float32)
-            else:
-                values = q.to(tl.float32)
+            values = int4_values_fp32(codes, zero, x.dtype, MAGIC)   # MAGIC: by their bits (ops/int4_magic.py)
             acc = tl.dot(x, (values * scale[None, :]).to(x.dtype), acc, input_precision=DOT_PRECISION)
         else:
             if USE_DOT:
-                if MAGIC:
-                    w = int4_values(codes, zero, x.dtype, MAGIC)
-                else:
-                    w = q.to(x.dtype)
-                part = tl.dot(x, w, input_precision=DOT_PRECISION)
+                part = tl.dot(x, int4_values(codes, zero, x.dtype, MAGIC), input_precision=DOT_PRECISION)
             else:
                 part = tl.sum(x.to(tl.float32)[:, :, None] * q.to(tl.float32)[None, :, :], axis=1)
             acc += part * scale[None, :]

@@ -44,6 +44,19 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, what: str 
     return tensor
 
 
+def meminfo_bytes(field: str, path: str = "/proc/meminfo") -> int | None:
+    """Bytes of a /proc meminfo-style field (kB: MemAvailable, or VmRSS of /proc/self/status), or None where there
+    is none (not Linux): what a page-lock budget is checked against (cache/host_tier.py)."""
+    try:
+        with open(path) as meminfo:
+            for line in meminfo:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def upload(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """dst ← the host tensor src, in stream order and without a host wait when dst is on a GPU: through a page-locked
     copy (torch's caching host allocator reuses it only once the upload has run), where from pageable memory the
