@@ -1,5 +1,6 @@
 """Pinned host memory for the host tier, allocated once and reused: buffers carved from slabs that are page-locked
-in place as the tier grows (weights/pinned.host_empty), and recycled, by size, when the tier drops what they held.
+in place (weights/pinned.host_empty) — all at once by `reserve`, else as the tier grows — and recycled, by size,
+when the tier drops what they held.
 The tier's entries come in few sizes (a model's snapshots are all alike; block pieces are powers of two of equal
 blocks), so a buffer of the exact size (in whole pages) is kept for the next entry of that size: what is pinned
 is what the tier counts, give or take a page per entry.
@@ -11,10 +12,11 @@ is 116 MB), inside the engine step that moves the entry down: the turn waited ~1
 asynchronous host→device copy: it is handed out again only once an event recorded at give-back has passed (one
 not yet passed is left for later, not waited for).
 
-`reserve` page-locks every slab the capacity allows at once (the host tier does at startup on a GPU: ~4 s for
-40 GB): slabs registered as the tier grew cost ~0.14 s inside the write-down of each 58K-token conversation that
-needed new ones — on a request's path when the write-down makes room for it (session 14's idle bench queued six
-of eight resumes 0.3–0.9 s; how much of that this was is not measured).
+`reserve` page-locks every slab the capacity allows at once (the host tier does at startup on a GPU; estimated ~4 s
+for 40 GB from the ~0.1 s a GiB above, the startup log says): slabs registered as the tier grew cost an estimated
+~0.14 s inside the write-down of each 58K-token conversation that needed new ones — on a request's path when the
+write-down makes room for it (session 14's idle bench queued six of eight resumes 0.3–0.9 s; how much of that this
+was is not measured).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import torch
 
 from flashnext.weights.pinned import host_empty
 
-SLAB_BYTES = 1 << 30      # page-locked at a time as the tier grows (a smaller tier: its own size)
+SLAB_BYTES = 1 << 30      # page-locked at a time (a smaller tier: its own size)
 PAGE = 1 << 12            # buffers are whole pages
 
 

@@ -19,8 +19,8 @@ of a 16-bit tensor, and the mean over streams once (fp32 sum). `hc_mix` dispatch
   gave 8.283 / 10.249 / 14.085 ms a step at 2 / 4 / 8 rows against 7.431 / 10.333 / 14.531 with the one-row kernels
   up to 4 rows and cuBLAS above — so from 5 rows (the batch buckets of 8 and 16);
 - more rows (prefill; FLASHNEXT_HC_DECODE_MAX_ROWS above 16 sends short chunks to the tensor-core kernels too, 16
-  rows a program: two launches a mix instead of ~10 — the eager step's host time, which dominates a short chunk's,
-  not measured yet) to the reference's math with cuBLAS for the GEMMs (each weight read once for all rows), the
+  rows a program: fewer launches a mix than here — the eager step's host time, which dominates a short chunk's:
+  182 against 197 ms for an eager 75-token step at 58K in session 14, one turn each) to the reference's math with cuBLAS for the GEMMs (each weight read once for all rows), the
   RMSNorm kernel for the streams' norm (one pass over [T, hc·H] instead of ~8 fp32 passes; on the H200 the pow and
   mean kernels of these norms and GatedDeltaNet's alone were ~3% of a 10K Flash-Next prefill) and one kernel for
   the final sigmoid·mean over streams (`hc_combine`).

@@ -1,8 +1,9 @@
 """The hyper-connection mix of several rows on tensor cores (reference: ops/hyper_connection.py): decode batches of
-5–16 rows, and up to FLASHNEXT_HC_DECODE_MAX_ROWS rows of a prefill chunk (two launches a mix instead of ~10).
+5–16 rows, and up to FLASHNEXT_HC_DECODE_MAX_ROWS rows of a prefill chunk (two launches a mix, fewer than the
+cuBLAS path's).
 
 The one-row kernels (ops/hyper_connection_triton.py) keep each program's weights in registers and loop over the rows,
-~4.5–6 µs a row (H200, session 13: 6.3 / 15.9 / 27.0 / 51.1 µs at 1 / 2 / 4 / 8 rows in a graph); cuBLAS reads
+~4.5–6 µs a row (H200, session 13: see ops/hyper_connection.py and BENCHMARKS.md's table); cuBLAS reads
 each weight once for all rows but with the norm and elementwise steps around its two GEMMs takes ~27 µs at any
 2–16 rows. Here every weight is read once for every ROWS_TILE (16) rows, the M side of tl.dot, and no program loops:
 - `_rows_down_kernel`, grid (tiles of 16 rows of w_down then w_inject, hc streams, splits of a stream's H × tiles of

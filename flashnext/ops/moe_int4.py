@@ -27,9 +27,9 @@ _BACKEND = os.environ.get("FLASHNEXT_MOE_INT4", "auto")
 # the grouped kernels (ops/moe_int4_dequant.py; off until measured on the GPU).
 _PREFILL = os.environ.get("FLASHNEXT_MOE_PREFILL", "triton")
 # The decode kernels re-read an expert per token that chose it, and still beat the grouped kernels up to here: on
-# the H200 (scripts/gpu_moe.py, Flash-Next, per layer in a graph, session 14) 191 / 370 / 726 µs at M = 16 / 32 / 64
-# against 392 / 588 / 805 for the grouped kernels' best small-M tiles (moe_int4_triton.SMALL); at 128, 1,435 against
-# 1,000.
+# the H200 (scripts/gpu_moe.py, Flash-Next, per layer in a graph, session 14, c076246) 191 / 370 / 726 µs at M = 16 /
+# 32 / 64 against 392 / 588 / 805 for the grouped kernels' small-M tiles (moe_int4_triton.SMALL); at 128, 1,435
+# against 1,000.
 DECODE_MAX_M = 64
 
 

@@ -43,7 +43,7 @@ class MoeConfig:
 
 # Up to SMALL_MAX_M tokens (past the decode kernels' ops.moe_int4.DECODE_MAX_M: the chained steps of a short chunk):
 # the fewest rows tl.dot takes and wide N tiles — the best of scripts/gpu_moe.py's 13-config H200 sweep at every M
-# of 16–128 (session 14, Flash-Next, per layer in a graph: 394 / 590 / 810 / 1021 µs at M = 16 / 32 / 64 / 128,
+# of 16–128 (session 14, cd6b6ac, Flash-Next, per layer in a graph: 394 / 590 / 810 / 1021 µs at M = 16 / 32 / 64 / 128,
 # against 442 / 702 / 1007 / 1296 for the earlier 32-wide tiles and 517 / 821 / 1172 / 1483 for PREFILL's);
 # prefill: tensor-core-sized tiles, the scale in the tile (the best of scripts/gpu_prefill_gemm.py's 18-config
 # H200 sweep at 8,192 tokens, 2026-11-30: 5.0 ms per Flash-Next layer, 161 TFLOP/s, vs 5.8 ms with the scale on

@@ -139,7 +139,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
               "(chunks are never cut for it); 0: none (default 1024)")
     _add(parser, "--prefix-cache-gb", type=float,
          help="device memory for prefix-cache state snapshots (default: room for 3 a sequence slot, --max-num-seqs "
-              "× 3 × (one slot's states + a KV block), cut to what the GPU has left; the log's memory plan prints it)")
+              "× 3 × (one slot's states + a KV block), cut to what the GPU has left beside an explicit --kv-cache-gb; the log's "
+              "memory plan prints it)")
     _add(parser, "--kv-host-gb", type=float, help="host-RAM tier for evicted prefix-cache entries (default 0: off)")
     _add(parser, "--kv-host-write-through", type=_bool,
          help="write every finished turn to the host and disk tiers at once (default false)")
