@@ -73,23 +73,24 @@ def exactness(dtypes=("float32", "bfloat16"), presets=PRESETS) -> bool:
 
 
 def follow_ups(model: str, eager: bool) -> tuple[list, int]:
-    """A conversation whose turns hit the prefix cache and add 9–75 tokens: with graphs those chunks replay
-    chained steps (DecodeGraphs.extend; INT4 experts). → (each turn's tokens and cached count, chained graphs)."""
+    """A conversation whose turns hit the prefix cache and add 9–128 tokens (and the last turn's reply): with graphs
+    those chunks replay chained steps (DecodeGraphs.extend; INT4 experts). → (each turn's tokens and cached count,
+    chained graphs)."""
     from flashnext.engine.args import EngineArgs
     from flashnext.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineArgs(model=model, dtype="float32", quantize="int4", enforce_eager=eager, max_num_seqs=4,
                                   max_num_batched_tokens=256, kv_cache_gb=1.0, decode_ahead=False))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    prompt, turns = list(range(10, 50)), []
-    for turn, new in enumerate((9, 13, 37, 75, 128)):
+    prompt, tokens, turns = list(range(10, 50)), [], []
+    for turn, new in enumerate((0, 9, 13, 37, 75, 128)):   # the first turn: the prompt alone
+        prompt = prompt + tokens + [(7 * turn + 3 * i) % 300 + 5 for i in range(new)]
         request = engine.add_request(f"t{turn}", prompt, params)
         tokens = []
         while engine.has_work():
             for o in engine.step():
                 tokens += o.token_ids
         turns.append((tokens, request.num_cached))
-        prompt = prompt + tokens + [(7 * turn + 3 * i) % 300 + 5 for i in range(new)]
     graphs = engine.runner.graphs
     return turns, 0 if graphs is None else len(graphs.chain_graphs)
 
