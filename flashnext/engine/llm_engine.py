@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from flashnext.cache.expert_claim_pool import CACHED_MAX_M
 from flashnext.cache.kv_pool import KVPool
 from flashnext.cache.prefix_cache import PrefixCache
 from flashnext.cache.state_pool import StatePool
@@ -146,7 +145,10 @@ class LLMEngine:
         graphs = None
         experts = self.loaded.expert_cache
         if use_graphs:
-            # with an expert cache, batches up to CACHED_MAX_M read its pools in the graph
+            # with an expert cache, batches up to CACHED_MAX_M read its pools in the graph (imported here: the claim
+            # pool imports Triton, which the engine's modules must not at import: tests/test_branches.py)
+            from flashnext.cache.expert_claim_pool import CACHED_MAX_M
+
             graph_rows = args.max_num_seqs if experts is None else min(args.max_num_seqs, CACHED_MAX_M)
             graphs = DecodeGraphs(self.loaded.model, self.kv, self.states, graph_rows,
                                   self.kv.blocks_for(self.max_model_len), max_chain=extend_max)
