@@ -190,6 +190,31 @@ def test_an_idle_engine_copies_entries_down_ahead_of_their_eviction(flash):
     assert not off.idle_work() and not off.prefix_cache.lower.snaps
 
 
+def test_the_idle_copy_goes_a_piece_at_a_time(flash, monkeypatch):
+    """idle_work copies WRITE_PIECE blocks of an entry a call (a request arriving meanwhile waits for one piece, not a
+    whole entry): the blocks stay loose until the snapshot follows the last piece; a host tier over its budget drops
+    loose blocks first; a request between two pieces is served exactly, and the copies then finish."""
+    from flashnext.cache import tier_index
+
+    monkeypatch.setattr(tier_index, "WRITE_PIECE", 1)
+    engine = make(loaded=flash.loaded, kv_host_gb=0.05)
+    first = tokens(8, 70)
+    reply, _ = run(engine, first, rid="a")
+    cache, host = engine.prefix_cache, engine.prefix_cache.lower
+    assert engine.idle_work() and not host.snaps and len(host.loose) == 1 and host.bytes > 0
+    capacity, host.capacity = host.capacity, host.bytes - 1
+    host.fit()
+    assert not host.loose and host.bytes == 0
+    host.capacity = capacity
+    assert engine.idle_work() and not host.snaps and len(host.loose) == 1      # the copy starts over
+    turn2 = first + reply + tokens(10, 4)
+    assert run(engine, turn2, rid="b")[0] == cold(engine, turn2, 6)
+    while engine.idle_work():
+        pass
+    assert not host.loose and set(cache.lru) == set(host.snaps) == host.held_above
+    assert all(h in host.block_refs and host.block_refs[h] > 0 for meta in host.snaps.values() for h in meta.blocks)
+
+
 def test_disk_restart_corrupt_and_foreign(flash, tmp_path, caplog):
     first = make(loaded=flash.loaded, kv_disk_dir=str(tmp_path), kv_host_gb=0.05, kv_host_write_through=True)
     prompt = tokens(8, 60)

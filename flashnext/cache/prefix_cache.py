@@ -105,6 +105,7 @@ class PrefixCache:
         self._reads: dict[bytes, _BackgroundRead] = {}
         self._read_of: dict[object, bytes] = {}
         self._reader: ThreadPoolExecutor | None = None
+        self._idle_copy: tuple[bytes | None, float, int] = (None, 0.0, 0)   # its entry, seconds and pieces so far
 
     # ---- lookup and resume ----
     def lookup(self, tokens: list[int], limit: int, owner: str | None = None) -> PrefixHit | None | object:
@@ -141,8 +142,11 @@ class PrefixCache:
                     loaded = self._load_now(tier, key, entry)
                     installed = loaded is not None and self._install(tokens, meta.blocks, *loaded)
             if installed:
+                seconds = time.perf_counter() - started
                 self.restored_tokens[tier.name] += meta.num_tokens
-                self.restore_seconds[tier.name] += time.perf_counter() - started
+                self.restore_seconds[tier.name] += seconds
+                # with the write-downs its room took (logged by _evict): what a resume spends before its first step
+                log.info("%s tier: an entry of %d tokens restored in %.3f s", tier.name, meta.num_tokens, seconds)
                 found = self._match(tokens, limit)
                 break
         if found is None:
@@ -339,12 +343,14 @@ class PrefixCache:
         return ok
 
     def copy_down_one(self) -> bool:
-        """Copy the least recently used device entry that the host tier lacks into it, kept on the device too, when
-        it fits there without evicting anything: False when there is none (or no host tier). Run while no request
-        does (LLMEngine.idle_work), so that the eviction of such an entry, when a request needs its blocks, finds
-        it written and costs no copy (the H200's server log put an idle conversation's resume 0.08–0.31 s in the
-        queue, session 11, not kept; on the dev machine a profile of such a resume spent most of its time writing
-        down the entry it evicted)."""
+        """Copy a piece (TierIndex.put's WRITE_PIECE blocks, or the snapshot after the last) of the least recently
+        used device entry that the host tier lacks into it, the entry kept on the device too, when it fits there
+        without evicting anything: False when there is none (or no host tier). Run while no request does
+        (LLMEngine.idle_work), so that the eviction of such an entry, when a request needs its blocks, finds it
+        written and costs no copy (on the dev machine a profile of a resume spent most of its time writing down the
+        entry it evicted). A piece at a time, so that a request arriving meanwhile waits for one piece (~0.1 GB for
+        Flash-Next), not a whole entry: whole-entry copies may be what put 6 of 8 idle resumes 0.3–0.9 s in the
+        queue on the H200 in session 14."""
         host = self.lower
         if host is None or host.name != "host" or self.mirror is not None:
             return False
@@ -358,13 +364,12 @@ class PrefixCache:
             if host.used_bytes + size > host.capacity:
                 return False
             start = time.perf_counter()
-            self._write_down(host, node, key, snap)
-            # A request that arrives meanwhile waits for the copy to end: the H200's idle bench put 6 of 8 resumes
-            # 0.3–0.9 s in the queue in session 14 (0.05–0.12 s in session 13), not yet explained — this says
-            # whether such copies were under way
-            log.info("idle copy: %.0f MB of an entry of %d tokens down to the host tier in %.3f s", size / 1e6,
-                     snap.num_tokens, time.perf_counter() - start)
-            if key in host:
+            done = self._write_down(host, node, key, snap, max_pieces=1)
+            seconds, pieces = self._idle_copy[1:] if self._idle_copy[0] == key else (0.0, 0)
+            self._idle_copy = (key, seconds + time.perf_counter() - start, pieces + 1)
+            if done:
+                log.info("idle copy: an entry of %d tokens down to the host tier in %d pieces, %.3f s", snap.num_tokens,
+                         self._idle_copy[2], self._idle_copy[1])
                 host.held_above.add(key)
             return True
         return False
@@ -395,17 +400,23 @@ class PrefixCache:
         snap = node.snapshots.pop(tail)
         self.snapshot_bytes -= snap.nbytes
         if self.lower is not None:
+            written = key not in self.lower
+            start = time.perf_counter()
             self._write_down(self.lower, node, key, snap)
             self.lower.held_above.discard(key)      # a copy made ahead of this eviction is now the only one
+            if written:   # on a request's path (making room for it), unless an idle copy came first
+                log.info("evicted an entry of %d tokens: written down to the %s tier in %.3f s", snap.num_tokens,
+                         self.lower.name, time.perf_counter() - start)
         if self.mirror is not None:      # after the write-down, which the other ranks copy from their snapshot
             self.mirror.drop(snap)
         self._prune(node)
 
-    def _write_down(self, tier: TierIndex, node: Node, key: bytes, snap: Snapshot) -> None:
+    def _write_down(self, tier: TierIndex, node: Node, key: bytes, snap: Snapshot,
+                    max_pieces: int | None = None) -> bool:
         path = node.path()
         blocks = [n.block for n in path]
-        tier.put([n.hash for n in path], lambda rows: read_blocks(self.kv, [blocks[i] for i in rows]), key, snap,
-                 blocks)
+        return tier.put([n.hash for n in path], lambda rows: read_blocks(self.kv, [blocks[i] for i in rows]), key,
+                        snap, blocks, max_pieces)
 
     def _prune(self, node: Node) -> None:
         while node.parent is not None and not node.snapshots and not node.children and not node.pins:

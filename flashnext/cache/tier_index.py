@@ -108,6 +108,9 @@ class TierIndex:
         # Entries the tier above still holds too (copied down ahead of their eviction: PrefixCache.copy_down_one):
         # fit() lets these go first, and without moving them down, since nothing is lost.
         self.held_above: set[bytes] = set()
+        # Blocks of an entry whose copy down stopped between pieces (put's max_pieces: the idle copy, which yields to
+        # requests): stored, named by no snapshot yet; the next put of that entry skips them, fit() drops them first.
+        self.loose: set[bytes] = set()
         self.mirror = None      # several ranks: parallel/mirror.SnapshotMirror; None on one device
 
     # A tier whose entries take long to read (the disk: ~10 s for a 58K-token Flash-Next conversation on the H200
@@ -140,19 +143,22 @@ class TierIndex:
         return None
 
     def put(self, hashes: list[bytes], get_blocks: Callable[[list[int]], BlockData], key: bytes,
-            snap: Snapshot, device_blocks: list[int] | None = None) -> None:
+            snap: Snapshot, device_blocks: list[int] | None = None, max_pieces: int | None = None) -> bool:
         """Store a snapshot and whichever of its prefix blocks are missing, in one batch (get_blocks(indices)
         reads those blocks as rows).
         `device_blocks` names the device KV block of each hash when the entry comes down from the device (a
         snapshot of the device cache); None when it comes from the tier above. Other ranks copy their share
-        from the same place."""
+        from the same place. `max_pieces`: store at most that many pieces of missing blocks (`loose` until the
+        entry is done) and stop → whether the entry is stored."""
         if key in self.snaps:
             self.snaps.move_to_end(key)
-            return
+            return True
         missing = [i for i, h in enumerate(hashes) if h not in self.block_refs]
         # WRITE_PIECE blocks at a time: a batch read from the device is a gather into new device memory (1.5 GB for
         # a 58K-token Flash-Next conversation at once), and this runs when the KV pool is short
-        for at in range(0, len(missing), WRITE_PIECE):
+        for n, at in enumerate(range(0, len(missing), WRITE_PIECE)):
+            if n == max_pieces:
+                return False
             piece = missing[at: at + WRITE_PIECE]
             sizes = self.store.store_blocks([hashes[i] for i in piece], get_blocks(piece))
             for i, nbytes in zip(piece, sizes):
@@ -161,14 +167,17 @@ class TierIndex:
                     self.mirror.store_block(self, h, device_blocks[i] if device_blocks is not None else None)
                 self.block_refs[h], self.block_bytes[h] = 0, nbytes
                 self.bytes += nbytes
+                self.loose.add(h)
         for h in hashes:
             self.block_refs[h] += 1
+            self.loose.discard(h)
         meta = SnapshotMeta(list(hashes), tuple(snap.tail), snap.num_tokens, 0)
         meta.nbytes = self.store.store_snapshot(key, (snap.state, snap.tail_kv), meta)
         if self.mirror is not None:
             self.mirror.store_snapshot(self, key, snap if device_blocks is not None else None)
         self._index(key, meta)
         self.fit()
+        return True
 
     def _index(self, key: bytes, meta: SnapshotMeta) -> None:
         self.snaps[key] = meta
@@ -224,8 +233,11 @@ class TierIndex:
         return self.bytes + self.store.dead_bytes
 
     def fit(self) -> None:
-        """Evict least recently used entries (down a tier, when there is one) until used_bytes fit: first those the
-        tier above holds too (dropped, not moved down), then the others."""
+        """Evict least recently used entries (down a tier, when there is one) until used_bytes fit: first the loose
+        blocks of an unfinished copy, then the entries the tier above holds too (dropped, not moved down), then the
+        others."""
+        while self.loose and self.used_bytes > self.capacity:
+            self._drop_unnamed(self.loose.pop())
         while self.used_bytes > self.capacity:
             key = next((k for k in self.snaps if k in self.held_above and k not in self.installing),
                        None) if self.held_above else None
@@ -263,13 +275,19 @@ class TierIndex:
         for h in meta.blocks:
             self.block_refs[h] -= 1
             if self.block_refs[h] == 0:
-                del self.block_refs[h]
-                self.bytes -= self.block_bytes.pop(h)
-                self.store.drop_block(h)
-                if self.mirror is not None:
-                    self.mirror.drop_block(self, h)
+                self._drop_unnamed(h)
+
+    def _drop_unnamed(self, h: bytes) -> None:
+        """Drop a block no entry names."""
+        del self.block_refs[h]
+        self.bytes -= self.block_bytes.pop(h)
+        self.store.drop_block(h)
+        if self.mirror is not None:
+            self.mirror.drop_block(self, h)
 
     def clear(self) -> None:
-        """Forget every entry without moving it down."""
+        """Forget every entry without moving it down, and the loose blocks."""
         while self.snaps:
             self.remove(next(iter(self.snaps)))
+        while self.loose:
+            self._drop_unnamed(self.loose.pop())

@@ -40,7 +40,7 @@ def w4a16_linear(x: torch.Tensor, w: Int4Weight,
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     if (decode_form is not None and x.dtype == torch.bfloat16 and 0 < rows.shape[0] <= w4a16_tinygemm.MAX_ROWS
-            and not _reference_forced()):
+            and not _reference_forced() and w4a16_tinygemm.enabled()):   # (read here too: a graph capture's A/B)
         return w4a16_tinygemm.tinygemm_matmul(rows, decode_form).reshape(*lead, w.out_features)
     if not _use_triton(x, w):
         return w4a16_linear_reference(x, w)
