@@ -1,7 +1,6 @@
 """On the GPU machine: the INT4 GEMMs of prefill at Flash-Next shapes — the dense W4A16 kernel (w4a16_triton
 `_w4a16_kernel`) and the grouped MoE kernels (moe_int4_triton) — over tile configurations, with the group scale
-applied to the fp32 partial or to the weight tile before the dot (scale_in_tile), the weight tile converted or made
-by its bits (magic: ops/int4_magic.py), checked against the torch reference and timed against bf16
+applied to the fp32 partial or to the weight tile before the dot (scale_in_tile), checked against the torch reference and timed against bf16
 cuBLAS on the dequantised weight (dense) or the matmul FLOPs (MoE), and the dense dequantise-then-cuBLAS path
 (the default from 256 rows). Prints the best config per shape.
 Run: python3 scripts/gpu_prefill_gemm.py [--m 8192] [--dense-only-m 512 ...]   (the second: no sweep, the GEMM
@@ -9,7 +8,6 @@ kernel's default tiles against dequantise-then-cuBLAS at that M: where the dequa
 import argparse
 import itertools
 import sys
-from dataclasses import replace
 
 import torch
 from triton.testing import do_bench
@@ -31,7 +29,7 @@ MOE_TILES = [(64, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64,
 
 
 class WrongResult(Exception):
-    """A config's result differs from the reference (or, magic, from the conversion's bits)."""
+    """A config's result differs from the reference."""
 
 
 def expect(good: bool, what: str) -> None:
@@ -53,14 +51,11 @@ def dense(m, sweep=True):
         cublas = do_bench(lambda: x @ dense_w.t()) * 1e3
         kernel = default_config(m, n, k, w.group_size, x.device)
         times = {}
-        for cfg in [kernel] + ([LaunchConfig(bm, bn, bk, 1, warps, stages, in_tile, magic)
-                                for (bm, bn, bk, warps, stages), in_tile, magic
-                                in itertools.product(TILES, (False, True), (False, True))] if sweep else []):
+        for cfg in [kernel] + ([LaunchConfig(bm, bn, bk, 1, warps, stages, in_tile) for (bm, bn, bk, warps, stages), in_tile
+                                in itertools.product(TILES, (False, True))] if sweep else []):
             try:
                 got = w4a16_matmul(x, w, cfg)
-                # magic: the same exact integers as the conversion, so the same bits
-                expect(rel(got, ref) < 1e-2 and (not cfg.magic or torch.equal(
-                    got, w4a16_matmul(x, w, replace(cfg, magic=False)))), f"{cfg}: err {rel(got, ref):.2e}")
+                expect(rel(got, ref) < 1e-2, f"{cfg}: err {rel(got, ref):.2e}")
                 times[cfg] = do_bench(lambda: w4a16_matmul(x, w, cfg)) * 1e3
             except WrongResult:   # a failure, not a config to skip
                 raise
@@ -85,12 +80,11 @@ def moe(m):
     ref = moe_int4_reference(x.float(), ids, w, wgu, wd)
     flops = 2 * m * 10 * 3 * h * i
     times = {}
-    for (bm, bn, bk, warps, stages), in_tile, magic in itertools.product(MOE_TILES, (False, True), (False, True)):
-        cfg = MoeConfig(bm, bn, bk, warps, stages, in_tile, magic)
+    for (bm, bn, bk, warps, stages), in_tile in itertools.product(MOE_TILES, (False, True)):
+        cfg = MoeConfig(bm, bn, bk, warps, stages, in_tile)
         try:
             got = moe_int4_triton(x, ids, w, wgu, wd, cfg)
-            expect(rel(got, ref) < 2e-2 and (not magic or torch.equal(
-                got, moe_int4_triton(x, ids, w, wgu, wd, replace(cfg, magic=False)))), f"{cfg}: err {rel(got, ref):.2e}")
+            expect(rel(got, ref) < 2e-2, f"{cfg}: err {rel(got, ref):.2e}")
             times[cfg] = do_bench(lambda: moe_int4_triton(x, ids, w, wgu, wd, cfg)) * 1e3
         except WrongResult:
             raise

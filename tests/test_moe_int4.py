@@ -1,6 +1,6 @@
 """INT4 routed experts: the Triton kernels (interpreted on CPU) equal the torch reference, and the reference
 equals the float Experts module run on the dequantised weights. Odd sizes on purpose; symmetric,
-asymmetric and act-order weights; decode blocks and prefill blocks. fp32 (and fp16 for the magic tiles): the Triton
+asymmetric and act-order weights; decode blocks and prefill blocks. fp32: the Triton
 3.9 interpreter computes tl.dot on bf16 and int->bf16 casts wrongly, so bf16 is checked on the GPU
 (scripts/gpu_moe.py)."""
 import os
@@ -69,17 +69,6 @@ def test_reference_equals_float_experts(m, k, h, i, g_up, g_down, asym, act_orde
 
 
 triton = pytest.importorskip("triton", reason="triton is not importable: the INT4 MoE kernels are not tested")
-import triton.language as tl  # noqa: E402
-
-from flashnext.ops.int4_magic import int4_values  # noqa: E402
-
-
-@triton.jit
-def _int4_values_kernel(q_ptr, zero_ptr, out_ptr, MAGIC: tl.constexpr):
-    rows, cols = tl.arange(0, 16), tl.arange(0, 32)
-    q = tl.load(q_ptr + rows[:, None] * 32 + cols[None, :])
-    zero = tl.load(zero_ptr + cols)
-    tl.store(out_ptr + rows[:, None] * 32 + cols[None, :], int4_values(q, zero, tl.float16, MAGIC))
 
 
 @pytest.mark.parametrize(PARAMS + ",in_tile", [c + (False,) for c in CASES] + [CASES[1] + (True,), CASES[6] + (True,)])
@@ -158,34 +147,3 @@ def test_terms_in_rounds_sum_to_one_call(m):
     assert rel_err(terms.sum(1).to(x.dtype), want) < 1e-6
     assert rel_err(terms.sum(1), moe_int4_reference(x, ids, weights, w_gate_up, w_down)) < 1e-5
     assert rel_err(part.sum(1), want) > 1e-2       # the last round alone is not it: the merge of the rounds matters
-
-
-@pytest.mark.parametrize("asym", [False, True])
-@pytest.mark.parametrize("tiles", ["SMALL", "PREFILL"])
-def test_magic_dequant_gives_the_same_bits(tiles, asym):
-    """The `magic` configs (ops/int4_magic.py: 16-bit weights made by their bits, no int→float conversion) give the
-    conversion's result exactly, with the scale applied to the partial (SMALL) or in the tile (PREFILL). float16:
-    the interpreter reinterprets its bits, not bfloat16's (scripts/gpu_moe.py checks bfloat16 on the GPU)."""
-    from dataclasses import replace
-
-    from flashnext.ops import moe_int4_triton as grouped
-
-    config = getattr(grouped, tiles)
-    x, ids, weights, w_gate_up, w_down = case(40, 8, 3, 128, 64, 64, 64, asym=asym)
-    x, weights = x.half(), weights.half()
-    plain = grouped.moe_int4_triton(x, ids, weights, w_gate_up, w_down, config=config)
-    magic = grouped.moe_int4_triton(x, ids, weights, w_gate_up, w_down, config=replace(config, magic=True))
-    assert torch.equal(plain, magic)
-    assert rel_err(magic.float(), moe_int4_reference(x.float(), ids, weights.float(), w_gate_up, w_down)) < 2e-3
-
-
-def test_int4_values_by_their_bits_are_exact():
-    """ops/int4_magic.int4_values for every code 0..15 against every zero point 0..16 (auto_gptq's stored 15 is a
-    zero of 16), by the bits (float16 under the interpreter) and by the conversion: q − zero exactly."""
-    q = torch.arange(16, dtype=torch.int32)[:, None].expand(16, 32).contiguous()
-    zero = torch.arange(32, dtype=torch.int32) % 17
-    want = (q - zero[None, :]).half()
-    for magic in (True, False):
-        out = torch.empty(16, 32, dtype=torch.float16)
-        _int4_values_kernel[(1,)](q, zero, out, MAGIC=magic)
-        assert torch.equal(out, want)

@@ -144,25 +144,6 @@ def test_triton_split_and_tile_choices_agree(kernels, split_k, block_m, in_tile)
     assert all(int(counters.abs().sum()) == 0 for counters in buffers(x.device))
 
 
-@needs_triton
-@pytest.mark.parametrize("in_tile", [False, True])
-@pytest.mark.parametrize("kind", ["rtn", "asym"])
-def test_magic_dequant_gives_the_same_bits(kernels, in_tile, kind):
-    """`magic` (ops/int4_magic.py: 16-bit weights made by their bits, no int→float conversion) gives the conversion's
-    result exactly, the scale on the partial or in the tile. float16: the interpreter reinterprets its bits, not
-    bfloat16's (scripts/gpu_prefill_gemm.py checks bfloat16 on the GPU)."""
-    from dataclasses import replace
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    w, _ = make_weight(96, 384, 64, kind, seed=3)
-    w = w.to(device)
-    x = torch.randn(37, 384, generator=torch.Generator().manual_seed(4)).half().to(device)
-    cfg = kernels.LaunchConfig(block_m=16, block_n=32, block_k=32, split_k=2, scale_in_tile=in_tile)
-    plain = kernels.w4a16_matmul(x, w, cfg)
-    assert torch.equal(kernels.w4a16_matmul(x, w, replace(cfg, magic=True)), plain)
-    assert rel_err(plain.float(), w4a16_linear_reference(x.float(), w)) < 2e-3
-
-
 GEMV_CASES = [  # (M, N, K, g, kind, GemvConfig fields or None for the heuristic)
     (1, 72, 96, 32, "rtn", None), (1, 200, 256, 128, "act", None),
     (3, 200, 96, 32, "asym", (64, 32, 3)), (3, 72, 256, 128, "act", (32, 64, 4)),

@@ -26,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from flashnext.ops.int4_magic import int4_values, int4_values_fp32, magic_applies
 from flashnext.weights.int4_layout import Int4Weight
 
 
@@ -38,7 +37,6 @@ class MoeConfig:
     num_warps: int = 4
     num_stages: int = 2
     scale_in_tile: bool = False   # see _dequant_dot
-    magic: bool = False           # 16-bit weights by their bits, no int→float conversion (ops/int4_magic.py)
 
 
 # Up to SMALL_MAX_M tokens (past the decode kernels' ops.moe_int4.DECODE_MAX_M: the chained steps of a short chunk):
@@ -68,7 +66,7 @@ def _int4_tile(qweight_ptr, k0, offs_n, n_ok, N, BLOCK_K: tl.constexpr, BLOCK_N:
 @triton.jit
 def _dequant_dot(acc, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, N,
                  HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PRECISION: tl.constexpr, SCALE_IN_TILE: tl.constexpr, MAGIC: tl.constexpr):
+                 PRECISION: tl.constexpr, SCALE_IN_TILE: tl.constexpr):
     """acc + a @ W[k0:k0+BLOCK_K, offs_n] for one expert, the tile inside one quantisation group.
 
     Default: the exact integers (q - zero) go into the dot and the fp32 partial is scaled. SCALE_IN_TILE: the
@@ -82,9 +80,9 @@ def _dequant_dot(acc, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, off
         zero = tl.full((BLOCK_N,), 8, tl.int32)
     scale = tl.load(scales_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.float32)
     if SCALE_IN_TILE:
-        values = int4_values_fp32(q, zero, a.dtype, MAGIC)
+        values = (q - zero[None, :]).to(tl.float32)
         return tl.dot(a, (values * scale[None, :]).to(a.dtype), acc, input_precision=PRECISION)
-    partial = tl.dot(a, int4_values(q, zero, a.dtype, MAGIC), input_precision=PRECISION)
+    partial = tl.dot(a, (q - zero[None, :]).to(a.dtype), input_precision=PRECISION)
     return acc + partial * scale[None, :]
 
 
@@ -112,7 +110,7 @@ def _block_rows(start, sorted_ids_ptr, order_ptr, n_pairs, BLOCK_M: tl.constexpr
 def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr,
                     qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, n_pairs, H, I, group_size,
                     TOP_K: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, PRECISION: tl.constexpr,
-                    SCALE_IN_TILE: tl.constexpr, MAGIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    SCALE_IN_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr):
     start = tl.load(block_start_ptr + tl.program_id(0))
     if start < 0:  # a spare entry of the block table
@@ -133,9 +131,9 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr,
         cols = _columns(perm_ptr, k0, offs_k, HAS_PERM)
         a = tl.load(x_ptr + token[:, None] * H + cols[None, :], mask=ok[:, None], other=0)
         gate = _dequant_dot(gate, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, N,
-                            HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, SCALE_IN_TILE, MAGIC)
+                            HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, SCALE_IN_TILE)
         up = _dequant_dot(up, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, I + offs_n, n_ok, N,
-                          HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, SCALE_IN_TILE, MAGIC)
+                          HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, SCALE_IN_TILE)
     h = gate * tl.sigmoid(gate) * up
     tl.store(h_ptr + rows[:, None] * I + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=ok[:, None] & n_ok[None, :])
@@ -145,7 +143,7 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr,
 def _down_kernel(h_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, order_ptr, block_start_ptr,
                  qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, n_pairs, H, I, group_size,
                  HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, PRECISION: tl.constexpr,
-                 SCALE_IN_TILE: tl.constexpr, MAGIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 SCALE_IN_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
     start = tl.load(block_start_ptr + tl.program_id(0))
     if start < 0:  # a spare entry of the block table
@@ -163,7 +161,7 @@ def _down_kernel(h_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, order_ptr, bloc
         cols = _columns(perm_ptr, k0, offs_k, HAS_PERM)
         a = tl.load(h_ptr + rows[:, None] * I + cols[None, :], mask=ok[:, None], other=0)
         acc = _dequant_dot(acc, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, H,
-                           HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, SCALE_IN_TILE, MAGIC)
+                           HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, SCALE_IN_TILE)
     weight = tl.load(topk_weights_ptr + pair, mask=ok, other=0).to(tl.float32)
     tl.store(y_ptr + pair[:, None] * H + offs_n[None, :], acc * weight[:, None], mask=ok[:, None] & n_ok[None, :])
 
@@ -235,7 +233,7 @@ def moe_int4_triton_pairs(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_do
     h = torch.empty(n_pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(n_pairs, hidden, dtype=torch.float32, device=x.device)
     common = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, PRECISION=precision,
-                  SCALE_IN_TILE=config.scale_in_tile, MAGIC=magic_applies(config.magic, x),
+                  SCALE_IN_TILE=config.scale_in_tile,
                   num_warps=config.num_warps, num_stages=config.num_stages)
 
     def optional(w):  # zeros and perm, or a dummy pointer never read (HAS_ZEROS/HAS_PERM are constexprs)

@@ -47,7 +47,6 @@ import triton.language as tl
 from flashnext.ops.arrival import arrival_counters, arrive_last
 from flashnext.ops.int4_dequant_triton import dequantize_triton
 from flashnext.ops.int4_groups import PRODUCT_UNIT, UNSCALE, X_SCALE, denormal_bits, group_zero_scale, optional_tensors
-from flashnext.ops.int4_magic import int4_values, int4_values_fp32, magic_applies
 from flashnext.ops.device import num_sms
 from flashnext.ops.pdl import launch_options, wait_for_inputs
 from flashnext.weights.int4_layout import Int4Weight
@@ -58,7 +57,7 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, coun
                   M, N, K, stride_xm, stride_om, k_per_split, n_split,
                   GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
                   USE_DOT: tl.constexpr, REDUCE: tl.constexpr, REDUCE_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  SCALE_IN_TILE: tl.constexpr, MAGIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SCALE_IN_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -92,11 +91,11 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, coun
         scale = tl.load(s_ptr + group * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         if SCALE_IN_TILE:
             # the scaled tile (rounded to x's dtype) accumulated straight into acc: chained MMAs on Hopper
-            values = int4_values_fp32(codes, zero, x.dtype, MAGIC)   # MAGIC: by their bits (ops/int4_magic.py)
+            values = (codes - zero[None, :]).to(tl.float32)
             acc = tl.dot(x, (values * scale[None, :]).to(x.dtype), acc, input_precision=DOT_PRECISION)
         else:
             if USE_DOT:
-                part = tl.dot(x, int4_values(codes, zero, x.dtype, MAGIC), input_precision=DOT_PRECISION)
+                part = tl.dot(x, (codes - zero[None, :]).to(x.dtype), input_precision=DOT_PRECISION)
             else:
                 part = tl.sum(x.to(tl.float32)[:, :, None] * q.to(tl.float32)[None, :, :], axis=1)
             acc += part * scale[None, :]
@@ -248,7 +247,6 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 3
     scale_in_tile: bool = False   # with use_dot: the tile scaled before the dot (see _w4a16_kernel)
-    magic: bool = False           # with use_dot: 16-bit weights by their bits, no int→float conversion (ops/int4_magic.py)
 
     @property
     def use_dot(self) -> bool:
@@ -441,6 +439,6 @@ def w4a16_matmul(x: torch.Tensor, w: Int4Weight, config: LaunchConfig | GemvConf
         GROUP=w.group_size, HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None,
         USE_DOT=cfg.use_dot, REDUCE=split > 1, REDUCE_ROWS=reduce_rows(cfg.block_m, cfg.block_n, cfg.num_warps),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
-        SCALE_IN_TILE=cfg.scale_in_tile and cfg.use_dot, MAGIC=magic_applies(cfg.magic and cfg.use_dot, x), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SCALE_IN_TILE=cfg.scale_in_tile and cfg.use_dot, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
