@@ -24,10 +24,14 @@ needs no memset; two of these kernels must not run concurrently on one device (t
 decode stream, one layer after the other).
 
 Dequantisation without int -> float conversions (I2F is quarter rate, and a layer has ~50 M weights at
-M = 1, so instructions per weight matter as much as bytes): the nibbles are read as denormals (ops/int4_groups.py
-denormal_bits), one and + one fma a weight; the upper four nibbles of a word go through one shift by 12. The sums
-differ from sum(x * (q - zero)) only in rounding (~1e-7 relative on the tests). BLOCK_K divides the group size, so
-a K tile has one scale and one zero per column.
+M = 1, so instructions per weight matter as much as bytes): nibble j of a word, masked in place and read as
+an fp32, is the denormal q * 16**j * 2**-149 exactly (denormals are kept: fma.rn.f32, no ftz). Multiplying
+it by x * 2**(96 - 4j) gives x * q * 2**-53 for every j, so a weight costs one and + one fma; the zero point
+comes off per word (zero * the sum of the word's 8 activations) and 2**53 goes back with the group scale.
+The upper four nibbles of a word go through one shift by 12. The products are exact in fp32; the sums
+differ from sum(x * (q - zero)) only in rounding (~1e-7 relative on the tests). Scaled x stays finite for
+|x| < 2**32; only products below ~2**-70 (irrelevant) lose bits as denormals. BLOCK_K divides the group
+size, so a K tile has one scale and one zero per column.
 
 No host sync and static shapes: the call can be captured in a CUDA graph (scratch is torch.empty).
 """
@@ -41,7 +45,7 @@ import triton.language as tl
 
 from flashnext.ops.arrival import arrival_counters, arrive_last
 from flashnext.ops.device import num_sms
-from flashnext.ops.int4_groups import PRODUCT_UNIT, UNSCALE, X_SCALE, denormal_bits, group_zero_scale
+from flashnext.ops.int4_groups import group_zero_scale
 from flashnext.ops.moe_int4 import CachedExperts, SharedExpert, shared_fits
 from flashnext.ops.moe_int4_triton import block_k_for_group
 from flashnext.ops.pdl import launch_options, wait_for_inputs
@@ -61,6 +65,19 @@ class DecodeConfig:
 
 DEFAULT = DecodeConfig()
 PROGRAMS_PER_SM = 4
+
+
+# Activations are scaled by 2**96 / 16**j so that times a nibble read as the denormal q * 16**j * 2**-149
+# they give x * q * 2**-53; 2**53 comes back with the group scale.
+_X_SCALE = tl.constexpr(2.0 ** 96)
+_PRODUCT_UNIT = tl.constexpr(2.0 ** -53)
+_UNSCALE = tl.constexpr(2.0 ** 53)
+
+
+@triton.jit
+def _bits(word, mask: tl.constexpr):
+    """word & mask read as an fp32: for a nibble mask 0xF * 16**j (j <= 4), exactly q * 16**j * 2**-149."""
+    return (word & mask).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -96,17 +113,17 @@ def _tile_dot(x_ptr, perm_ptr, qweight_ptr, scales_ptr, zeros_ptr, k0, offs_n, n
     terms = tl.zeros((BLOCK_K // 8, BLOCK_N), tl.float32)
     row_sum = tl.zeros((BLOCK_K // 8,), tl.float32)
     mask = 0xF
-    x_scale = X_SCALE
+    x_scale = _X_SCALE
     for j in tl.static_range(4):  # nibble j of `low`, and nibble j + 4 (at bits 4j + 4) of `high`
         x_low = _activation(x_ptr, perm_ptr, rows + j, HAS_PERM)
         x_high = _activation(x_ptr, perm_ptr, rows + 4 + j, HAS_PERM)
         row_sum += x_low + x_high
-        terms += (x_low * x_scale)[:, None] * denormal_bits(low, mask)
-        terms += (x_high * (x_scale / 16))[:, None] * denormal_bits(high, mask * 16)
+        terms += (x_low * x_scale)[:, None] * _bits(low, mask)
+        terms += (x_high * (x_scale / 16))[:, None] * _bits(high, mask * 16)
         mask = mask * 16
         x_scale = x_scale / 16
-    terms -= row_sum[:, None] * (zero * PRODUCT_UNIT)[None, :]
-    return terms * (scale * UNSCALE)[None, :]
+    terms -= row_sum[:, None] * (zero * _PRODUCT_UNIT)[None, :]
+    return terms * (scale * _UNSCALE)[None, :]
 
 
 @triton.jit

@@ -10,12 +10,10 @@ kernel instead), the M between to the second.
   that N/BLOCK_N × splits is ~PROGRAMS_PER_SM programs per SM; weight loads are software-pipelined (tl.range),
   and the first K tile is loaded before the kernel waits for x (programmatic dependent launch, ops/pdl.py);
 - dequantisation without int → float conversions (I2F is quarter rate or slower, and ALU throughput is
-  within 2× of the bandwidth at M = 1). FMA mode: nibble j of a word masked in place and read as an fp32 is the
-  denormal q·16**j·2**−149 exactly: a weight costs one and plus one fma per row (ops/int4_groups.py
-  denormal_bits, as in the MoE decode kernels); the zero point comes off per word row. Dot mode: a nibble
-  ORed into the mantissa of 2**23 is exactly 2**23 + q·16**j as an fp32; subtracting 2**23 + zero·16**j and
-  scaling by 16**−j (one fma) leaves q − zero.
-  The upper four nibbles of a word go through one shift first;
+  within 2× of the bandwidth at M = 1): a nibble masked in place and ORed into the mantissa of 2**23 is
+  exactly 2**23 + q·16**j as an fp32; subtracting 2**23 + zero·16**j leaves (q − zero)·16**j exactly, and
+  the activation is multiplied by 16**−j instead (a power of two: exact). The upper four nibbles of a word
+  go through one shift by 16 first. Per weight: and-or, sub, then one fma per row;
 - the FMA mode keeps [M, BLOCK_K/8, BLOCK_N] fp32 terms (scaled per K tile: BLOCK_K divides the group
   size) and reduces over K once per program; the dot mode (`GemvConfig.use_dot`, M padded to 16) feeds
   (q − zero) in x's dtype (exact: integers times a power of two) to eight tl.dot of K = BLOCK_K/8 per tile;
@@ -46,7 +44,7 @@ import triton.language as tl
 
 from flashnext.ops.arrival import arrival_counters, arrive_last
 from flashnext.ops.int4_dequant_triton import dequantize_triton
-from flashnext.ops.int4_groups import PRODUCT_UNIT, UNSCALE, X_SCALE, denormal_bits, group_zero_scale, optional_tensors
+from flashnext.ops.int4_groups import group_zero_scale, optional_tensors
 from flashnext.ops.device import num_sms
 from flashnext.ops.pdl import launch_options, wait_for_inputs
 from flashnext.weights.int4_layout import Int4Weight
@@ -145,38 +143,31 @@ def _gemv_tile(acc, low, zero, scale, words, x_ptr, perm_ptr, offs_m, m_ok, stri
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc + x[:, 8 * words ...] @ the K tile of packed words `low` [BLOCK_K/8, BLOCK_N]; zero and scale are
     [1, BLOCK_N] (a tile inside one group) or [BLOCK_K/8, BLOCK_N] (each word row's group: FMA mode only)."""
+    high = low >> 16  # the sign bits this drags in are masked off by _nibble
     rows = 8 * words
     if USE_DOT:
-        high = low >> 16  # the sign bits this drags in are masked off by _nibble
         tile = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for j in tl.static_range(4):
-            bias = 8388608.0 + zero * (1 << (4 * j))
-            step = 1.0 / (1 << (4 * j))
-            x_low = _activation(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, rows + j, HAS_PERM)
-            x_high = _activation(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, rows + 4 + j, HAS_PERM)
+    else:
+        tile = tl.zeros((BLOCK_M, BLOCK_K // 8, BLOCK_N), tl.float32)
+    for j in tl.static_range(4):
+        bias = 8388608.0 + zero * (1 << (4 * j))
+        step = 1.0 / (1 << (4 * j))
+        x_low = _activation(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, rows + j, HAS_PERM)
+        x_high = _activation(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, rows + 4 + j, HAS_PERM)
+        if USE_DOT:
             # (nibble - bias) * step is q - zero exactly; as one fma (both terms are exact) it is one op
             w_low = (_nibble(low, j) * step - bias * step).to(x_low.dtype)
             w_high = (_nibble(high, j) * step - bias * step).to(x_high.dtype)
             tile = tl.dot(x_low, w_low, tile, input_precision=DOT_PRECISION)
             tile = tl.dot(x_high, w_high, tile, input_precision=DOT_PRECISION)
-        return acc + tile * scale
-    # FMA mode: the nibbles read as denormals (see the module docstring), one and + one fma per row a weight
-    high = low >> 12  # rows 4..7 of each word to bits 4..19 (the sign bits this drags in are masked off)
-    tile = tl.zeros((BLOCK_M, BLOCK_K // 8, BLOCK_N), tl.float32)
-    row_sum = tl.zeros((BLOCK_M, BLOCK_K // 8), tl.float32)
-    mask = 0xF
-    x_scale = X_SCALE
-    for j in tl.static_range(4):
-        x_low = _activation(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, rows + j, HAS_PERM).to(tl.float32)
-        x_high = _activation(x_ptr, perm_ptr, offs_m, m_ok, stride_xm, rows + 4 + j, HAS_PERM).to(tl.float32)
-        row_sum += x_low + x_high
-        tile += (x_low * x_scale)[:, :, None] * denormal_bits(low, mask)[None, :, :]
-        tile += (x_high * (x_scale / 16))[:, :, None] * denormal_bits(high, mask * 16)[None, :, :]
-        mask = mask * 16
-        x_scale = x_scale / 16
-    # zero: [BLOCK_N] (symmetric), [1, BLOCK_N] or [BLOCK_K/8, BLOCK_N]; broadcast to the terms' rank
-    tile -= row_sum[:, :, None] * (zero * PRODUCT_UNIT)
-    return acc + tile * (scale * UNSCALE)
+        else:
+            tile += (x_low.to(tl.float32) * step)[:, :, None] * (_nibble(low, j) - bias)[None, :, :]
+            tile += (x_high.to(tl.float32) * step)[:, :, None] * (_nibble(high, j) - bias)[None, :, :]
+    if USE_DOT:
+        acc += tile * scale
+    else:
+        acc += tile * scale[None, :, :]
+    return acc
 
 
 @triton.jit
