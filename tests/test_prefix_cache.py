@@ -164,19 +164,20 @@ def test_host_tier_restore(flash):
 
 def test_an_idle_engine_copies_entries_down_ahead_of_their_eviction(flash):
     """--kv-host-idle-copy (on by default): while no request runs, idle_work copies the device entries to the host
-    tier, least recently used first, one a call, keeping them on the device; their eviction later copies nothing; a resume from
-    the host tier stays exact. An entry that would not fit the host tier without evicting is left alone."""
+    tier, least recently used first, one a call, keeping them on the device — not the snapshots inside a prefill,
+    which their eviction drops; their eviction later copies nothing; a resume from the host tier stays exact. An
+    entry that would not fit the host tier without evicting is left alone."""
     engine = make(loaded=flash.loaded, kv_host_gb=0.05)     # the default: on
     first = tokens(8, 70)
     reply, _ = run(engine, first, rid="a")
     run(engine, tokens(9, 50), rid="b")
     cache, host = engine.prefix_cache, engine.prefix_cache.lower
-    device = list(cache.lru)
-    assert len(device) >= 2 and not host.snaps
+    device = [key for key in cache.lru if key not in cache.inside_prefill]
+    assert len(device) >= 2 and cache.inside_prefill and not host.snaps
     copied = []
     while engine.idle_work():
         copied.append(next(reversed(host.snaps)))
-    assert copied == device and list(cache.lru) == device and host.held_above == set(device)
+    assert copied == device and host.held_above == set(device)
     held = host.bytes
     cache.evict_all()
     assert host.bytes == held and cache.num_snapshots == 0 and not host.held_above   # now the only copies
@@ -211,7 +212,7 @@ def test_the_idle_copy_goes_a_piece_at_a_time(flash, monkeypatch):
     assert run(engine, turn2, rid="b")[0] == cold(engine, turn2, 6)
     while engine.idle_work():
         pass
-    assert not host.loose and set(cache.lru) == set(host.snaps) == host.held_above
+    assert not host.loose and set(cache.lru) - cache.inside_prefill == set(host.snaps) == host.held_above
     assert all(h in host.block_refs and host.block_refs[h] > 0 for meta in host.snaps.values() for h in meta.blocks)
 
 
@@ -366,6 +367,31 @@ def test_over_the_snapshot_budget_the_ends_outlive_the_snapshots_inside_prefills
     out, cached = run(engine, turn2, rid="a2")
     assert cached == len(a) + len(reply_a) - 1 and out == cold(engine, turn2, 6)
     pools_idle(engine)
+
+
+def test_snapshots_inside_a_prefill_are_dropped_not_written_down(flash):
+    """Evicted to a host tier, a prompt's snapshots taken inside its prefill that nothing resumed from are dropped (its
+    blocks go down with its end's snapshot); one a request resumed from is written down like an end, and both resume
+    exactly from the host tier."""
+    engine = make(loaded=flash.loaded, kv_host_gb=0.05, kv_host_idle_copy=False)
+    a = tokens(20, 150)
+    reply_a, _ = run(engine, a, rid="a")
+    cache, host = engine.prefix_cache, engine.prefix_cache.lower
+    inside = {cache.lru[k][0].snapshots[cache.lru[k][1]].num_tokens for k in cache.inside_prefill}
+    ends = {snap.num_tokens for node, tail in cache.lru.values() for snap in [node.snapshots[tail]]} - inside
+    assert inside and ends
+    cache.evict_all()
+    assert {meta.num_tokens for meta in host.snaps.values()} == ends
+    turn2 = a + reply_a + tokens(22, 5)
+    assert run(engine, turn2, rid="a2") == (cold(engine, turn2, 6), len(a) + len(reply_a) - 1)
+    # a prompt that shares a's first 130 tokens resumes from the snapshot inside a's prefill at or below 130
+    b = a[:130] + tokens(23, 20)
+    engine2 = make(loaded=flash.loaded, kv_host_gb=0.05, kv_host_idle_copy=False)
+    run(engine2, a, rid="a")
+    out, cached = run(engine2, b, rid="b")
+    assert out == cold(engine2, b, 6) and cached == max(inside - {t for t in inside if t > 130})
+    engine2.prefix_cache.evict_all()
+    assert cached in {meta.num_tokens for meta in engine2.prefix_cache.lower.snaps.values()}
 
 
 @pytest.mark.parametrize("host_gb", [0.0, 0.0005])

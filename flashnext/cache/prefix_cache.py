@@ -356,7 +356,7 @@ class PrefixCache:
             return False
         block_bytes = tensor_bytes(read_block(self.kv, 0))
         for key, (node, tail) in self.lru.items():
-            if key in host:
+            if key in host or key in self.inside_prefill:   # there already, or to be dropped at its eviction
                 continue
             snap = node.snapshots[tail]
             path = node.path()
@@ -395,18 +395,24 @@ class PrefixCache:
         return oldest
 
     def _evict(self, key: bytes) -> None:
+        # A snapshot taken inside a prefill that nothing resumed from is dropped, not written down: on the H200's idle
+        # bench each such Flash-Next snapshot (its ~115 MB state, with its blocks) cost 10–13 ms of a resume's queue
+        # time, seven for every 58K-token conversation the resume evicted, where only its end is resumed from;
+        # the blocks go down with the end's snapshot, and a snapshot once resumed from is written down as any.
+        never_resumed = key in self.inside_prefill
         self.inside_prefill.discard(key)
         node, tail = self.lru.pop(key)
         snap = node.snapshots.pop(tail)
         self.snapshot_bytes -= snap.nbytes
-        if self.lower is not None:
-            written = key not in self.lower
+        if self.lower is not None and key not in self.lower and not never_resumed:
             start = time.perf_counter()
             self._write_down(self.lower, node, key, snap)
+            # on a request's path (making room for it): what an idle copy ahead of it saves
+            log.info("evicted an entry of %d tokens: written down to the %s tier in %.3f s", snap.num_tokens,
+                     self.lower.name, time.perf_counter() - start)
+        elif self.lower is not None and key in self.lower:
+            self.lower.touch(key)                   # as the write-down of an entry already there does
             self.lower.held_above.discard(key)      # a copy made ahead of this eviction is now the only one
-            if written:   # on a request's path (making room for it), unless an idle copy came first
-                log.info("evicted an entry of %d tokens: written down to the %s tier in %.3f s", snap.num_tokens,
-                         self.lower.name, time.perf_counter() - start)
         if self.mirror is not None:      # after the write-down, which the other ranks copy from their snapshot
             self.mirror.drop(snap)
         self._prune(node)
