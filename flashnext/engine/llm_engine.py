@@ -228,6 +228,11 @@ class LLMEngine:
         snapshot = slot_bytes + KVPool.bytes_per_block(self.config, block_size, self.dtype)
         return SNAPSHOTS_PER_SEQUENCE * self.args.max_num_seqs * snapshot
 
+    def _headroom(self, total: int) -> tuple[int, int]:
+        """Device bytes the memory plan leaves free of a GPU of `total` bytes: (the reserve --gpu-memory-fraction
+        keeps, a prefill chunk's activations plus 1 GiB)."""
+        return int(total * (1 - self.args.gpu_memory_fraction)), (1 << 30) + self._chunk_activation_bytes()
+
     def _fitted_snapshot_budget(self, block_size: int, slot_bytes: int) -> int:
         """_snapshot_budget once the KV pool and the state slots are allocated: beside an explicit --kv-cache-gb on a
         GPU (which the plan took as given: the default budget grows with --max-num-seqs, ~350 MB a slot for
@@ -237,8 +242,7 @@ class LLMEngine:
         if self.device.type != "cuda" or self.args.prefix_cache_gb is not None or self.args.kv_cache_gb is None:
             return budget
         free, total = torch.cuda.mem_get_info(self.device)
-        fitted = fit_snapshot_budget(budget, free, int(total * (1 - self.args.gpu_memory_fraction)),
-                                     (1 << 30) + self._chunk_activation_bytes())
+        fitted = fit_snapshot_budget(budget, free, *self._headroom(total))
         if fitted < budget:
             log.warning("prefix-cache snapshots: %.2f GiB of the default %.2f GiB fit beside the KV cache; set "
                         "--prefix-cache-gb or a smaller --kv-cache-gb / --max-num-seqs", fitted / (1 << 30),
@@ -253,8 +257,7 @@ class LLMEngine:
             budget = int(self.args.kv_cache_gb * (1 << 30))
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            reserve = total * (1 - self.args.gpu_memory_fraction)
-            activations = (1 << 30) + self._chunk_activation_bytes()
+            reserve, activations = self._headroom(total)
             snapshots = self._snapshot_budget(block_size, slot_bytes)
             budget = int(free - reserve - activations - num_slots * slot_bytes - snapshots)
         else:
