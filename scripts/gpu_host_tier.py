@@ -1,10 +1,10 @@
-"""On the GPU machine: the host tier of the prefix cache stays exact where its copies run on a stream of their own.
+"""On the GPU machine: replies through the host tier of the prefix cache equal a cold engine's.
 
-On a GPU the host tier copies evicted entries down on a copy stream and does not wait for them (cache/host_tier.py):
-a resume's write-downs overlap the copy up of its own entry. The CPU tests cannot run that path. Here tiny presets on
-the GPU (fp32, decode graphs on) run interleaved conversations under a KV pool of a few dozen blocks and a small host
-tier, so that every turn evicts and most resume from the host: each reply must equal a cold engine's (no prefix
-cache) on the same prompt, and entries must have come back from the host tier.
+The host tier on a GPU holds page-locked buffers from its arena, copied down and up asynchronously (cache/host_tier.py,
+cache/pinned_arena.py), which the CPU tests do not run. Here tiny presets on the GPU (fp32, decode graphs on) run
+interleaved conversations under a KV pool of a few dozen blocks and a small host tier, so that every turn evicts and
+most resume from the host: each reply must equal a cold engine's (no prefix cache) on the same prompt, and entries must
+have come back from the host tier.
 Run: python3 scripts/gpu_host_tier.py [PRESET ...]   (default tiny-flash-next tiny-qwen3-next; exits 1 on a mismatch)
 """
 import random
@@ -47,8 +47,7 @@ def check(preset: str) -> bool:
     restored = engine.prefix_cache.restored_tokens["host"]
     ok &= restored > 0
     print(f"{preset:16} {turns} turns: replies {'equal' if ok else 'DIFFER'} to a cold engine's; {cached_total} tokens "
-          f"cached, {restored} restored from the host tier ({len(host.snaps)} entries there, "
-          f"{len(host.store._in_flight)} copies tracked)")
+          f"cached, {restored} restored from the host tier ({len(host.snaps)} entries there)")
     return ok
 
 

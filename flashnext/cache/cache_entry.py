@@ -154,39 +154,17 @@ def copy_tensors(tensors: dict[str, torch.Tensor], device, pin: bool = False,
             out[name] = torch.empty(t.shape, dtype=t.dtype, device=device)
             out[name].copy_(t, non_blocking=True)
         return out
-    out = _host_views(tensors, pin, into)
-    for name, t in tensors.items():
+    starts = _offsets(tensors)
+    flat = into if into is not None else torch.empty(starts[-1], dtype=torch.uint8, pin_memory=pin)
+    out = {}
+    for (name, t), start in zip(tensors.items(), starts):
+        out[name] = flat[start: start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         out[name].copy_(t, non_blocking=True)
     for t in tensors.values():
         if t.is_cuda:   # the copies ran on t's device's current stream: the host may read them after this
             torch.cuda.current_stream(t.device).synchronize()
             break
     return out
-
-
-def copy_to_host_on(stream: torch.cuda.Stream, tensors: dict[str, torch.Tensor], pin: bool = False,
-                    into: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], torch.cuda.Event]:
-    """copy_tensors(tensors, "cpu", pin, into) for device tensors, issued on `stream` once the work queued so far on
-    the current stream is done, and not waited for: (the host copies, an event recorded after them). The device
-    tensors stay allocated until the copies have read them (record_stream); the host copies are whole once the event
-    has passed."""
-    out = _host_views(tensors, pin, into)
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
-    with torch.cuda.stream(stream):
-        for name, t in tensors.items():
-            out[name].copy_(t, non_blocking=True)
-            t.record_stream(stream)
-        done = torch.cuda.Event()
-        done.record(stream)
-    return out, done
-
-
-def _host_views(tensors: dict[str, torch.Tensor], pin: bool, into: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """Empty host tensors shaped like `tensors`, views of one buffer (`into`, or a new one)."""
-    starts = _offsets(tensors)
-    flat = into if into is not None else torch.empty(starts[-1], dtype=torch.uint8, pin_memory=pin)
-    return {name: flat[start: start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            for (name, t), start in zip(tensors.items(), starts)}
 
 
 @dataclass

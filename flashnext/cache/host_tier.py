@@ -15,22 +15,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 
 import torch
 
-from flashnext.cache.cache_entry import copy_tensors, copy_to_host_on, packed_bytes, tensor_bytes
+from flashnext.cache.cache_entry import copy_tensors, packed_bytes, tensor_bytes
 from flashnext.cache.pinned_arena import PinnedArena
 from flashnext.cache.tier_index import BlockData, SnapshotData, SnapshotMeta, TierStore, row_runs
 from flashnext.weights.pinned import meminfo_bytes
 
 log = logging.getLogger("flashnext.cache")
-
-# Device bytes of entries whose copies to the host may be under way at once (their gathered blocks and states stay
-# allocated until copied): beyond it a write-down waits for the oldest copies. A 58K-token Flash-Next conversation is
-# ~1.5 GB; the memory plan keeps a reserve (--gpu-memory-fraction) and a prefill chunk's activations, which a
-# resume, coming before its step, does not use.
-MAX_COPYING_BYTES = 2 << 30
 
 
 class HostStore(TierStore):
@@ -57,13 +50,6 @@ class HostStore(TierStore):
         self.rows: dict[bytes, tuple[int, int]] = {}     # block hash → (batch id, row)
         self.snapshot_data: dict[bytes, SnapshotData] = {}
         self._next_batch = 0
-        # Copies from the device run on a stream of their own, not waited for: a resume's write-downs (making room)
-        # then go to the host while its entry comes up on the compute stream (PCIe copies both ways at once), where
-        # the host had waited ~50 ms for each 58K-token Flash-Next conversation it evicted (the H200's idle bench,
-        # session 15). What reads an owner's host tensors, or reuses its buffers, waits for its copies first.
-        self._copy_stream: torch.cuda.Stream | None = None
-        self._copying: dict[object, torch.cuda.Event] = {}              # owner → the end of its copies
-        self._in_flight: deque[tuple[torch.cuda.Event, int]] = deque()  # (end, device bytes), oldest first
 
     def store_blocks(self, hashes: list[bytes], batch: BlockData) -> list[int]:
         # Pieces of power-of-two block counts (a batch of TierIndex.put is at most WRITE_PIECE = 256 blocks; its
@@ -87,49 +73,22 @@ class HostStore(TierStore):
         return tensor_bytes(state) + tensor_bytes(tail_kv)
 
     def _copy(self, owner, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Host copies of `tensors` in one buffer from the arena (or a fresh one), kept under `owner`; from a GPU into
-        page-locked memory on the copy stream, not waited for (`_copied`)."""
+        """Host copies of `tensors` in one buffer from the arena (or a fresh one), kept under `owner`."""
         buf = self.arena.take(packed_bytes(tensors))
-        device = next((t.device for t in tensors.values() if t.is_cuda), None)
-        if device is None or not self.pin:
-            out = copy_tensors(tensors, "cpu", self.pin, into=buf)
-        else:
-            nbytes = tensor_bytes(tensors)
-            while self._in_flight and (self._in_flight[0][0].query() or
-                                       sum(n for _, n in self._in_flight) + nbytes > MAX_COPYING_BYTES):
-                self._in_flight.popleft()[0].synchronize()
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(device)
-            out, done = copy_to_host_on(self._copy_stream, tensors, self.pin, into=buf)
-            self._copying[owner] = done          # an owner's later copies end after its earlier ones
-            self._in_flight.append((done, nbytes))
+        out = copy_tensors(tensors, "cpu", self.pin, into=buf)
         if buf is not None:
             self.buffers.setdefault(owner, []).append(buf)
         return out
 
-    def _copied(self, owner) -> None:
-        """Wait until the copies of `owner` to the host are whole."""
-        done = self._copying.pop(owner, None)
-        if done is not None:
-            done.synchronize()
-
-    def flush(self) -> None:
-        for owner in list(self._copying):
-            self._copied(owner)
-
     def _release(self, owner) -> None:
-        self._copied(owner)   # its buffers may be handed out again, and filled on the host
         for buf in self.buffers.pop(owner, ()):
             self.arena.give_back(buf)
 
     def load_blocks(self, hashes: list[bytes]) -> list[BlockData]:
-        runs = row_runs([self.rows[h] for h in hashes])
-        for batch_id, _, _ in runs:
-            self._copied(batch_id)
-        return [{name: t[first: first + n] for name, t in self.batches[batch_id].items()} for batch_id, first, n in runs]
+        return [{name: t[first: first + n] for name, t in self.batches[batch_id].items()}
+                for batch_id, first, n in row_runs([self.rows[h] for h in hashes])]
 
     def load_snapshot(self, key: bytes) -> SnapshotData:
-        self._copied(key)
         return self.snapshot_data[key]
 
     def drop_block(self, h: bytes) -> None:

@@ -407,10 +407,9 @@ class PrefixCache:
         if self.lower is not None and key not in self.lower and not never_resumed:
             start = time.perf_counter()
             self._write_down(self.lower, node, key, snap)
-            # on a request's path (making room for it): what an idle copy ahead of it saves (the host tier's copies
-            # from a GPU end later, on a stream of their own: this is the host's time)
-            log.info("evicted an entry of %d tokens: %.3f s to write it down to the %s tier", snap.num_tokens,
-                     time.perf_counter() - start, self.lower.name)
+            # on a request's path (making room for it): what an idle copy ahead of it saves
+            log.info("evicted an entry of %d tokens: written down to the %s tier in %.3f s", snap.num_tokens,
+                     self.lower.name, time.perf_counter() - start)
         elif self.lower is not None and key in self.lower:
             self.lower.touch(key)                   # as the write-down of an entry already there does
             self.lower.held_above.discard(key)      # a copy made ahead of this eviction is now the only one
