@@ -18,6 +18,7 @@ Run: python3 scripts/gpu_moe.py [--quick] [flash-next|qwen3-next]   (--quick: de
      a model name: only its shapes)
 """
 import sys
+
 import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph

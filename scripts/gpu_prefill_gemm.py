@@ -1,8 +1,8 @@
 """On the GPU machine: the INT4 GEMMs of prefill at Flash-Next shapes — the dense W4A16 kernel (w4a16_triton
 `_w4a16_kernel`) and the grouped MoE kernels (moe_int4_triton) — over tile configurations, with the group scale
-applied to the fp32 partial or to the weight tile before the dot (scale_in_tile), checked against the torch reference and timed against bf16
-cuBLAS on the dequantised weight (dense) or the matmul FLOPs (MoE), and the dense dequantise-then-cuBLAS path
-(the default from 256 rows). Prints the best config per shape.
+applied to the fp32 partial or to the weight tile before the dot (scale_in_tile), checked against the torch
+reference and timed against bf16 cuBLAS on the dequantised weight (dense) or the matmul FLOPs (MoE), and the dense
+dequantise-then-cuBLAS path (the default from 256 rows). Prints the best config per shape.
 Run: python3 scripts/gpu_prefill_gemm.py [--m 8192] [--dense-only-m 512 ...]   (the second: no sweep, the GEMM
 kernel's default tiles against dequantise-then-cuBLAS at that M: where the dequantised path starts to pay)"""
 import argparse
@@ -51,8 +51,9 @@ def dense(m, sweep=True):
         cublas = do_bench(lambda: x @ dense_w.t()) * 1e3
         kernel = default_config(m, n, k, w.group_size, x.device)
         times = {}
-        for cfg in [kernel] + ([LaunchConfig(bm, bn, bk, 1, warps, stages, in_tile) for (bm, bn, bk, warps, stages), in_tile
-                                in itertools.product(TILES, (False, True))] if sweep else []):
+        swept = [LaunchConfig(bm, bn, bk, 1, warps, stages, in_tile)
+                 for (bm, bn, bk, warps, stages), in_tile in itertools.product(TILES, (False, True))]
+        for cfg in [kernel] + (swept if sweep else []):
             try:
                 got = w4a16_matmul(x, w, cfg)
                 expect(rel(got, ref) < 1e-2, f"{cfg}: err {rel(got, ref):.2e}")

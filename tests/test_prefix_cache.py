@@ -3,6 +3,7 @@ previous reply, after a trip through host RAM or disk) gives exactly the cold ou
 what was reused; damaged or foreign disk files are ignored; tiny budgets stay exact and leak nothing."""
 import logging
 import random
+from collections import Counter
 
 import pytest
 
@@ -164,20 +165,22 @@ def test_host_tier_restore(flash):
 
 def test_an_idle_engine_copies_entries_down_ahead_of_their_eviction(flash):
     """--kv-host-idle-copy (on by default): while no request runs, idle_work copies the device entries to the host
-    tier, least recently used first, one a call, keeping them on the device — not the snapshots inside a prefill,
-    which their eviction drops; their eviction later copies nothing; a resume from the host tier stays exact. An
-    entry that would not fit the host tier without evicting is left alone."""
+    tier a piece a call (here an entry is one piece), keeping them on the device in their order: the ends of prompts
+    and replies first, then the snapshots inside a prefill, least recently used first; their eviction later copies
+    nothing; a resume from the host tier stays exact. An entry that would not fit the host tier without evicting is
+    left alone."""
     engine = make(loaded=flash.loaded, kv_host_gb=0.05)     # the default: on
     first = tokens(8, 70)
     reply, _ = run(engine, first, rid="a")
     run(engine, tokens(9, 50), rid="b")
     cache, host = engine.prefix_cache, engine.prefix_cache.lower
-    device = [key for key in cache.lru if key not in cache.inside_prefill]
-    assert len(device) >= 2 and cache.inside_prefill and not host.snaps
+    device = list(cache.lru)
+    order = [k for k in device if k not in cache.inside_prefill] + [k for k in device if k in cache.inside_prefill]
+    assert len(order) - len(cache.inside_prefill) >= 2 and cache.inside_prefill and not host.snaps
     copied = []
     while engine.idle_work():
         copied.append(next(reversed(host.snaps)))
-    assert copied == device and host.held_above == set(device)
+    assert copied == order and list(cache.lru) == device and host.held_above == set(device)
     held = host.bytes
     cache.evict_all()
     assert host.bytes == held and cache.num_snapshots == 0 and not host.held_above   # now the only copies
@@ -194,26 +197,36 @@ def test_an_idle_engine_copies_entries_down_ahead_of_their_eviction(flash):
 def test_the_idle_copy_goes_a_piece_at_a_time(flash, monkeypatch):
     """idle_work copies WRITE_PIECE blocks of an entry a call (a request arriving meanwhile waits for one piece, not a
     whole entry): the blocks stay loose until the snapshot follows the last piece; a host tier over its budget drops
-    loose blocks first; a request between two pieces is served exactly, and the copies then finish."""
+    the loose blocks before any entry; an eviction's write-down takes them up (each block named as often as entries
+    name it), the resume from the host tier is exact, and clear() drops loose blocks too."""
     from flashnext.cache import tier_index
 
     monkeypatch.setattr(tier_index, "WRITE_PIECE", 1)
     engine = make(loaded=flash.loaded, kv_host_gb=0.05)
-    first = tokens(8, 70)
-    reply, _ = run(engine, first, rid="a")
+    a = tokens(8, 70)
+    reply, _ = run(engine, a, rid="a")
+    run(engine, tokens(9, 60), rid="b")
     cache, host = engine.prefix_cache, engine.prefix_cache.lower
-    assert engine.idle_work() and not host.snaps and len(host.loose) == 1 and host.bytes > 0
-    capacity, host.capacity = host.capacity, host.bytes - 1
+    assert engine.idle_work() and not host.snaps and len(host.loose) == 1
+    while not (host.snaps and host.loose):      # one entry whole, the next one begun
+        assert engine.idle_work()
+    whole = set(host.snaps)
+    capacity, host.capacity = host.capacity, host.used_bytes - 1
     host.fit()
-    assert not host.loose and host.bytes == 0
+    assert not host.loose and set(host.snaps) == whole
     host.capacity = capacity
-    assert engine.idle_work() and not host.snaps and len(host.loose) == 1      # the copy starts over
-    turn2 = first + reply + tokens(10, 4)
-    assert run(engine, turn2, rid="b")[0] == cold(engine, turn2, 6)
-    while engine.idle_work():
-        pass
-    assert not host.loose and set(cache.lru) - cache.inside_prefill == set(host.snaps) == host.held_above
-    assert all(h in host.block_refs and host.block_refs[h] > 0 for meta in host.snaps.values() for h in meta.blocks)
+    assert engine.idle_work() and host.loose                                   # that copy starts over
+    cache.evict_all()
+    assert not host.loose and cache.num_snapshots == 0
+    names = Counter(h for meta in host.snaps.values() for h in meta.blocks)
+    assert names == Counter({h: n for h, n in host.block_refs.items()})
+    turn2 = a + reply + tokens(10, 4)
+    assert run(engine, turn2, rid="a2") == (cold(engine, turn2, 6), len(a) + len(reply) - 1)
+    run(engine, tokens(11, 60), rid="c")
+    while not host.loose:
+        assert engine.idle_work()
+    host.clear()
+    assert not host.loose and not host.block_refs and host.bytes == 0
 
 
 def test_disk_restart_corrupt_and_foreign(flash, tmp_path, caplog):
@@ -371,8 +384,8 @@ def test_over_the_snapshot_budget_the_ends_outlive_the_snapshots_inside_prefills
 
 def test_snapshots_inside_a_prefill_are_dropped_not_written_down(flash):
     """Evicted to a host tier, a prompt's snapshots taken inside its prefill that nothing resumed from are dropped (its
-    blocks go down with its end's snapshot); one a request resumed from is written down like an end, and both resume
-    exactly from the host tier."""
+    blocks go down with its end's snapshot) and the next turn resumes exactly from the host tier; one that a request
+    resumed from is written down like an end, and a third prompt sharing that prefix resumes from it on the host."""
     engine = make(loaded=flash.loaded, kv_host_gb=0.05, kv_host_idle_copy=False)
     a = tokens(20, 150)
     reply_a, _ = run(engine, a, rid="a")
@@ -384,14 +397,15 @@ def test_snapshots_inside_a_prefill_are_dropped_not_written_down(flash):
     assert {meta.num_tokens for meta in host.snaps.values()} == ends
     turn2 = a + reply_a + tokens(22, 5)
     assert run(engine, turn2, rid="a2") == (cold(engine, turn2, 6), len(a) + len(reply_a) - 1)
-    # a prompt that shares a's first 130 tokens resumes from the snapshot inside a's prefill at or below 130
-    b = a[:130] + tokens(23, 20)
     engine2 = make(loaded=flash.loaded, kv_host_gb=0.05, kv_host_idle_copy=False)
     run(engine2, a, rid="a")
-    out, cached = run(engine2, b, rid="b")
-    assert out == cold(engine2, b, 6) and cached == max(inside - {t for t in inside if t > 130})
+    shared = max(t for t in inside if t <= 130)
+    b = a[:130] + tokens(23, 20)
+    assert run(engine2, b, rid="b") == (cold(engine2, b, 6), shared)       # from the device
     engine2.prefix_cache.evict_all()
-    assert cached in {meta.num_tokens for meta in engine2.prefix_cache.lower.snaps.values()}
+    assert shared in {meta.num_tokens for meta in engine2.prefix_cache.lower.snaps.values()}
+    d = a[:130] + tokens(24, 20)
+    assert run(engine2, d, rid="d") == (cold(engine2, d, 6), shared)       # from the host tier
 
 
 @pytest.mark.parametrize("host_gb", [0.0, 0.0005])

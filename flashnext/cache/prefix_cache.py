@@ -19,7 +19,9 @@ that nothing has resumed from go first (oldest first), then the rest (ends of pr
 prompt takes one at each chunk end past an interval mark (8-64 for 65K tokens in chunks of 8K-1K; ~116 MB each
 for Flash-Next), and under plain LRU eight 65K-token conversations pushed each other's ends out of the 1 GiB
 default, so none came back warm (bench concurrency, H200, session 12). An evicted snapshot moves to the next
-tier down (host RAM, then disk) with its prefix blocks; a hit in a lower tier is copied back in before resuming.
+tier down (host RAM, then disk) with its prefix blocks — except one taken inside a prefill that nothing resumed from
+and that no idle copy put there, which is dropped (`_evict`) —; a hit in a lower tier is copied back in before
+resuming.
 """
 from __future__ import annotations
 
@@ -105,7 +107,7 @@ class PrefixCache:
         self._reads: dict[bytes, _BackgroundRead] = {}
         self._read_of: dict[object, bytes] = {}
         self._reader: ThreadPoolExecutor | None = None
-        self._idle_copy: tuple[bytes | None, float, int] = (None, 0.0, 0)   # its entry, seconds and pieces so far
+        self._idle_copies: dict[bytes, tuple[float, int]] = {}   # entries an idle copy began: seconds, pieces so far
 
     # ---- lookup and resume ----
     def lookup(self, tokens: list[int], limit: int, owner: str | None = None) -> PrefixHit | None | object:
@@ -343,34 +345,38 @@ class PrefixCache:
         return ok
 
     def copy_down_one(self) -> bool:
-        """Copy a piece (TierIndex.put's WRITE_PIECE blocks, or the snapshot after the last) of the least recently
-        used device entry that the host tier lacks into it, the entry kept on the device too, when it fits there
-        without evicting anything: False when there is none (or no host tier). Run while no request does
-        (LLMEngine.idle_work), so that the eviction of such an entry, when a request needs its blocks, finds it
-        written and costs no copy (on the dev machine a profile of a resume spent most of its time writing down the
-        entry it evicted). A piece at a time, so that a request arriving meanwhile waits for one piece (~0.1 GB for
-        Flash-Next), not a whole entry: whole-entry copies may be what put 6 of 8 idle resumes 0.3–0.9 s in the
-        queue on the H200 in session 14."""
+        """Copy a piece (TierIndex.put's WRITE_PIECE blocks, or the snapshot after the last) of a device entry that
+        the host tier lacks into it, the entry kept on the device too, when it fits there without evicting anything:
+        False when there is none (or no host tier). Ends of prompts and replies first, then the snapshots taken
+        inside a prefill (which their eviction would drop: `_evict`), least recently used first. Run while no
+        request does (LLMEngine.idle_work), so that the eviction of such an entry, when a request needs its blocks,
+        finds it written and costs no copy (on the H200 a 58K-token Flash-Next conversation's end took ~50 ms to
+        write down on a resume's path, session 15). A piece at a time, so that a request arriving meanwhile waits for
+        one piece (~0.1 GB), not a whole entry (~1.5 GB)."""
         host = self.lower
         if host is None or host.name != "host" or self.mirror is not None:
             return False
         block_bytes = tensor_bytes(read_block(self.kv, 0))
-        for key, (node, tail) in self.lru.items():
-            if key in host or key in self.inside_prefill:   # there already, or to be dropped at its eviction
+        ends = [key for key in self.lru if key not in self.inside_prefill]
+        for key in ends + [key for key in self.lru if key in self.inside_prefill]:
+            if key in host:
                 continue
+            node, tail = self.lru[key]
             snap = node.snapshots[tail]
             path = node.path()
             size = sum(n.hash not in host.block_refs for n in path) * block_bytes + snap.nbytes
             if host.used_bytes + size > host.capacity:
-                return False
+                continue     # a smaller one may fit
             start = time.perf_counter()
             done = self._write_down(host, node, key, snap, max_pieces=1)
-            seconds, pieces = self._idle_copy[1:] if self._idle_copy[0] == key else (0.0, 0)
-            self._idle_copy = (key, seconds + time.perf_counter() - start, pieces + 1)
+            seconds, pieces = self._idle_copies.pop(key, (0.0, 0))
+            seconds, pieces = seconds + time.perf_counter() - start, pieces + 1
             if done:
                 log.info("idle copy: an entry of %d tokens down to the host tier in %d pieces, %.3f s", snap.num_tokens,
-                         self._idle_copy[2], self._idle_copy[1])
+                         pieces, seconds)
                 host.held_above.add(key)
+            else:
+                self._idle_copies[key] = (seconds, pieces)
             return True
         return False
 
@@ -395,12 +401,15 @@ class PrefixCache:
         return oldest
 
     def _evict(self, key: bytes) -> None:
-        # A snapshot taken inside a prefill that nothing resumed from is dropped, not written down: on the H200's idle
-        # bench each such Flash-Next snapshot (its ~115 MB state, with its blocks) cost 10–13 ms of a resume's queue
-        # time, seven for every 58K-token conversation the resume evicted, where only its end is resumed from;
-        # the blocks go down with the end's snapshot, and a snapshot once resumed from is written down as any.
+        # A snapshot taken inside a prefill that nothing resumed from is dropped, not written down (unless an idle
+        # copy put it down already): on the H200's idle bench each such Flash-Next snapshot (its ~115 MB state, with
+        # its blocks) cost 10–16 ms of a resume's queue time, seven for every 58K-token conversation the resume
+        # evicted, whose end is what its next turn resumes from (the blocks go down with the end's snapshot). What
+        # is lost: a later prompt that shares only part of this one's prefix (the same document, another question)
+        # resumes from the lower tier at a shorter snapshot, or none. A snapshot once resumed from is an end.
         never_resumed = key in self.inside_prefill
         self.inside_prefill.discard(key)
+        self._idle_copies.pop(key, None)
         node, tail = self.lru.pop(key)
         snap = node.snapshots.pop(tail)
         self.snapshot_bytes -= snap.nbytes
@@ -431,7 +440,7 @@ class PrefixCache:
             node = node.parent
 
     def evict_all(self) -> None:
-        """Move every device entry down a tier (or drop it when there is none)."""
+        """Evict every device entry (down a tier, or dropped: `_evict`)."""
         while self.lru:
             self._evict(next(iter(self.lru)))
 
@@ -448,8 +457,10 @@ class PrefixCache:
         if not tiers or tiers[-1].name != "disk":
             return 0
         disk, written = tiers[-1], 0
-        # every entry held in memory, least recently used first: the host tier's are older than the device's
-        entries = [(tier, key) for tier in tiers[:-1] for key in tier.snaps] + [(None, key) for key in self.lru]
+        # every entry held in memory, least recently used first: the host tier's are older than the device's (not the
+        # snapshots inside a prefill on the device, which their eviction drops too)
+        entries = [(tier, key) for tier in tiers[:-1] for key in tier.snaps] + [
+            (None, key) for key in self.lru if key not in self.inside_prefill]
         chosen = self._newest_that_fit(entries, disk)
         for _, key in chosen:      # first, so that writing the others cannot evict them
             if key in disk:

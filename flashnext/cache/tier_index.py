@@ -109,8 +109,9 @@ class TierIndex:
         # fit() lets these go first, and without moving them down, since nothing is lost.
         self.held_above: set[bytes] = set()
         # Blocks of an entry whose copy down stopped between pieces (put's max_pieces: the idle copy, which yields to
-        # requests): stored, named by no snapshot yet; the next put of that entry skips them, fit() drops them first.
-        self.loose: set[bytes] = set()
+        # requests), in the order stored: named by no snapshot yet; the next put of that entry skips them, fit() drops
+        # them first (all of them: a store frees a batch of blocks with its last one).
+        self.loose: dict[bytes, None] = {}
         self.mirror = None      # several ranks: parallel/mirror.SnapshotMirror; None on one device
 
     # A tier whose entries take long to read (the disk: ~10 s for a 58K-token Flash-Next conversation on the H200
@@ -144,8 +145,8 @@ class TierIndex:
 
     def put(self, hashes: list[bytes], get_blocks: Callable[[list[int]], BlockData], key: bytes,
             snap: Snapshot, device_blocks: list[int] | None = None, max_pieces: int | None = None) -> bool:
-        """Store a snapshot and whichever of its prefix blocks are missing, in one batch (get_blocks(indices)
-        reads those blocks as rows).
+        """Store a snapshot and whichever of its prefix blocks are missing, in batches of WRITE_PIECE blocks
+        (get_blocks(indices) reads those blocks as rows).
         `device_blocks` names the device KV block of each hash when the entry comes down from the device (a
         snapshot of the device cache); None when it comes from the tier above. Other ranks copy their share
         from the same place. `max_pieces`: store at most that many pieces of missing blocks (`loose` until the
@@ -167,10 +168,10 @@ class TierIndex:
                     self.mirror.store_block(self, h, device_blocks[i] if device_blocks is not None else None)
                 self.block_refs[h], self.block_bytes[h] = 0, nbytes
                 self.bytes += nbytes
-                self.loose.add(h)
+                self.loose[h] = None
         for h in hashes:
             self.block_refs[h] += 1
-            self.loose.discard(h)
+            self.loose.pop(h, None)
         meta = SnapshotMeta(list(hashes), tuple(snap.tail), snap.num_tokens, 0)
         meta.nbytes = self.store.store_snapshot(key, (snap.state, snap.tail_kv), meta)
         if self.mirror is not None:
@@ -236,8 +237,8 @@ class TierIndex:
         """Evict least recently used entries (down a tier, when there is one) until used_bytes fit: first the loose
         blocks of an unfinished copy, then the entries the tier above holds too (dropped, not moved down), then the
         others."""
-        while self.loose and self.used_bytes > self.capacity:
-            self._drop_unnamed(self.loose.pop())
+        if self.loose and self.used_bytes > self.capacity:
+            self._drop_loose()
         while self.used_bytes > self.capacity:
             key = next((k for k in self.snaps if k in self.held_above and k not in self.installing),
                        None) if self.held_above else None
@@ -289,5 +290,9 @@ class TierIndex:
         """Forget every entry without moving it down, and the loose blocks."""
         while self.snaps:
             self.remove(next(iter(self.snaps)))
-        while self.loose:
-            self._drop_unnamed(self.loose.pop())
+        self._drop_loose()
+
+    def _drop_loose(self) -> None:
+        for h in self.loose:
+            self._drop_unnamed(h)
+        self.loose.clear()

@@ -133,20 +133,24 @@ class AsyncLLM:
                 self._deliver(output)
             held.clear()
 
+        idle_working = False   # the last pass did a piece of background work
         while not self._stopped:
             self._drain_inbox()
             if not self.engine.has_work():
                 deliver_held()
                 # background work only after IDLE_WORK_AFTER_S without a request (a client's next request often
-                # follows its last reply within milliseconds), one piece at a time, the inbox checked in between
-                if self._wake.wait(timeout=IDLE_WORK_AFTER_S):
+                # follows its last reply within milliseconds), then one piece after the other, the inbox checked
+                # in between
+                if not idle_working and self._wake.wait(timeout=IDLE_WORK_AFTER_S):
                     self._wake.clear()
                     continue
-                if self.engine.idle_work():   # a wake-up meanwhile stays set for the wait below
+                idle_working = self.engine.idle_work()   # a wake-up meanwhile stays set for the wait below
+                if idle_working:
                     continue
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
+            idle_working = False
             try:
                 outputs = self.engine.step(launched=deliver_held)
             except BaseException as e:

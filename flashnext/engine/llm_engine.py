@@ -335,9 +335,9 @@ class LLMEngine:
         return bool(self.scheduler.running or self.scheduler.waiting or self._in_flight)
 
     def idle_work(self) -> bool:
-        """One piece of background work while no request runs (AsyncLLM's loop asks between its waits): a prefix-
-        cache entry copied down to the host tier ahead of its eviction (--kv-host-idle-copy,
-        PrefixCache.copy_down_one). False when there is nothing to do."""
+        """One piece of background work while no request runs (AsyncLLM's loop asks, one piece after the other once
+        it has had no request for IDLE_WORK_AFTER_S): a piece of a prefix-cache entry copied down to the host tier
+        ahead of its eviction (--kv-host-idle-copy, PrefixCache.copy_down_one). False when there is nothing to do."""
         return (self.prefix_cache is not None and self.args.kv_host_idle_copy and not self.has_work()
                 and self.prefix_cache.copy_down_one())
 

@@ -80,8 +80,8 @@ def _dequant_dot(acc, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, off
         zero = tl.full((BLOCK_N,), 8, tl.int32)
     scale = tl.load(scales_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.float32)
     if SCALE_IN_TILE:
-        values = (q - zero[None, :]).to(tl.float32)
-        return tl.dot(a, (values * scale[None, :]).to(a.dtype), acc, input_precision=PRECISION)
+        w = ((q - zero[None, :]).to(tl.float32) * scale[None, :]).to(a.dtype)
+        return tl.dot(a, w, acc, input_precision=PRECISION)
     partial = tl.dot(a, (q - zero[None, :]).to(a.dtype), input_precision=PRECISION)
     return acc + partial * scale[None, :]
 
@@ -110,8 +110,7 @@ def _block_rows(start, sorted_ids_ptr, order_ptr, n_pairs, BLOCK_M: tl.constexpr
 def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr,
                     qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, n_pairs, H, I, group_size,
                     TOP_K: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, PRECISION: tl.constexpr,
-                    SCALE_IN_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    SCALE_IN_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     start = tl.load(block_start_ptr + tl.program_id(0))
     if start < 0:  # a spare entry of the block table
         return
@@ -143,8 +142,7 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr,
 def _down_kernel(h_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, order_ptr, block_start_ptr,
                  qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, n_pairs, H, I, group_size,
                  HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, PRECISION: tl.constexpr,
-                 SCALE_IN_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 SCALE_IN_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     start = tl.load(block_start_ptr + tl.program_id(0))
     if start < 0:  # a spare entry of the block table
         return

@@ -55,8 +55,7 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, coun
                   M, N, K, stride_xm, stride_om, k_per_split, n_split,
                   GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
                   USE_DOT: tl.constexpr, REDUCE: tl.constexpr, REDUCE_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  SCALE_IN_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  SCALE_IN_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -89,11 +88,10 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, coun
         scale = tl.load(s_ptr + group * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         if SCALE_IN_TILE:
             # the scaled tile (rounded to x's dtype) accumulated straight into acc: chained MMAs on Hopper
-            values = (codes - zero[None, :]).to(tl.float32)
-            acc = tl.dot(x, (values * scale[None, :]).to(x.dtype), acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(x, (q.to(tl.float32) * scale[None, :]).to(x.dtype), acc, input_precision=DOT_PRECISION)
         else:
             if USE_DOT:
-                part = tl.dot(x, (codes - zero[None, :]).to(x.dtype), input_precision=DOT_PRECISION)
+                part = tl.dot(x, q.to(x.dtype), input_precision=DOT_PRECISION)
             else:
                 part = tl.sum(x.to(tl.float32)[:, :, None] * q.to(tl.float32)[None, :, :], axis=1)
             acc += part * scale[None, :]

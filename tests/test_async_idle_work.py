@@ -1,0 +1,36 @@
+"""The engine thread's background work (AsyncLLM._loop): after IDLE_WORK_AFTER_S without a request it asks the engine
+for one piece of idle work (the host tier's idle copy: PrefixCache.copy_down_one), then the next, checking its inbox
+in between — not waiting IDLE_WORK_AFTER_S again before each piece (a 58K-token Flash-Next conversation is ~15
+pieces: the waits had spread its copy over ~0.85 s of idleness on the H200, session 15)."""
+import threading
+from types import SimpleNamespace
+
+from flashnext.engine import async_llm
+
+
+def test_idle_work_goes_piece_after_piece(monkeypatch):
+    waits = []
+
+    class RecordingEvent(threading.Event):
+        def wait(self, timeout=None):
+            waits.append(timeout)
+            return super().wait(timeout)
+
+    monkeypatch.setattr(async_llm, "threading",
+                        SimpleNamespace(Event=RecordingEvent, Lock=threading.Lock, Thread=threading.Thread))
+    pieces, done = [], threading.Event()
+
+    def idle_work() -> bool:
+        pieces.append(len(waits))     # the waits before this piece
+        if len(pieces) == 5:
+            done.set()
+            return False
+        return True
+
+    engine = SimpleNamespace(tokenizer=None, config=None, max_model_len=1, model_name="m",
+                             loaded=SimpleNamespace(path="p"), memory_plan=None, prefix_cache=None,
+                             has_work=lambda: False, idle_work=idle_work, shutdown=lambda: None)
+    llm = async_llm.AsyncLLM(engine)
+    assert done.wait(10)
+    llm.shutdown()
+    assert pieces == [1] * 5 and waits[0] == async_llm.IDLE_WORK_AFTER_S
