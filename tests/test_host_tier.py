@@ -250,3 +250,34 @@ def test_host_tier_larger_than_free_memory_is_refused_before_pinning(monkeypatch
     assert not reserved
     host_tier.HostStore(2 << 30)
     assert len(reserved) == 1
+
+
+def test_row_runs_and_segments_merge_consecutive_rows():
+    """row_runs / row_segments against a row-at-a-time reference: runs break where the batch changes or a row skips,
+    and at a run's end even when the next run's first row follows in the numbering."""
+    import random
+
+    from flashnext.cache.cache_entry import row_segments
+    from flashnext.cache.tier_index import row_runs
+
+    def merged(places):
+        out = []
+        for key, row in places:
+            if out and out[-1][0] == key and out[-1][1] + out[-1][2] == row:
+                out[-1] = (key, out[-1][1], out[-1][2] + 1)
+            else:
+                out.append((key, row, 1))
+        return out
+
+    rng = random.Random(3)
+    for _ in range(200):
+        places = [(rng.randrange(3), rng.randrange(6)) for _ in range(rng.randrange(0, 12))]
+        assert row_runs(places) == merged(places)
+        sizes = [rng.randrange(1, 5) for _ in range(rng.randrange(1, 5))]
+        runs = [{"k": torch.zeros(n, 1)} for n in sizes]
+        rows = sorted(rng.sample(range(sum(sizes)), rng.randrange(0, sum(sizes) + 1)))
+        if rng.random() < 0.3:
+            rows = rows[::-1]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        where = [(max(i for i, s in enumerate(starts) if s <= r), r - max(s for s in starts if s <= r)) for r in rows]
+        assert row_segments(runs, rows) == merged(where)

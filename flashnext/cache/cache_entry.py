@@ -79,13 +79,17 @@ def row_segments(runs: list[dict[str, torch.Tensor]], rows: list[int]) -> list[t
         starts.append(at)
         at += run_rows(run)
     segments: list[tuple[int, int, int]] = []
+    i, j, count = 0, 0, 0      # the stretch under way
     for row in rows:
+        if count and row == starts[i] + j + count and (i + 1 == len(starts) or row < starts[i + 1]):
+            count += 1
+            continue
+        if count:
+            segments.append((i, j, count))
         i = bisect.bisect_right(starts, row) - 1
-        j = row - starts[i]
-        if segments and segments[-1][0] == i and segments[-1][1] + segments[-1][2] == j:
-            segments[-1] = (i, segments[-1][1], segments[-1][2] + 1)
-        else:
-            segments.append((i, j, 1))
+        j, count = row - starts[i], 1
+    if count:
+        segments.append((i, j, count))
     return segments
 
 

@@ -149,7 +149,7 @@ class PrefixCache:
                 self.restore_seconds[tier.name] += seconds
                 # with the write-downs its room took (logged by _evict): what a resume spends before its first step
                 log.info("%s tier: an entry of %d tokens restored in %.3f s", tier.name, meta.num_tokens, seconds)
-                found = self._match(tokens, limit)
+                found = (installed, meta.tail)   # deeper than any snapshot the device had (`depth`)
                 break
         if found is None:
             return None
@@ -300,9 +300,9 @@ class PrefixCache:
         while self.snapshot_bytes > self.snapshot_budget and self.lru:
             self._evict(self._over_budget_victim())
 
-    def _install(self, tokens: list[int], hashes: list[bytes], runs: list[dict], snap: Snapshot) -> bool:
+    def _install(self, tokens: list[int], hashes: list[bytes], runs: list[dict], snap: Snapshot) -> Node | None:
         """Copy a lower-tier entry (the hashes of its full blocks, the blocks as runs: TierStore.load_blocks) into
-        device blocks and the trie; False when the KV pool has no room."""
+        device blocks and the trie → the node its snapshot hangs off; None when the KV pool has no room."""
         bs, node, pinned = self.block_size, self.root, []
         n = sum(map(run_rows, runs))
         assert n == len(hashes)
@@ -342,7 +342,7 @@ class PrefixCache:
             self._prune(pinned[-1])
         while ok and self.snapshot_bytes > self.snapshot_budget and len(self.lru) > 1:
             self._evict(self._over_budget_victim(keep=snap_key))
-        return ok
+        return node if ok else None
 
     def copy_down_one(self) -> bool:
         """Copy a piece (TierIndex.put's WRITE_PIECE blocks, or the snapshot after the last) of a device entry that

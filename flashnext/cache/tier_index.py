@@ -43,11 +43,16 @@ def row_runs(places: list[tuple[object, int]]) -> list[tuple[object, int, int]]:
     """(batch, row) of each block, in order → runs (batch, first row, rows) of consecutive rows of one batch: what a
     store that keeps blocks as rows of batches gives back as few runs (TierStore.load_blocks)."""
     runs: list[tuple[object, int, int]] = []
+    batch_now, first, count = None, 0, 0     # the run under way (a 58K-token Flash-Next entry has ~3,600 rows)
     for batch, row in places:
-        if runs and runs[-1][0] == batch and runs[-1][1] + runs[-1][2] == row:
-            runs[-1] = (batch, runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((batch, row, 1))
+        if count and batch == batch_now and row == first + count:
+            count += 1
+            continue
+        if count:
+            runs.append((batch_now, first, count))
+        batch_now, first, count = batch, row, 1
+    if count:
+        runs.append((batch_now, first, count))
     return runs
 
 
