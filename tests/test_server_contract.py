@@ -92,6 +92,11 @@ def test_n_streams_every_choice_with_its_own_finish(shared_server):
 LONG = "x" * 200_000
 
 
+def post_json(client, path: str, body: dict):
+    """The body as JSON with \\u escapes (json.dumps's default: a lone surrogate travels as one, as clients send it)."""
+    return client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+
+
 @pytest.mark.parametrize("name, body, status, param", [
     ("missing messages", {"model": None}, 400, "messages"),
     ("empty messages", {"messages": []}, 400, "messages"),
@@ -116,10 +121,20 @@ LONG = "x" * 200_000
                                       "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400,
      "tool_choice"),
     ("unknown model", {"model": "gpt-17", "messages": MSGS}, 404, "model"),
+    # were 500s (session 15)
+    ("image part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages"),
+    ("text part without text", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages"),
+    ("lone surrogate", {"messages": [{"role": "user", "content": "a\ud800b"}]}, 400, None),
+    ("chat_template_kwargs setting a request field", {"messages": MSGS,
+                                                      "chat_template_kwargs": {"add_generation_prompt": False}},
+     400, "chat_template_kwargs"),
+    ("max_completion_tokens 0", {"messages": MSGS, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("top_logprobs without logprobs", {"messages": MSGS, "top_logprobs": 2}, 400, "top_logprobs"),
 ])
 def test_invalid_chat_requests_are_4xx_in_openai_shape(shared_server, name, body, status, param):
     with shared_server.client() as c:
-        err = assert_error_shape(c.post(CHAT, json=body), status)
+        err = assert_error_shape(post_json(c, CHAT, body), status)
         if param is not None:
             assert err["param"] == param, (name, err)
         assert c.get("/health").status_code == 200
@@ -141,10 +156,11 @@ def test_prompt_longer_than_context_is_context_length_exceeded(shared_server):
     ("prompt wrong type", {"prompt": {"text": "a"}}, "prompt"),
     ("token id out of vocabulary", {"prompt": [-1, 2]}, "prompt"),
     ("missing prompt", {"max_tokens": 3}, "prompt"),
+    ("lone surrogate", {"prompt": "a\udc00"}, None),
 ])
 def test_invalid_completion_requests(shared_server, name, body, param):
     with shared_server.client() as c:
-        assert assert_error_shape(c.post("/v1/completions", json=body), 400)["param"] == param
+        assert assert_error_shape(post_json(c, "/v1/completions", body), 400)["param"] == param
 
 
 def test_transport_level_errors(shared_server):
@@ -185,6 +201,9 @@ def test_tokenize_and_detokenize_in_vllm_and_llama_cpp_shapes(shared_server):
         chat = c.post("/tokenize", json={"messages": MSGS}).json()
         assert chat["count"] > v["count"]
         assert_error_shape(c.post("/tokenize", json={}), 400)
+        assert_error_shape(post_json(c, "/tokenize", {"prompt": "a\ud800"}), 400)
+        assert_error_shape(c.post("/tokenize", json={"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "x"}}]}]}), 400)
 
 
 def test_props_and_metrics(shared_server):

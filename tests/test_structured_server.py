@@ -162,6 +162,13 @@ BAD_REQUESTS = [
         "type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}}}}],
       "tool_choice": "required"}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
+    # generating past a constrained output's end failed the engine step of every request running (session 15)
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": TOOLS[0]["function"]["name"]}},
+      "min_tokens": 3}, "min_tokens"),
+    # past torch.Generator's range (choice i samples with seed + i) it did too
+    ({"seed": 2**64}, "seed"),
+    ({"seed": 2**64 - 1, "n": 2}, "seed"),
 ]
 
 

@@ -468,7 +468,9 @@ class LLMEngine:
         request.output_ids.append(token)
         request.pending_ids.append(token)
         if request.constraint is not None and not request.constraint.accept(token):
-            # Only a conflicting setting gets here (min_tokens holding back the EOS a complete grammar needs).
+            # Not expected (the mask let the token through; SamplingParams.constrain refuses the settings that
+            # generate past a grammar's end): logged, and the request goes on unconstrained rather than failing the
+            # step of every request.
             log.warning("%s: token %d breaks its %s constraint; no longer constrained", request.request_id, token,
                         request.constraint.kind)
             request.constraint = None

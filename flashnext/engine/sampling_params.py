@@ -68,11 +68,23 @@ class SamplingParams:
             raise InvalidParams("logprobs", f"top_logprobs must be in [0, 20], got {self.logprobs}.")
         if self.n < 1 or self.n > 16:
             raise InvalidParams("n", f"n must be in [1, 16], got {self.n}.")
+        # torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; choice i of n samples with seed + i
+        if self.seed is not None and not -2**63 <= self.seed <= 2**64 - self.n:
+            raise InvalidParams("seed", f"seed must be in [-2**63, 2**64 - n], got {self.seed}.")
         if any(not s for s in self.stop):
             raise InvalidParams("stop", "stop strings must not be empty.")
         for token_id, bias in self.logit_bias.items():
             if not -100.0 <= bias <= 100.0:
                 raise InvalidParams("logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}.")
+
+    def constrain(self, structured: StructuredOutput | None) -> None:
+        """Set the output constraint. ignore_eos and min_tokens cannot go with one: a constrained output ends where its
+        grammar ends (generating past it, the grammar matcher fails the engine step)."""
+        if structured is not None and (self.ignore_eos or self.min_tokens):
+            name = "ignore_eos" if self.ignore_eos else "min_tokens"
+            raise InvalidParams(name, f"{name} cannot be combined with {structured.param}'s constrained output "
+                                      f"({structured.kind}): it ends where its grammar does.")
+        self.structured = structured
 
     @property
     def greedy(self) -> bool:

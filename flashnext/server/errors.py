@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flashnext.engine.sampling_params import InvalidParams
+from flashnext.tokenizer.tokenizer import InvalidText
 
 log = logging.getLogger("flashnext.server")
 
@@ -46,6 +47,8 @@ def from_exception(exc: BaseException) -> APIError | None:
         return exc
     if isinstance(exc, InvalidParams):
         return APIError(400, str(exc), exc.param)
+    if isinstance(exc, InvalidText):
+        return APIError(400, f"Invalid text: {exc}", None, "invalid_text")
     if isinstance(exc, engine_errors.RequestRejected):
         return APIError(400, str(exc), getattr(exc, "param", None), getattr(exc, "code", None))
     if isinstance(exc, engine_errors.EngineOverloaded):
@@ -95,7 +98,7 @@ def install_handlers(app: FastAPI) -> None:
         err = from_exception(exc)
         return error_response(err.status, err.message, err.param, err.code, err.headers)
 
-    for exc_type in (APIError, InvalidParams, *_engine_error_types()):
+    for exc_type in (APIError, InvalidParams, InvalidText, *_engine_error_types()):
         app.add_exception_handler(exc_type, _client_error)
 
     @app.exception_handler(Exception)

@@ -33,8 +33,16 @@ class RenderedChat:
     starts_in_reasoning: bool      # the prompt already opened <think>
 
 
+# What the request's own fields give the template (messages, tools, add_generation_prompt; documents are not taken)
+_TEMPLATE_ARGUMENTS = ("messages", "tools", "documents", "add_generation_prompt")
+
+
 def _template_kwargs(req) -> dict:
     kwargs = dict(req.chat_template_kwargs or {})
+    taken = [key for key in _TEMPLATE_ARGUMENTS if key in kwargs]
+    if taken:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields do.",
+                       "chat_template_kwargs")
     effort = getattr(req, "reasoning_effort", None)
     if effort is not None:
         kwargs.setdefault("reasoning_effort", effort)
@@ -155,6 +163,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     log_unknown_fields("chat.completions", body)
     engine, settings = get_engine(request), settings_of(request)
     model = check_model(request, body.model)
+    if body.top_logprobs is not None and not body.logprobs:   # as OpenAI's API answers it
+        raise APIError(400, "top_logprobs needs logprobs set to true.", "top_logprobs")
     top_k = (body.top_logprobs or 0) if body.logprobs else None
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     try:  # range errors before the (slower) template
@@ -162,12 +172,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     except InvalidParams as exc:
         if exc.param == "logprobs":  # chat calls the count top_logprobs
             exc.param = "top_logprobs"
+        elif exc.param == "max_tokens" and body.max_completion_tokens is not None:
+            exc.param = "max_completion_tokens"
         raise
     rendered = await render_chat(engine, body)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = fit_context(len(rendered.prompt_ids), limit, engine.max_model_len, param)
     params = sampling_params(body, max_tokens=max_tokens, logprobs=top_k)
-    params.structured = await asyncio.to_thread(_constraint, engine, settings, body, rendered)
+    params.constrain(await asyncio.to_thread(_constraint, engine, settings, body, rendered))
     output_parsers = [_parser(engine, settings, rendered) for _ in range(body.n)]
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     head = {"id": cid, "created": int(time.time()), "model": model, "system_fingerprint": SYSTEM_FINGERPRINT}

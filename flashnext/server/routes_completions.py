@@ -64,7 +64,7 @@ async def completions(body: CompletionRequest, request: Request):
     for p, ids in enumerate(prompts):
         params = sampling_params(body, max_tokens=fit_context(len(ids), limit, engine.max_model_len, prompt_param="prompt"),
                                  logprobs=body.logprobs)
-        params.structured = constraint
+        params.constrain(constraint)
         jobs += jobs_for(cid, ids, params, first_index=p * body.n)
     head = {"id": cid, "created": int(time.time()), "model": model, "system_fingerprint": SYSTEM_FINGERPRINT}
     texts = TokenTexts(engine.tokenizer)

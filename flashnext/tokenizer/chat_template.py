@@ -26,7 +26,10 @@ _REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
 
 def render_chat(template: str, messages, tools=None, add_generation_prompt: bool = True, **template_kwargs) -> str:
     """Render `messages` (OpenAI chat format) with `template`; extra kwargs (enable_thinking, …) go to it."""
-    messages = normalize_messages(messages)
+    try:
+        messages = normalize_messages(messages)
+    except ValueError as e:   # a message of a shape no template takes (non-text parts, …): the user's to fix
+        raise ChatTemplateError(str(e)) from e
     if tools is not None:
         tools = [_plain(tool) for tool in tools]
     compiled = _compile(template)

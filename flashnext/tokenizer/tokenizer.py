@@ -9,6 +9,10 @@ from flashnext.tokenizer.chat_template import ChatTemplateError, render_chat
 from flashnext.tokenizer.piece_cache import PieceCache
 
 
+class InvalidText(ValueError):
+    """Text that is not valid Unicode (a lone surrogate, which JSON's \\u escapes can carry): it has no UTF-8."""
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -58,6 +62,12 @@ class Tokenizer:
         )
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidText(f"the text holds a lone surrogate (\\u{ord(text[e.start]):04x} at character "
+                                  f"{e.start}): not valid Unicode") from None
         if not add_special_tokens:   # a prompt: its pieces seen before are not encoded again (piece_cache.py)
             return self._pieces.encode(text)
         return self._backend.encode(text, add_special_tokens=True).ids
