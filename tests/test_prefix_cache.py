@@ -408,6 +408,57 @@ def test_snapshots_inside_a_prefill_are_dropped_not_written_down(flash):
     assert run(engine2, d, rid="d") == (cold(engine2, d, 6), shared)       # from the host tier
 
 
+def drain(engine, limit=5000) -> dict[str, list[int]]:
+    """Step until no work is left (at most `limit` steps) → each request's tokens."""
+    out: dict[str, list[int]] = {}
+    for _ in range(limit):
+        if not engine.has_work():
+            return out
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+    raise AssertionError(f"still working after {limit} steps")
+
+
+def test_a_failed_install_does_not_resume_from_a_hit_it_evicted(flash):
+    """A lower-tier entry deeper than the device's hit that cannot be installed (running requests hold the blocks)
+    falls back to the device's hit — which the install's evictions may have taken: it looks again (a KeyError that
+    failed every running request, found by fuzzing in session 15)."""
+    per_block = flash.kv.bytes_per_block(flash.config, BS, flash.dtype)
+    engine = make(loaded=flash.loaded, kv_cache_gb=20 * per_block / 2**30, kv_host_gb=0.05, max_model_len=256,
+                  prefix_snapshot_interval=0)
+    p = tokens(30, 150)
+    run(engine, p, n=1, rid="a")
+    engine.prefix_cache.evict_all()                  # a's entry in the host tier only
+    run(engine, p[:32], n=1, rid="b")                # a shallower hit on its path, on the device
+    engine.add_request("c", tokens(31, 200), SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    for _ in range(4):                               # c holds most of the 20 blocks
+        engine.step()
+    d = p + tokens(32, 5)
+    engine.add_request("d", d, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert drain(engine)["d"] == cold(engine, d, 3)
+    pools_idle(engine)
+
+
+def test_a_disk_read_waiting_for_room_is_retried_when_blocks_become_evictable(flash, tmp_path):
+    """A disk entry read in the background whose install found no room waits until blocks are freed — or given up by
+    a finishing request to the cache, which frees none but makes them evictable: the engine had spun without end
+    when a request ended on a block boundary (found by fuzzing in session 15)."""
+    per_block = flash.kv.bytes_per_block(flash.config, BS, flash.dtype)
+    args = dict(kv_cache_gb=32 * per_block / 2**30, kv_disk_dir=str(tmp_path), max_num_batched_tokens=128,
+                prefix_snapshot_interval=0)
+    p = tokens(40, 150)
+    first = make(loaded=flash.loaded, **args)
+    run(first, p, n=1, rid="a")
+    first.shutdown()                                 # a's entry on disk
+    engine = make(loaded=flash.loaded, **args)       # a restart on the same directory
+    engine.add_request("c", tokens(41, 440), SamplingParams(max_tokens=9, temperature=0, ignore_eos=True))
+    while not engine.requests["c"].output_ids:      # c decodes, 448 tokens at its end: whole blocks
+        engine.step()
+    d = p + tokens(42, 5)
+    engine.add_request("d", d, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert drain(engine)["d"] == cold(engine, d, 3)
+
+
 @pytest.mark.parametrize("host_gb", [0.0, 0.0005])
 def test_tiny_budgets_stay_exact_and_leak_nothing(flash, host_gb):
     # 24 KV blocks and room for about three snapshots: constant eviction (and spills to a tiny host tier).

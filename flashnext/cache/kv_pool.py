@@ -34,6 +34,9 @@ class KVPool:
                                for i in cfg.attention_layers()}
         self._free = list(range(num_blocks - 1, -1, -1))
         self.refcount = [0] * num_blocks
+        # release() calls so far: a block given up by its last request but still named by the prefix cache frees
+        # nothing, yet makes it evictable (PrefixCache.waiting_for_read retries an install when this moves)
+        self.releases = 0
 
     @staticmethod
     def fit_block_size(cfg: ModelConfig, preferred: int) -> int:
@@ -67,6 +70,7 @@ class KVPool:
             self.refcount[b] += 1
 
     def release(self, blocks: list[int]) -> None:
+        self.releases += 1
         for b in blocks:
             assert self.refcount[b] > 0, f"double free of block {b}"
             self.refcount[b] -= 1
