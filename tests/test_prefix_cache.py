@@ -227,6 +227,19 @@ def test_the_idle_copy_goes_a_piece_at_a_time(flash, monkeypatch):
         assert engine.idle_work()
     host.clear()
     assert not host.loose and not host.block_refs and host.bytes == 0
+    # an unfinished idle copy of a snapshot inside a prefill (its end does not fit the host tier, it does), which
+    # its eviction drops: its loose blocks go with it
+    from flashnext.cache.cache_entry import read_block, tensor_bytes
+
+    engine = make(loaded=flash.loaded, kv_host_gb=0.05)
+    run(engine, tokens(12, 100), rid="d")
+    cache, host = engine.prefix_cache, engine.prefix_cache.lower
+    inside = next(iter(cache.inside_prefill))
+    node, tail = cache.lru[inside]
+    host.capacity = len(node.path()) * tensor_bytes(read_block(engine.kv, 0)) + node.snapshots[tail].nbytes
+    assert engine.idle_work() and host.loose and not host.snaps
+    cache._evict(inside)
+    assert not host.loose and host.bytes == 0
 
 
 def test_disk_restart_corrupt_and_foreign(flash, tmp_path, caplog):

@@ -413,7 +413,8 @@ class PrefixCache:
         # resumes from the lower tier at a shorter snapshot, or none. A snapshot once resumed from is an end.
         never_resumed = key in self.inside_prefill
         self.inside_prefill.discard(key)
-        self._idle_copies.pop(key, None)
+        if self._idle_copies.pop(key, None) is not None and never_resumed and self.lower is not None:
+            self.lower.drop_loose()   # the blocks its unfinished idle copy put down, which nothing will name now
         node, tail = self.lru.pop(key)
         snap = node.snapshots.pop(tail)
         self.snapshot_bytes -= snap.nbytes

@@ -243,7 +243,7 @@ class TierIndex:
         blocks of an unfinished copy, then the entries the tier above holds too (dropped, not moved down), then the
         others."""
         if self.loose and self.used_bytes > self.capacity:
-            self._drop_loose()
+            self.drop_loose()
         while self.used_bytes > self.capacity:
             key = next((k for k in self.snaps if k in self.held_above and k not in self.installing),
                        None) if self.held_above else None
@@ -295,9 +295,10 @@ class TierIndex:
         """Forget every entry without moving it down, and the loose blocks."""
         while self.snaps:
             self.remove(next(iter(self.snaps)))
-        self._drop_loose()
+        self.drop_loose()
 
-    def _drop_loose(self) -> None:
+    def drop_loose(self) -> None:
+        """Drop the blocks of an unfinished copy (`loose`)."""
         for h in self.loose:
             self._drop_unnamed(h)
         self.loose.clear()
