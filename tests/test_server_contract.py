@@ -219,3 +219,22 @@ def test_props_and_metrics(shared_server):
                  "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
                  'flashnext_prefix_cache_bytes{model_name=', 'tier="device"'):
         assert name in text, name
+
+
+def test_completion_text_offsets_point_into_the_text(shared_server):
+    """logprobs.text_offset: where each token's text starts in the choice's text — the same streamed and not, never
+    decreasing, inside the text (they had counted a skipped special token's or a split character's own decoding)."""
+    body = {"prompt": "Once upon", "max_tokens": 40, "temperature": 0, "logprobs": 1}
+    with shared_server.client() as c:
+        whole = c.post("/v1/completions", json=body).json()["choices"][0]
+        offsets, text = [], ""
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choices = json.loads(line[6:])["choices"]
+                    if choices:
+                        text += choices[0]["text"]
+                        if choices[0]["logprobs"]:
+                            offsets += choices[0]["logprobs"]["text_offset"]
+    assert text == whole["text"] and offsets == whole["logprobs"]["text_offset"]
+    assert offsets == sorted(offsets) and len(offsets) == 40 and offsets[-1] <= len(text)

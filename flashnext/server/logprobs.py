@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from flashnext.engine.outputs import TokenLogprob
+from flashnext.tokenizer.detokenizer import IncrementalDetokenizer
 
 _FLOOR = -9999.0  # JSON has no -inf; OpenAI clients expect a number
 
@@ -36,14 +37,30 @@ def chat_logprobs(entries: list[TokenLogprob], texts: TokenTexts, top_k: int) ->
             "refusal": None}
 
 
-def completion_logprobs(entries: list[TokenLogprob], texts: TokenTexts, top_k: int, offset: int) -> dict:
-    tokens, token_logprobs, tops, offsets = [], [], [], []
+class TextOffsets:
+    """Where each generated token's text starts in its choice's text (`text_offset`): the choice's tokens through an
+    incremental detokenizer as the engine's (the same prompt context and skip_special_tokens), so that a special token
+    the text skips, or bytes of a character split over tokens, move the offset as they move the text — a token's own
+    decoded string (`tokens`) is no measure of either."""
+
+    def __init__(self, tokenizer, prompt_ids, skip_special_tokens: bool):
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
+        self._length = 0
+
+    def of(self, token_ids) -> list[int]:
+        offsets = []
+        for token_id in token_ids:
+            offsets.append(self._length)
+            self._length += len(self._detokenizer.push([token_id]))
+        return offsets
+
+
+def completion_logprobs(entries: list[TokenLogprob], texts: TokenTexts, top_k: int, offsets: TextOffsets) -> dict:
+    tokens, token_logprobs, tops = [], [], []
     for e in entries:
-        text = texts(e.token_id)
-        tokens.append(text)
+        tokens.append(texts(e.token_id))
         token_logprobs.append(_finite(e.logprob))
         top = {texts(t): _finite(lp) for t, lp in e.top[:top_k]}
         tops.append(top or None)
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+            "text_offset": offsets.of([e.token_id for e in entries])}

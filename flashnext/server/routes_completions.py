@@ -11,7 +11,7 @@ from flashnext.engine.structured import openai as structured
 from flashnext.server.app import check_model, get_engine, settings_of
 from flashnext.server.errors import APIError
 from flashnext.server.generation import Fanout, collect, fit_context, jobs_for, sampling_params
-from flashnext.server.logprobs import TokenTexts, completion_logprobs
+from flashnext.server.logprobs import TextOffsets, TokenTexts, completion_logprobs
 from flashnext.server.protocol import CompletionRequest, log_unknown_fields
 from flashnext.server.streaming import event_stream, sse_response
 
@@ -72,7 +72,8 @@ async def completions(body: CompletionRequest, request: Request):
     fan = Fanout(engine, jobs, request.app.state.metrics)
     if body.stream:
         await fan.admitted(timeout=min(0.5, settings.keepalive_s))
-        writer = _CompletionChunks(head, echoes, texts, body.logprobs, body.n,
+        offsets = [TextOffsets(engine.tokenizer, job.prompt_ids, body.skip_special_tokens) for job in jobs]
+        writer = _CompletionChunks(head, echoes, texts, offsets, body.logprobs, body.n,
                                    body.stream_options.include_usage if body.stream_options else False)
         return sse_response(event_stream(fan, writer, settings.keepalive_s))
     results = await collect(request, fan)
@@ -80,7 +81,8 @@ async def completions(body: CompletionRequest, request: Request):
     for i, res in enumerate(results):
         if res.finish_reason == "abort":
             raise APIError(503, "The request was aborted by the server (shutting down?).", None, "aborted")
-        lp = completion_logprobs(res.logprobs, texts, body.logprobs, 0) if body.logprobs is not None else None
+        offsets = TextOffsets(engine.tokenizer, jobs[i].prompt_ids, body.skip_special_tokens)
+        lp = completion_logprobs(res.logprobs, texts, body.logprobs, offsets) if body.logprobs is not None else None
         choices.append({"index": i, "text": echoes[i] + res.text, "logprobs": lp, "finish_reason": res.finish_reason})
     firsts = results[::body.n]
     prompt_tokens = sum(len(ids) for ids in prompts)
@@ -91,11 +93,11 @@ async def completions(body: CompletionRequest, request: Request):
 
 
 class _CompletionChunks:
-    def __init__(self, head: dict, echoes: list[str], texts: TokenTexts, top_k: int | None, n: int,
-                 include_usage: bool):
+    def __init__(self, head: dict, echoes: list[str], texts: TokenTexts, offsets: list[TextOffsets], top_k: int | None,
+                 n: int, include_usage: bool):
         self.head, self.echoes, self.texts, self.top_k, self.n = head, echoes, texts, top_k, n
         self.include_usage = include_usage
-        self.offsets = [0] * len(echoes)
+        self.offsets = offsets
         self.prompt = [0] * len(echoes)
         self.cached = [0] * len(echoes)
         self.completion = [0] * len(echoes)
@@ -118,7 +120,6 @@ class _CompletionChunks:
         logprobs = None
         if self.top_k is not None and out.logprobs:
             logprobs = completion_logprobs(out.logprobs, self.texts, self.top_k, self.offsets[index])
-        self.offsets[index] += len(out.text)
         if not out.text and logprobs is None and not out.finished:
             return []
         return [self._chunk(index, out.text, out.finish_reason, logprobs)]
