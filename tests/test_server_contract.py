@@ -206,6 +206,11 @@ def test_tokenize_and_detokenize_in_vllm_and_llama_cpp_shapes(shared_server):
             {"type": "image_url", "image_url": {"url": "x"}}]}]}), 400)
 
 
+def test_health_answers_head_too(shared_server):
+    with shared_server.client() as c:
+        assert c.head("/health").status_code == c.get("/health").status_code == 200
+
+
 def test_props_and_metrics(shared_server):
     with shared_server.client() as c:
         props = c.get("/props").json()

@@ -13,7 +13,7 @@ from flashnext.server.protocol import DetokenizeRequest, TokenizeRequest
 router = APIRouter()
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])   # HEAD: probes that only look at the status
 async def health(request: Request):
     if request.app.state.engine_provider() is None:
         return error_response(503, "The model is still loading.", None, "model_loading", {"Retry-After": "5"})
