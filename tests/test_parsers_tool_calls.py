@@ -105,6 +105,11 @@ def test_qwen3_coder_values_typed_by_schema():
     ("\nTrue\n", {}, "True"),                                     # best effort is JSON only
     ("\ncelsius\n", {"enum": ["celsius", "kelvin"]}, "celsius"),
     ("\n5\n", {"anyOf": [{"type": "integer"}, {"type": "null"}]}, 5),
+    # a literal of another type than declared stays text (session 15's bug hunt: "1,000" had become [1, 0])
+    ("\n1,000\n", {"type": "integer"}, "1,000"),
+    ("\n[1, 2]\n", {"type": "integer"}, "[1, 2]"),
+    ("\ntrue\n", {"type": "integer"}, "true"),
+    ("\n3\n", {"type": "number"}, 3),
 ])
 def test_coerce_parameter(raw, schema, value):
     assert coerce_parameter(raw, schema) == value
@@ -216,3 +221,18 @@ def test_registry():
 def test_unknown_format_is_refused_even_without_tools():
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         ChatOutputParser("llama3_json", [])
+
+
+@pytest.mark.parametrize("fmt,text", [
+    ("hermes", '<tool_call>\n{"name": "run_shell", "arguments": {"command": "echo \\ud83d"}}\n</tool_call>'),
+    ("qwen3_coder", '<tool_call>\n<function=run_shell>\n<parameter=env>\n{"a": "\\udc00"}\n</parameter>\n'
+                    '</function>\n</tool_call>'),
+])
+def test_a_lone_surrogate_escape_in_arguments_stays_encodable(fmt, text):
+    """A JSON escape the model wrote that decodes to a lone surrogate: the arguments keep it as an escape, so the
+    response encodes as UTF-8 (it had been a 500, or a stream cut off) and the client's json.loads gets it back."""
+    msg = parse(fmt, text)
+    (call,) = msg.tool_calls
+    call.arguments.encode("utf-8")
+    value = json.loads(call.arguments)
+    assert ("\ud83d" in value["command"]) if fmt == "hermes" else (value["env"] == {"a": "\udc00"})

@@ -42,6 +42,18 @@ class _Section(Enum):
     TOOL_CALL = "tool_call"  # after `<tool_call>`, until the scanner decides
 
 
+def arguments_json(arguments) -> str:
+    """A call's arguments as JSON text, non-ASCII as itself — unless a JSON escape in what the model wrote decoded to
+    a lone surrogate ("\\ud83d"), which has no UTF-8 (the response could not be encoded: a 500, a stream cut off):
+    then with ASCII escapes, which carry it as the model wrote it."""
+    text = json.dumps(arguments, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(arguments)
+    return text
+
+
 class ChatOutputParser:
     """Feed the generated text as it is decoded; get back deltas. `parse` does the same for a whole text.
 
@@ -113,7 +125,7 @@ class ChatOutputParser:
         index = len(self._call_ids)
         self._call_ids.add(call_id)
         self._out.append(ToolCallStart(index=index, id=call_id, name=call.name))
-        self._out.append(ToolCallArguments(index=index, text=json.dumps(call.arguments, ensure_ascii=False)))
+        self._out.append(ToolCallArguments(index=index, text=arguments_json(call.arguments)))
 
     def _advance(self, final: bool) -> None:
         while True:

@@ -145,4 +145,20 @@ def coerce_parameter(raw: str, schema: dict | None) -> Any:
         return text
     if isinstance(value, float) and value.is_integer() and "integer" in types and "number" not in types:
         return int(value)
-    return value
+    # a value of another type than declared ("1,000" parses as the tuple (1, 0)) is not what the model meant
+    return value if _json_type(value) in types or (_json_type(value) == "integer" and "number" in types) else text
+
+
+def _json_type(value: Any) -> str:
+    """The JSON schema type of a parsed JSON value."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):   # before int: bool is an int in Python
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
