@@ -308,3 +308,35 @@ def test_resolve_model_path(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert "ERR flashnext-test/no-such-model is neither a local folder nor in the Hugging Face cache" in result.stdout, (
         result.stdout + result.stderr)
+
+
+@pytest.mark.parametrize("odd", ["symmetric first expert", "symmetric later expert", "other group size"])
+def test_stacked_int4_experts_that_differ_load_exactly(tmp_path, odd):
+    """Per-expert INT4 experts stacked into one Int4Weight when one expert differs from the others: an asymmetric
+    checkpoint where one expert's zero points are all 8 (read as symmetric: no zeros) had every expert of the layer
+    taken as symmetric when it came first — silently wrong — and crashed when it came later; a different group size
+    crashed the stack (session 15's bug hunt). Each must equal the dequantised pieces."""
+    from flashnext.weights.int4_layout import Int4Weight, dequantize
+
+    experts, inter, hidden = 3, 16, 64
+    special = 0 if odd == "symmetric first expert" else 1
+    gate_up, down = torch.randn(experts, 2 * inter, hidden), torch.randn(experts, hidden, inter)
+    prefix = "model.layers.0.mlp.experts"
+    tensors, want_gate_up = {}, torch.empty_like(gate_up)
+    for e in range(experts):
+        sym = odd != "other group size" and e == special
+        group = 32 if odd == "other group size" and e == special else 16
+        for proj, w, rows in (("gate_proj", gate_up[e, :inter], slice(0, inter)),
+                              ("up_proj", gate_up[e, inter:], slice(inter, 2 * inter))):
+            packed = quantize_gptq_rtn(w, group_size=group, sym=sym)
+            tensors.update({f"{prefix}.{e}.{proj}.{k}": v for k, v in packed.items()})
+            want_gate_up[e, rows] = dequantize_gptq(packed["qweight"], packed["qzeros"], packed["scales"])
+        tensors.update({f"{prefix}.{e}.down_proj.{k}": v for k, v in quantize_gptq_rtn(down[e], 16).items()})
+    expected = {f"{prefix}.gate_up_proj": ((experts, 2 * inter, hidden), torch.float32),
+                f"{prefix}.down_proj": ((experts, hidden, inter), torch.float32)}
+    config = {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 16, "sym": False}}
+    loaded = load_checkpoint(write(tmp_path, tensors, config), expected, dtype=torch.float32, progress=False,
+                             packed_int4=frozenset(expected))
+    got = loaded[f"{prefix}.gate_up_proj"]
+    got = dequantize(got).float() if isinstance(got, Int4Weight) else got
+    assert torch.allclose(got, want_gate_up, atol=1e-6), (got - want_gate_up).abs().max()

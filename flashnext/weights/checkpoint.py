@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from .fp8 import dequantize_block_fp8
 from .int4 import dequantize_gptq
-from .int4_layout import Int4Weight, dequantize, from_gptq
+from .int4_layout import SYMMETRIC_ZERO, Int4Weight, dequantize, from_gptq
 from .quant_config import QuantizationConfig, read_quantization_config
 from .safetensors_dtypes import SAFETENSORS_DTYPES
 
@@ -254,8 +254,17 @@ class _Planner:
                 cat = lambda attr: torch.cat([getattr(w, attr) for w in parts], dim=1)  # noqa: E731
                 experts.append((cat("qweight"), cat("scales"), None if parts[0].zeros is None else cat("zeros"),
                                 parts[0].group_size))
+            if any(x[3] != experts[0][3] for x in experts):   # group sizes differ between experts
+                return self._stacked(shape, pieces, split).build()
+            zeros = next((x[2] for x in experts if x[2] is not None), None)
+            if zeros is not None:
+                # an asymmetric checkpoint whose layer reads as symmetric for some experts (all their zero points
+                # 8, so from_gptq drops them): those get 8s, not the others' zero points (or the others none)
+                experts = [x if x[2] is not None else (*x[:2], torch.full(x[1].shape, SYMMETRIC_ZERO,
+                                                                           dtype=zeros.dtype, device=zeros.device), x[3])
+                           for x in experts]
             stack = lambda i: torch.stack([x[i] for x in experts])  # noqa: E731
-            return Int4Weight(stack(0), stack(1), None if experts[0][2] is None else stack(2), None, experts[0][3])
+            return Int4Weight(stack(0), stack(1), None if zeros is None else stack(2), None, experts[0][3])
 
         return _Recipe([s for recipes in pieces for r in recipes for s in r.sources], build)
 
