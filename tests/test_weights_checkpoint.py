@@ -340,3 +340,18 @@ def test_stacked_int4_experts_that_differ_load_exactly(tmp_path, odd):
     got = loaded[f"{prefix}.gate_up_proj"]
     got = dequantize(got).float() if isinstance(got, Int4Weight) else got
     assert torch.allclose(got, want_gate_up, atol=1e-6), (got - want_gate_up).abs().max()
+
+
+def test_a_tied_head_comes_from_the_embedding(tmp_path):
+    """tie_word_embeddings: save_pretrained writes no lm_head.weight; the head is the embedding, as in transformers (it
+    had failed as a missing tensor). Untied, a missing head is still an error."""
+    embed = torch.randn(16, 8)
+    folder = write(tmp_path / "tied", {"model.embed_tokens.weight": embed}, {"tie_word_embeddings": True})
+    loaded = load_checkpoint(folder, EXPECTED, dtype=torch.float32, progress=False)
+    assert torch.equal(loaded["lm_head.weight"], embed) and torch.equal(loaded["model.embed_tokens.weight"], embed)
+    nested = write(tmp_path / "nested", {"model.embed_tokens.weight": embed},
+                   {"text_config": {"tie_word_embeddings": True}})
+    assert torch.equal(load_checkpoint(nested, EXPECTED, dtype=torch.float32, progress=False)["lm_head.weight"], embed)
+    untied = write(tmp_path / "untied", {"model.embed_tokens.weight": embed}, {})
+    with pytest.raises(CheckpointError, match="lm_head.weight"):
+        load_checkpoint(untied, EXPECTED, dtype=torch.float32, progress=False)

@@ -355,8 +355,12 @@ def load_checkpoint(
                                   packed_int4, share, into)
                 for on_host in (False, True)}
     recipes, missing = {}, []
+    text = config.get("text_config", config)
+    tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
     for name, (shape, _) in expected.items():
         recipe = planners[name in host_names].plan(name, tuple(shape))
+        if recipe is None and tied and name == "lm_head.weight":   # save_pretrained writes a tied head not at all
+            recipe = planners[name in host_names].plan("model.embed_tokens.weight", tuple(shape))
         if recipe is None:
             missing.append(name)
         else:
