@@ -287,6 +287,11 @@ def test_quantization_config_parsing():
         "packing_format": "auto_round:auto_gptq", "extra_config": {"model.layers.0.mlp.gate": {"bits": 16}}}})
     assert (qc.method, qc.bits, qc.group_size, qc.zeros_minus_one) == ("auto-round", 4, 128, True)
     assert qc.modules_in_16bit == ("model.layers.0.mlp.gate",)
+    override = read_quantization_config({"quantization_config": {
+        "quant_method": "auto-round", "sym": True, "extra_config": {"model.layers.3.self_attn.o_proj": {"sym": False}}}})
+    assert not override.symmetric("model.layers.3.self_attn.o_proj")
+    assert not override.symmetric("model.language_model.layers.3.self_attn.o_proj")      # a multimodal prefix
+    assert override.symmetric("model.layers.3.self_attn.q_proj") and override.symmetric("model.layers.13.self_attn.o_proj")
     assert not read_quantization_config({"quantization_config": {"quant_method": "gptq",
                                                                  "checkpoint_format": "gptq_v2"}}).zeros_minus_one
     assert read_quantization_config({"quantization_config": {"quant_method": "fp8",
@@ -355,3 +360,27 @@ def test_a_tied_head_comes_from_the_embedding(tmp_path):
     untied = write(tmp_path / "untied", {"model.embed_tokens.weight": embed}, {})
     with pytest.raises(CheckpointError, match="lm_head.weight"):
         load_checkpoint(untied, EXPECTED, dtype=torch.float32, progress=False)
+
+
+def test_a_layer_declared_asymmetric_by_extra_config_loads_packed(tmp_path):
+    """A global "sym": true with one layer overridden "sym": false in extra_config: that layer loads packed with its
+    zero points (it had failed with an unnamed ValueError); a symmetric-declared layer with other zero points is a
+    CheckpointError naming the tensor."""
+    from flashnext.weights.int4_layout import Int4Weight, dequantize
+
+    w = torch.randn(32, 64)
+    packed = quantize_gptq_rtn(w, group_size=16, sym=False)
+    tensors = {f"model.layers.3.self_attn.o_proj.{k}": v for k, v in packed.items()}
+    expected = {"model.layers.3.self_attn.o_proj.weight": ((32, 64), torch.float32)}
+    quant = {"quant_method": "auto-round", "bits": 4, "group_size": 16, "sym": True,
+             "packing_format": "auto_round:auto_gptq"}
+    folder = write(tmp_path / "o", tensors, {"quantization_config": {
+        **quant, "extra_config": {"model.layers.3.self_attn.o_proj": {"sym": False}}}})
+    loaded = load_checkpoint(folder, expected, dtype=torch.float32, progress=False, packed_int4=frozenset(expected))
+    got = loaded["model.layers.3.self_attn.o_proj.weight"]
+    assert isinstance(got, Int4Weight) and got.zeros is not None
+    assert torch.allclose(dequantize(got).float(), dequantize_gptq(packed["qweight"], packed["qzeros"], packed["scales"]),
+                          atol=1e-6)
+    declared = write(tmp_path / "d", tensors, {"quantization_config": quant})
+    with pytest.raises(CheckpointError, match="model.layers.3.self_attn.o_proj"):
+        load_checkpoint(declared, expected, dtype=torch.float32, progress=False, packed_int4=frozenset(expected))

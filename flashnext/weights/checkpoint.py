@@ -168,8 +168,11 @@ class _Planner:
             def build() -> torch.Tensor | Int4Weight:
                 packed = {s.rsplit(".", 1)[1]: t.read(s, self.device) for s in parts}
                 if keep_packed:
-                    return from_gptq(packed["qweight"], packed["qzeros"], packed["scales"], packed.get("g_idx"),
-                                     sym=self.quant.sym, zeros_minus_one=self.quant.zeros_minus_one)
+                    try:
+                        return from_gptq(packed["qweight"], packed["qzeros"], packed["scales"], packed.get("g_idx"),
+                                         sym=self.quant.symmetric(base), zeros_minus_one=self.quant.zeros_minus_one)
+                    except ValueError as e:
+                        raise CheckpointError(f"int4 tensor {base}: {e}") from None
                 return dequantize_gptq(packed["qweight"], packed["qzeros"], packed["scales"], packed.get("g_idx"),
                                        bits=bits, zeros_minus_one=self.quant.zeros_minus_one)
 

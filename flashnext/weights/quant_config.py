@@ -17,6 +17,16 @@ class QuantizationConfig:
     zeros_minus_one: bool = True  # gptq v1 zero points
     fp8_block: tuple[int, int] = (128, 128)
     modules_in_16bit: tuple[str, ...] = field(default_factory=tuple)
+    asymmetric_modules: tuple[str, ...] = field(default_factory=tuple)   # extra_config's "sym": false overrides
+
+    def symmetric(self, module: str) -> bool:
+        """Whether `module` (a checkpoint name without .qweight) is declared symmetric: `sym`, unless extra_config
+        overrides it for that module (named with or without a multimodal checkpoint's language_model prefix)."""
+        return self.sym and _plain(module) not in {_plain(m) for m in self.asymmetric_modules}
+
+
+def _plain(module: str) -> str:
+    return module.replace("model.language_model.", "model.", 1)
 
 
 def read_quantization_config(config: dict) -> QuantizationConfig:
@@ -42,6 +52,7 @@ def read_quantization_config(config: dict) -> QuantizationConfig:
             sym=bool(qc.get("sym", True)),
             zeros_minus_one=qc.get("checkpoint_format", "gptq") != "gptq_v2",
             modules_in_16bit=tuple(keep),
+            asymmetric_modules=tuple(name for name, override in extra.items() if override.get("sym") is False),
         )
     if method == "fp8":
         if qc.get("fmt", "e4m3") != "e4m3":
