@@ -281,3 +281,16 @@ def test_row_runs_and_segments_merge_consecutive_rows():
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         where = [(max(i for i, s in enumerate(starts) if s <= r), r - max(s for s in starts if s <= r)) for r in rows]
         assert row_segments(runs, rows) == merged(where)
+
+
+def test_releases_count_blocks_given_up_not_admissions_undone():
+    """KVPool.releases (what a disk read waiting for room watches, PrefixCache.waiting_for_read) moves when a request
+    gives blocks up, not when an admission that did not happen undoes its share, nor for nothing."""
+    kv = pool(blocks=4)
+    blocks = kv.allocate(2)
+    kv.share(blocks)
+    kv.unshare(blocks)
+    kv.release([])
+    assert kv.releases == 0 and kv.num_free == 2
+    kv.release(blocks)
+    assert kv.releases == 1 and kv.num_free == 4

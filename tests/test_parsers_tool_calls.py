@@ -110,6 +110,8 @@ def test_qwen3_coder_values_typed_by_schema():
     ("\n[1, 2]\n", {"type": "integer"}, "[1, 2]"),
     ("\ntrue\n", {"type": "integer"}, "true"),
     ("\n3\n", {"type": "number"}, 3),
+    ("\n5\n", {"type": "int"}, 5),                               # not a JSON schema type name: what parses
+    ("\nnull\n", {"type": "object"}, None),                      # an optional parameter left out
 ])
 def test_coerce_parameter(raw, schema, value):
     assert coerce_parameter(raw, schema) == value

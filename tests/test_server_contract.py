@@ -131,6 +131,7 @@ def post_json(client, path: str, body: dict):
      400, "chat_template_kwargs"),
     ("max_completion_tokens 0", {"messages": MSGS, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("top_logprobs without logprobs", {"messages": MSGS, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("lone surrogate quoted in the error", {"model": "gpt\ud800", "messages": MSGS}, 404, "model"),
 ])
 def test_invalid_chat_requests_are_4xx_in_openai_shape(shared_server, name, body, status, param):
     with shared_server.client() as c:
@@ -243,3 +244,11 @@ def test_completion_text_offsets_point_into_the_text(shared_server):
                             offsets += choices[0]["logprobs"]["text_offset"]
     assert text == whole["text"] and offsets == whole["logprobs"]["text_offset"]
     assert offsets == sorted(offsets) and len(offsets) == 40 and offsets[-1] <= len(text)
+
+
+def test_a_template_variable_named_like_a_parameter_is_not_a_500(shared_server):
+    """chat_template_kwargs reach the template as variables, whatever their names ("template" collided with the
+    renderer's own parameter: a TypeError, a 500)."""
+    with shared_server.client() as c:
+        r = c.post(CHAT, json={"messages": MSGS, "max_tokens": 1, "chat_template_kwargs": {"template": "x"}})
+    assert r.status_code == 200, r.text

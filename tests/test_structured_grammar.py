@@ -195,3 +195,22 @@ def test_vocabulary_matches_xgrammars_huggingface_reading(setup, folder):
     differ = {i for i, (a, b) in enumerate(zip(theirs.decoded_vocab, ours)) if a != b}
     assert differ == {i for i in range(512) if tok.is_special(i) and i not in tok.eos_token_ids}
     assert all(ours[i] == b"" for i in differ)
+
+
+def test_sampling_params_refuse_generating_past_a_constraint():
+    """ignore_eos or min_tokens beside a constrained output: refused however the constraint is set (the constructor,
+    replace(), constrain()), since generating past the grammar's end failed the engine step of every request."""
+    from dataclasses import replace
+
+    from flashnext.engine.sampling_params import InvalidParams, SamplingParams
+    from flashnext.engine.structured.grammars import json_output
+
+    spec = json_output(None)
+    for bad in (dict(ignore_eos=True), dict(min_tokens=3)):
+        with pytest.raises(InvalidParams):
+            SamplingParams(structured=spec, **bad)
+        with pytest.raises(InvalidParams):
+            replace(SamplingParams(**bad), structured=spec)
+        with pytest.raises(InvalidParams):
+            SamplingParams(**bad).constrain(spec)
+    assert SamplingParams(structured=spec).structured is spec

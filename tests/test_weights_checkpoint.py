@@ -315,7 +315,8 @@ def test_resolve_model_path(tmp_path):
         result.stdout + result.stderr)
 
 
-@pytest.mark.parametrize("odd", ["symmetric first expert", "symmetric later expert", "other group size"])
+@pytest.mark.parametrize("odd", ["symmetric first expert", "symmetric later expert", "symmetric gate of one expert",
+                                 "other group size"])
 def test_stacked_int4_experts_that_differ_load_exactly(tmp_path, odd):
     """Per-expert INT4 experts stacked into one Int4Weight when one expert differs from the others: an asymmetric
     checkpoint where one expert's zero points are all 8 (read as symmetric: no zeros) had every expert of the layer
@@ -329,10 +330,10 @@ def test_stacked_int4_experts_that_differ_load_exactly(tmp_path, odd):
     prefix = "model.layers.0.mlp.experts"
     tensors, want_gate_up = {}, torch.empty_like(gate_up)
     for e in range(experts):
-        sym = odd != "other group size" and e == special
         group = 32 if odd == "other group size" and e == special else 16
         for proj, w, rows in (("gate_proj", gate_up[e, :inter], slice(0, inter)),
                               ("up_proj", gate_up[e, inter:], slice(inter, 2 * inter))):
+            sym = e == special and odd.startswith("symmetric") and (proj == "gate_proj" or "gate" not in odd)
             packed = quantize_gptq_rtn(w, group_size=group, sym=sym)
             tensors.update({f"{prefix}.{e}.{proj}.{k}": v for k, v in packed.items()})
             want_gate_up[e, rows] = dequantize_gptq(packed["qweight"], packed["qzeros"], packed["scales"])
@@ -343,6 +344,7 @@ def test_stacked_int4_experts_that_differ_load_exactly(tmp_path, odd):
     loaded = load_checkpoint(write(tmp_path, tensors, config), expected, dtype=torch.float32, progress=False,
                              packed_int4=frozenset(expected))
     got = loaded[f"{prefix}.gate_up_proj"]
+    assert isinstance(got, Int4Weight) == (odd != "other group size")   # packed unless it cannot be
     got = dequantize(got).float() if isinstance(got, Int4Weight) else got
     assert torch.allclose(got, want_gate_up, atol=1e-6), (got - want_gate_up).abs().max()
 

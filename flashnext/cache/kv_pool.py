@@ -70,7 +70,15 @@ class KVPool:
             self.refcount[b] += 1
 
     def release(self, blocks: list[int]) -> None:
-        self.releases += 1
+        if blocks:
+            self.releases += 1
+        self._drop_refs(blocks)
+
+    def unshare(self, blocks: list[int]) -> None:
+        """Undo share(): an admission that did not happen gives nothing up (not counted in `releases`)."""
+        self._drop_refs(blocks)
+
+    def _drop_refs(self, blocks: list[int]) -> None:
         for b in blocks:
             assert self.refcount[b] > 0, f"double free of block {b}"
             self.refcount[b] -= 1

@@ -154,6 +154,7 @@ class PrefixCache:
                 break
             if found is not None:   # the failed install's evictions may have taken the device's hit: look again
                 found = self._match(tokens, limit)
+                depth = found[0].snapshots[found[1]].num_tokens if found else 0
         if found is None:
             return None
         node, tail = found

@@ -76,6 +76,7 @@ class SamplingParams:
         for token_id, bias in self.logit_bias.items():
             if not -100.0 <= bias <= 100.0:
                 raise InvalidParams("logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}.")
+        self.constrain(self.structured)
 
     def constrain(self, structured: StructuredOutput | None) -> None:
         """Set the output constraint. ignore_eos and min_tokens cannot go with one: a constrained output ends where its

@@ -132,7 +132,7 @@ class Scheduler:
             if need > self.kv.num_free and self.prefix_cache is not None:
                 self.prefix_cache.free_blocks(need)
             if need > self.kv.num_free:
-                self.kv.release(shared)
+                self.kv.unshare(shared)
                 break
             self.waiting.remove(request)
             if self.prefix_cache is not None:

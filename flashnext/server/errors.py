@@ -5,6 +5,7 @@ traceback goes to the log.
 """
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -34,9 +35,17 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "code": code}}
 
 
+class _AsciiJSONResponse(JSONResponse):
+    """JSON with \\u escapes: an error message may quote what the user sent, lone surrogates included (which have no
+    UTF-8: the default rendering failed, a 500 or a reset connection)."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+    return _AsciiJSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 def from_exception(exc: BaseException) -> APIError | None:

@@ -72,7 +72,8 @@ async def completions(body: CompletionRequest, request: Request):
     fan = Fanout(engine, jobs, request.app.state.metrics)
     if body.stream:
         await fan.admitted(timeout=min(0.5, settings.keepalive_s))
-        offsets = [TextOffsets(engine.tokenizer, job.prompt_ids, body.skip_special_tokens) for job in jobs]
+        offsets = [TextOffsets(engine.tokenizer, job.prompt_ids, body.skip_special_tokens) if body.logprobs is not None
+                   else None for job in jobs]
         writer = _CompletionChunks(head, echoes, texts, offsets, body.logprobs, body.n,
                                    body.stream_options.include_usage if body.stream_options else False)
         return sse_response(event_stream(fan, writer, settings.keepalive_s))
@@ -81,8 +82,10 @@ async def completions(body: CompletionRequest, request: Request):
     for i, res in enumerate(results):
         if res.finish_reason == "abort":
             raise APIError(503, "The request was aborted by the server (shutting down?).", None, "aborted")
-        offsets = TextOffsets(engine.tokenizer, jobs[i].prompt_ids, body.skip_special_tokens)
-        lp = completion_logprobs(res.logprobs, texts, body.logprobs, offsets) if body.logprobs is not None else None
+        lp = None
+        if body.logprobs is not None:
+            offsets = TextOffsets(engine.tokenizer, jobs[i].prompt_ids, body.skip_special_tokens)
+            lp = completion_logprobs(res.logprobs, texts, body.logprobs, offsets)
         choices.append({"index": i, "text": echoes[i] + res.text, "logprobs": lp, "finish_reason": res.finish_reason})
     firsts = results[::body.n]
     prompt_tokens = sum(len(ids) for ids in prompts)
@@ -93,8 +96,8 @@ async def completions(body: CompletionRequest, request: Request):
 
 
 class _CompletionChunks:
-    def __init__(self, head: dict, echoes: list[str], texts: TokenTexts, offsets: list[TextOffsets], top_k: int | None,
-                 n: int, include_usage: bool):
+    def __init__(self, head: dict, echoes: list[str], texts: TokenTexts, offsets: list[TextOffsets | None],
+                 top_k: int | None, n: int, include_usage: bool):
         self.head, self.echoes, self.texts, self.top_k, self.n = head, echoes, texts, top_k, n
         self.include_usage = include_usage
         self.offsets = offsets

@@ -24,7 +24,7 @@ class ChatTemplateError(ValueError):
 _REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
 
 
-def render_chat(template: str, messages, tools=None, add_generation_prompt: bool = True, **template_kwargs) -> str:
+def render_chat(template: str, messages, /, tools=None, add_generation_prompt: bool = True, **template_kwargs) -> str:
     """Render `messages` (OpenAI chat format) with `template`; extra kwargs (enable_thinking, …) go to it."""
     try:
         messages = normalize_messages(messages)

@@ -89,7 +89,7 @@ class Tokenizer:
         """The tool-call syntax the template teaches: "qwen3_coder" (XML, <function=NAME>) or "hermes" (JSON)."""
         return "qwen3_coder" if self.chat_template and "<function=" in self.chat_template else "hermes"
 
-    def apply_chat_template(self, messages, tools=None, add_generation_prompt: bool = True, **kwargs) -> str:
+    def apply_chat_template(self, messages, /, tools=None, add_generation_prompt: bool = True, **kwargs) -> str:
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; use the completions endpoint")
         return render_chat(self.chat_template, messages, tools=tools, add_generation_prompt=add_generation_prompt,

@@ -248,26 +248,23 @@ class _Planner:
         other bit widths or group sizes fall back to the dequantised stack."""
 
         def build() -> torch.Tensor | Int4Weight:
-            experts = []
-            for recipes in pieces:
-                parts = [r.build() for r in recipes]
-                if not all(isinstance(w, Int4Weight) and w.perm is None and w.group_size == parts[0].group_size
-                           and (w.zeros is None) == (parts[0].zeros is None) for w in parts):
-                    return self._stacked(shape, pieces, split).build()
-                cat = lambda attr: torch.cat([getattr(w, attr) for w in parts], dim=1)  # noqa: E731
-                experts.append((cat("qweight"), cat("scales"), None if parts[0].zeros is None else cat("zeros"),
-                                parts[0].group_size))
-            if any(x[3] != experts[0][3] for x in experts):   # group sizes differ between experts
+            built = [[r.build() for r in recipes] for recipes in pieces]
+            weights = [w for parts in built for w in parts]
+            if not all(isinstance(w, Int4Weight) and w.perm is None and w.group_size == weights[0].group_size
+                       for w in weights):
                 return self._stacked(shape, pieces, split).build()
-            zeros = next((x[2] for x in experts if x[2] is not None), None)
-            if zeros is not None:
-                # an asymmetric checkpoint whose layer reads as symmetric for some experts (all their zero points
-                # 8, so from_gptq drops them): those get 8s, not the others' zero points (or the others none)
-                experts = [x if x[2] is not None else (*x[:2], torch.full(x[1].shape, SYMMETRIC_ZERO,
-                                                                           dtype=zeros.dtype, device=zeros.device), x[3])
-                           for x in experts]
-            stack = lambda i: torch.stack([x[i] for x in experts])  # noqa: E731
-            return Int4Weight(stack(0), stack(1), None if zeros is None else stack(2), None, experts[0][3])
+            # an asymmetric checkpoint where some pieces read as symmetric (all their zero points 8, so from_gptq
+            # drops them): those get 8s when any piece of the layer has zero points
+            zeros = next((w.zeros for w in weights if w.zeros is not None), None)
+
+            def zeros_of(w: Int4Weight) -> torch.Tensor:
+                return w.zeros if w.zeros is not None else torch.full(w.scales.shape, SYMMETRIC_ZERO, dtype=zeros.dtype,
+                                                                      device=zeros.device)
+
+            cat = lambda parts, get: torch.cat([get(w) for w in parts], dim=1)  # noqa: E731
+            stack = lambda get: torch.stack([cat(parts, get) for parts in built])  # noqa: E731
+            return Int4Weight(stack(lambda w: w.qweight), stack(lambda w: w.scales),
+                              None if zeros is None else stack(zeros_of), None, weights[0].group_size)
 
         return _Recipe([s for recipes in pieces for r in recipes for s in r.sources], build)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 # AutoRound packings whose int4 tensors follow auto_gptq (zero points stored minus one).
@@ -22,7 +23,11 @@ class QuantizationConfig:
     def symmetric(self, module: str) -> bool:
         """Whether `module` (a checkpoint name without .qweight) is declared symmetric: `sym`, unless extra_config
         overrides it for that module (named with or without a multimodal checkpoint's language_model prefix)."""
-        return self.sym and _plain(module) not in {_plain(m) for m in self.asymmetric_modules}
+        return self.sym and _plain(module) not in self._asymmetric
+
+    @functools.cached_property
+    def _asymmetric(self) -> frozenset[str]:
+        return frozenset(_plain(m) for m in self.asymmetric_modules)
 
 
 def _plain(module: str) -> str:

@@ -145,8 +145,15 @@ def coerce_parameter(raw: str, schema: dict | None) -> Any:
         return text
     if isinstance(value, float) and value.is_integer() and "integer" in types and "number" not in types:
         return int(value)
-    # a value of another type than declared ("1,000" parses as the tuple (1, 0)) is not what the model meant
+    # a value of another type than declared ("1,000" parses as the tuple (1, 0)) is not what the model meant; a
+    # schema with names JSON schema does not have ("int", "float": hand-written tools) gets what parses, and null
+    # (an optional parameter left out) goes through
+    if value is None or not types <= _JSON_TYPES:
+        return value
     return value if _json_type(value) in types or (_json_type(value) == "integer" and "number" in types) else text
+
+
+_JSON_TYPES = frozenset({"string", "integer", "number", "boolean", "array", "object", "null"})
 
 
 def _json_type(value: Any) -> str:
