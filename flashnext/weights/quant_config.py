@@ -17,7 +17,6 @@ class QuantizationConfig:
     sym: bool = True
     zeros_minus_one: bool = True  # gptq v1 zero points
     fp8_block: tuple[int, int] = (128, 128)
-    modules_in_16bit: tuple[str, ...] = field(default_factory=tuple)
     asymmetric_modules: tuple[str, ...] = field(default_factory=tuple)   # extra_config's "sym": false overrides
 
     def symmetric(self, module: str) -> bool:
@@ -48,24 +47,19 @@ def read_quantization_config(config: dict) -> QuantizationConfig:
                 "AutoRound checkpoints (packing_format 'auto_round:auto_gptq')"
             )
         extra = qc.get("extra_config") or {}
-        keep = [name for name, override in extra.items() if int(override.get("bits", 16)) >= 16]
-        keep += list(qc.get("modules_to_not_convert") or [])
         return QuantizationConfig(
             method="gptq" if method == "gptq" else "auto-round",
             bits=int(qc.get("bits", 4)),
             group_size=qc.get("group_size"),
             sym=bool(qc.get("sym", True)),
             zeros_minus_one=qc.get("checkpoint_format", "gptq") != "gptq_v2",
-            modules_in_16bit=tuple(keep),
             asymmetric_modules=tuple(name for name, override in extra.items() if override.get("sym") is False),
         )
     if method == "fp8":
         if qc.get("fmt", "e4m3") != "e4m3":
             raise ValueError(f"FP8 format {qc.get('fmt')!r} is not supported; flashnext loads e4m3 block-FP8")
         block = qc.get("weight_block_size") or (128, 128)
-        keep = list(qc.get("modules_to_not_convert") or []) + list(qc.get("ignored_layers") or [])
-        return QuantizationConfig(method="fp8", bits=8, fp8_block=(int(block[0]), int(block[1])),
-                                  modules_in_16bit=tuple(keep))
+        return QuantizationConfig(method="fp8", bits=8, fp8_block=(int(block[0]), int(block[1])))
     raise ValueError(
         f"quantization method {qc.get('quant_method')!r} is not supported; flashnext loads bf16/fp16/fp32, "
         "AutoRound or GPTQ int4 (auto_gptq packing) and block-FP8 checkpoints"
