@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashnext.weights.pinned import staged
+from flashnext.weights.pinned import to_device
 
 ROOT_HASH = bytes(16)
 
@@ -109,7 +109,7 @@ def write_blocks(kv, blocks: list[int], runs: list[dict[str, torch.Tensor]], row
     the run's own rows (page-locked in the host tier: an asynchronous copy), never joined on the host first (that
     was a host memcpy into pageable memory, then a synchronous copy, for pieces across runs)."""
     # the block ids sent once, without a host wait (torch.tensor(..., device=) would wait for the stream each time)
-    targets = staged(blocks, kv.device).to(kv.device, non_blocking=True)
+    targets = to_device(blocks, kv.device)
     at = 0
     for i, j, count in row_segments(runs, rows):
         for first in range(j, j + count, WRITE_PIECE):

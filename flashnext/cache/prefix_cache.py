@@ -70,8 +70,9 @@ class _BackgroundRead:
     future: Future
     started: float               # perf_counter
     owners: set = field(default_factory=set)   # the requests waiting for it (PrefixCache.lookup's `owner`)
-    # (free KV blocks, KVPool.releases) when its install last failed: retried once blocks were freed or given up
-    full_at: tuple[int, int] | None = None
+    # KVPool.releases when its install last failed: retried once a request gave blocks up (freeing them, or leaving
+    # them to the cache's eviction; blocks are freed by releases alone)
+    full_at: int | None = None
 
 
 @dataclass
@@ -138,7 +139,7 @@ class PrefixCache:
                 if installed or loaded is None:   # done with the read
                     self._drop_read(key)
                 else:                             # the KV pool is full: kept, retried once blocks are freed
-                    self._reads[key].full_at = (self.kv.num_free, self.kv.releases)
+                    self._reads[key].full_at = self.kv.releases
             else:
                 started = time.perf_counter()
                 with tier.protected(key):
@@ -152,7 +153,7 @@ class PrefixCache:
                 log.info("%s tier: an entry of %d tokens restored in %.3f s", tier.name, meta.num_tokens, seconds)
                 found = (installed, meta.tail)   # deeper than any snapshot the device had (`depth`)
                 break
-            if found is not None:   # the failed install's evictions may have taken the device's hit: look again
+            if found is not None and loaded is not None:   # the failed install's evictions may have taken the hit
                 found = self._match(tokens, limit)
                 depth = found[0].snapshots[found[1]].num_tokens if found else 0
         if found is None:
@@ -204,8 +205,7 @@ class PrefixCache:
         room (no KV block freed, none given up by a request to the cache's eviction, since it failed): no need to
         ask (a lookup hashes the whole prompt)."""
         read = self._reads.get(self._read_of.get(owner))
-        return read is not None and (not read.future.done() or (
-            read.full_at is not None and self.kv.num_free <= read.full_at[0] and self.kv.releases == read.full_at[1]))
+        return read is not None and (not read.future.done() or read.full_at == self.kv.releases)
 
     def forget_read(self, owner: object) -> None:
         """`owner` no longer waits (admitted, cancelled, finished): a read nobody waits for any more is let go."""

@@ -347,7 +347,8 @@ class LLMEngine:
         to full-size Flash-Next took 73 s, the next ones 2.4 s): one prompt of a full step budget plus an odd tail
         chunk, and a short one that enters while the first decodes; then one sequence's decode step at every
         block-table width, and every chained step (DecodeGraphs.extend) at every width from CHAIN_MIN_WIDTH (on the
-        H200, full-size Flash-Next: 77 chained captures at all 11 widths took 38 s). The prefix cache, the counters and the pools end
+        H200, full-size Flash-Next: 77 chained captures at all 11 widths took 38 s; from 256 blocks the servers warmed
+        up in 21–47 s). The prefix cache, the counters and the pools end
         as they started. → seconds taken."""
         start = time.perf_counter()
         rng = random.Random(0)

@@ -19,7 +19,7 @@ from flashnext.engine.sampler import SamplerOutput, SamplingBatch, sample
 from flashnext.engine.scheduler import ScheduledChunk
 from flashnext.engine.structured.backend import apply_constraints
 from flashnext.models.context import ForwardContext, Segment
-from flashnext.weights.pinned import staged
+from flashnext.weights.pinned import to_device
 
 
 class ModelRunner:
@@ -94,8 +94,7 @@ class ModelRunner:
             logits = torch.empty(len(requests), self.vocab_size, dtype=torch.float32, device=self.device)
             for rs, part in parts:
                 if rs:
-                    # a staged index: a pageable one would make the host wait for every replay queued before it
-                    logits[staged([row[id(r)] for r in rs], self.device).to(self.device, non_blocking=True)] = part.float()
+                    logits[to_device([row[id(r)] for r in rs], self.device)] = part.float()
         return self._sample(logits, requests, batch)
 
     def can_run_ahead(self, requests, sampled: SamplerOutput, max_blocks: int) -> bool:
@@ -144,12 +143,13 @@ class ModelRunner:
         for chunk in chunks:
             r = chunk.request
             ids.extend(r.tokens(r.num_computed, r.num_computed + chunk.num_tokens))
-            blocks = torch.tensor(r.blocks, dtype=torch.long, device=self.device)
+            blocks = to_device(r.blocks, self.device)
             segments.append(Segment(r.slot, blocks, start, chunk.num_tokens, r.num_computed))
             start += chunk.num_tokens
         last_rows = [s.end - 1 for c, s in zip(chunks, segments) if c.samples]
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        last = torch.tensor(last_rows, dtype=torch.long, device=self.device)
+        # (the step's chained and decode replays are queued before: none of its copies waits for them)
+        input_ids = to_device(ids, self.device)
+        last = to_device(last_rows, self.device)
         hidden = self.model(input_ids, ForwardContext(segments, self.kv, self.states))
         return self.model.compute_logits(hidden[last]) if last_rows else None
 

@@ -37,8 +37,10 @@ class ForwardContext:
 
     def __post_init__(self):
         parts = [torch.arange(s.context_len, s.total_len) for s in self.segments]
-        device = self.kv.device
-        self.positions = torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=torch.long, device=device)
+        positions = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+        if self.kv.device.type == "cuda":   # page-locked: a pageable copy waits for every step queued (weights/pinned)
+            positions = positions.pin_memory()
+        self.positions = positions.to(self.kv.device, non_blocking=True)
 
     @property
     def num_tokens(self) -> int:

@@ -167,16 +167,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         raise APIError(400, "top_logprobs needs logprobs set to true.", "top_logprobs")
     top_k = (body.top_logprobs or 0) if body.logprobs else None
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     try:  # range errors before the (slower) template
         sampling_params(body, max_tokens=limit, logprobs=top_k)
     except InvalidParams as exc:
-        if exc.param == "logprobs":  # chat calls the count top_logprobs
-            exc.param = "top_logprobs"
-        elif exc.param == "max_tokens" and body.max_completion_tokens is not None:
-            exc.param = "max_completion_tokens"
+        if exc.param in ("logprobs", "max_tokens"):  # chat's names for them
+            exc.param = "top_logprobs" if exc.param == "logprobs" else param
         raise
     rendered = await render_chat(engine, body)
-    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = fit_context(len(rendered.prompt_ids), limit, engine.max_model_len, param)
     params = sampling_params(body, max_tokens=max_tokens, logprobs=top_k)
     params.constrain(await asyncio.to_thread(_constraint, engine, settings, body, rendered))

@@ -70,6 +70,12 @@ def staged(values: list, device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, pin_memory=torch.device(device).type == "cuda")
 
 
+def to_device(values: list, device) -> torch.Tensor:
+    """Integers as an int64 tensor on `device`, copied without a host wait (staged): a torch.tensor(..., device=) from
+    a list waits for every step queued on the stream first."""
+    return staged(values, device).to(device, non_blocking=True)
+
+
 @functools.cache
 def _libcuda() -> ctypes.CDLL:
     return ctypes.CDLL("libcuda.so.1")

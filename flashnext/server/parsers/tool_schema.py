@@ -150,16 +150,15 @@ def coerce_parameter(raw: str, schema: dict | None) -> Any:
     # (an optional parameter left out) goes through
     if value is None or not types <= _JSON_TYPES:
         return value
-    return value if _json_type(value) in types or (_json_type(value) == "integer" and "number" in types) else text
+    kind = _json_type(value)
+    return value if kind in types or (kind == "integer" and "number" in types) else text
 
 
 _JSON_TYPES = frozenset({"string", "integer", "number", "boolean", "array", "object", "null"})
 
 
 def _json_type(value: Any) -> str:
-    """The JSON schema type of a parsed JSON value."""
-    if value is None:
-        return "null"
+    """The JSON schema type of a parsed JSON value other than null."""
     if isinstance(value, bool):   # before int: bool is an int in Python
         return "boolean"
     if isinstance(value, int):
