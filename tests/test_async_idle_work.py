@@ -18,19 +18,26 @@ def test_idle_work_goes_piece_after_piece(monkeypatch):
 
     monkeypatch.setattr(async_llm, "threading",
                         SimpleNamespace(Event=RecordingEvent, Lock=threading.Lock, Thread=threading.Thread))
-    pieces, done = [], threading.Event()
+    pieces, done, work = [], threading.Event(), [False]
 
     def idle_work() -> bool:
         pieces.append(len(waits))     # the waits before this piece
-        if len(pieces) == 5:
+        if len(pieces) == 3:          # a request comes: a step, and the wait before idle work again
+            work[0] = True
+        if len(pieces) == 6:
             done.set()
             return False
         return True
 
+    def has_work() -> bool:
+        busy, work[0] = work[0], False
+        return busy
+
     engine = SimpleNamespace(tokenizer=None, config=None, max_model_len=1, model_name="m",
                              loaded=SimpleNamespace(path="p"), memory_plan=None, prefix_cache=None,
-                             has_work=lambda: False, idle_work=idle_work, shutdown=lambda: None)
+                             has_work=has_work, idle_work=idle_work, step=lambda launched=None: [],
+                             shutdown=lambda: None)
     llm = async_llm.AsyncLLM(engine)
     assert done.wait(10)
     llm.shutdown()
-    assert pieces == [1] * 5 and waits[0] == async_llm.IDLE_WORK_AFTER_S
+    assert pieces == [1, 1, 1, 2, 2, 2] and waits[:2] == [async_llm.IDLE_WORK_AFTER_S] * 2

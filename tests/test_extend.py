@@ -65,6 +65,7 @@ def test_extend_equals_eager_chunk(case, chunk, max_chain, widest):
         want = _eager_chunk(model, *eager, slot, table, more, PROMPT)
         got = graphs.extend(more.tolist(), PROMPT, slot, table)
         assert got.shape == want.shape and rel_err(got, want) < TOL
+        assert set(graphs.graphs) <= {(1, bucket(need, 16))}   # a last single token at the decode step's own width
         # and the sequence goes on from there: one decode step after the chunk
         token = int(want.argmax())
         want = _eager_chunk(model, *eager, slot, table, torch.tensor([token]), PROMPT + chunk)

@@ -121,9 +121,11 @@ def test_dequant_grouped_gemm_fp16():
 def test_triton_default_configs(m):
     """No config given: SMALL's tiles up to SMALL_MAX_M tokens (blocks at each expert's first row while no run can
     pass its block_m: 3 tokens), PREFILL's grouped tiles (scale in the tile) above."""
-    from flashnext.ops.moe_int4_triton import SMALL, SMALL_MAX_M, moe_int4_triton
+    from flashnext.ops.moe_int4_triton import PREFILL, SMALL, SMALL_MAX_M, default_config, moe_int4_triton
 
     assert 3 * 3 < SMALL.block_m < 40 * 3 and 40 < SMALL_MAX_M < 150
+    assert default_config(m) == (SMALL if m <= SMALL_MAX_M else PREFILL)
+    assert (default_config(SMALL_MAX_M), default_config(SMALL_MAX_M + 1)) == (SMALL, PREFILL)
     x, ids, weights, w_gate_up, w_down = case(m, 8, 3, 128, 64, 64, 64, asym=True)
     got = moe_int4_triton(x, ids, weights, w_gate_up, w_down)
     assert rel_err(got, moe_int4_reference(x, ids, weights, w_gate_up, w_down)) < 1e-5

@@ -239,9 +239,10 @@ def test_completion_text_offsets_point_into_the_text(shared_server):
                 if line.startswith("data: {"):
                     choices = json.loads(line[6:])["choices"]
                     if choices:
-                        text += choices[0]["text"]
-                        if choices[0]["logprobs"]:
+                        if choices[0]["logprobs"]:   # a chunk's first token starts where the text so far ends
+                            assert choices[0]["logprobs"]["text_offset"][0] == len(text)
                             offsets += choices[0]["logprobs"]["text_offset"]
+                        text += choices[0]["text"]
     assert text == whole["text"] and offsets == whole["logprobs"]["text_offset"]
     assert offsets == sorted(offsets) and len(offsets) == 40 and offsets[-1] <= len(text)
 
