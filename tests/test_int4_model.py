@@ -170,3 +170,15 @@ def test_int4_checkpoint_keeps_experts_packed(preset, tmp_path):
         setattr(twin.get_submodule(parent), child, plain.requires_grad_(False))
     ids = _prompt(50, seed=6)
     assert rel_err(Session(model, 64).extend(ids, all_logits=True), Session(twin, 64).extend(ids, all_logits=True)) < TOL
+
+
+def test_weight_bytes_count_a_tied_head_once():
+    """A tied head is the embedding's tensor itself (the loader shares it): the memory plan's weight bytes count it
+    once, as the device holds it once."""
+    from flashnext.engine.loading import _state_bytes
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(32, 8)
+    model.head = torch.nn.Linear(8, 32, bias=False)
+    model.head.weight = model.embed.weight
+    assert _state_bytes(model, "cpu") == 32 * 8 * 4

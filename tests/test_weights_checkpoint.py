@@ -348,16 +348,56 @@ def test_stacked_int4_experts_that_differ_load_exactly(tmp_path, odd):
     assert torch.allclose(got, want_gate_up, atol=1e-6), (got - want_gate_up).abs().max()
 
 
-def test_a_tied_head_comes_from_the_embedding(tmp_path):
+def test_stacked_int4_experts_of_a_symmetric_checkpoint_keep_no_zero_points(tmp_path):
+    """from_gptq drops all-8 zero points; stacking the experts must not fill them back (memory, and the kernels'
+    asymmetric path): only a layer where some piece has zero points of its own gets 8s for the others."""
+    from flashnext.weights.int4_layout import Int4Weight, dequantize
+
+    experts, inter, hidden = 3, 16, 64
+    prefix = "model.layers.0.mlp.experts"
+    weights = {"gate_up_proj": torch.randn(experts, 2 * inter, hidden),
+               "down_proj": torch.randn(experts, hidden, inter)}
+    tensors, want = {}, {kind: torch.empty_like(w) for kind, w in weights.items()}
+    for e in range(experts):
+        for proj, kind, rows in (("gate_proj", "gate_up_proj", slice(0, inter)),
+                                 ("up_proj", "gate_up_proj", slice(inter, None)),
+                                 ("down_proj", "down_proj", slice(None))):
+            packed = quantize_gptq_rtn(weights[kind][e, rows], group_size=16)
+            tensors.update({f"{prefix}.{e}.{proj}.{k}": v for k, v in packed.items()})
+            want[kind][e, rows] = dequantize_gptq(packed["qweight"], packed["qzeros"], packed["scales"])
+    expected = {f"{prefix}.{kind}": (tuple(w.shape), torch.float32) for kind, w in weights.items()}
+    config = {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 16, "sym": True}}
+    loaded = load_checkpoint(write(tmp_path, tensors, config), expected, dtype=torch.float32, progress=False,
+                             packed_int4=frozenset(expected))
+    for kind in weights:
+        got = loaded[f"{prefix}.{kind}"]
+        assert isinstance(got, Int4Weight) and got.zeros is None, kind
+        assert torch.allclose(dequantize(got), want[kind], atol=1e-6), kind
+
+
+def test_a_tied_head_comes_from_the_embedding(tmp_path, monkeypatch):
     """tie_word_embeddings: save_pretrained writes no lm_head.weight; the head is the embedding, as in transformers (it
-    had failed as a missing tensor). Untied, a missing head is still an error."""
-    embed = torch.randn(16, 8)
+    had failed as a missing tensor). The embedding is read once and the head is that very tensor, whichever name comes
+    first and although the load converts its dtype (it had been read twice into two copies). Untied, a missing head
+    is still an error."""
+    from flashnext.weights import checkpoint
+
+    embed = torch.randn(16, 8).bfloat16()
     folder = write(tmp_path / "tied", {"model.embed_tokens.weight": embed}, {"tie_word_embeddings": True})
-    loaded = load_checkpoint(folder, EXPECTED, dtype=torch.float32, progress=False)
-    assert torch.equal(loaded["lm_head.weight"], embed) and torch.equal(loaded["model.embed_tokens.weight"], embed)
+    reads = []
+    original = checkpoint._Tensors.read
+    monkeypatch.setattr(checkpoint._Tensors, "read", lambda self, name, device: reads.append(name) or
+                        original(self, name, device))
+    for expected in (EXPECTED, dict(reversed(EXPECTED.items()))):
+        reads.clear()
+        loaded = load_checkpoint(folder, expected, dtype=torch.float32, progress=False)
+        assert torch.equal(loaded["model.embed_tokens.weight"], embed.float())
+        assert loaded["lm_head.weight"] is loaded["model.embed_tokens.weight"]
+        assert reads == ["model.embed_tokens.weight"]
     nested = write(tmp_path / "nested", {"model.embed_tokens.weight": embed},
                    {"text_config": {"tie_word_embeddings": True}})
-    assert torch.equal(load_checkpoint(nested, EXPECTED, dtype=torch.float32, progress=False)["lm_head.weight"], embed)
+    assert torch.equal(load_checkpoint(nested, EXPECTED, dtype=torch.float32, progress=False)["lm_head.weight"],
+                       embed.float())
     untied = write(tmp_path / "untied", {"model.embed_tokens.weight": embed}, {})
     with pytest.raises(CheckpointError, match="lm_head.weight"):
         load_checkpoint(untied, EXPECTED, dtype=torch.float32, progress=False)

@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from .checkpoint_keys import canonical_name
 from .fp8 import dequantize_block_fp8
 from .int4 import dequantize_gptq
 from .int4_layout import SYMMETRIC_ZERO, Int4Weight, dequantize, from_gptq
@@ -44,13 +45,6 @@ class CheckpointError(ValueError):
 def _listing(names: list[str], limit: int = 10) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" ... and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def canonical_name(checkpoint_key: str) -> str:
-    """Checkpoint key -> our key: multimodal releases nest the text model under `model.language_model.`."""
-    if checkpoint_key.startswith("model.language_model."):
-        return "model." + checkpoint_key[len("model.language_model."):]
-    return checkpoint_key
 
 
 class _Tensors:
@@ -128,7 +122,7 @@ class _Tensors:
         self.used.update(n for n in self.where if belongs(n))
 
 
-@dataclass
+@dataclass(eq=False)   # compared and hashed by identity: names that share a recipe share its tensor
 class _Recipe:
     """How to build one expected tensor: the canonical source tensors it reads, and the builder."""
 
@@ -145,6 +139,7 @@ class _Planner:
         self.into = into or {}   # name → the tensor to fill instead of a new one (a table shared by ranks)
         # (first, total): stacked experts [E, ...] hold experts first … first + E - 1 of the checkpoint's total
         self.expert_share = expert_share
+        self.recipes: dict[tuple[str, tuple[int, ...]], _Recipe | None] = {}
 
     # A 2-D weight `X.weight` stored plain, as int4 (`X.qweight` ...) or as fp8 (+ `X.weight_scale_inv`).
     def weight(self, name: str, shape: tuple[int, ...], packed: bool | None = None) -> _Recipe | None:
@@ -303,11 +298,15 @@ class _Planner:
         return _Recipe([s for shard in shards for s in shard.sources], build)
 
     def plan(self, name: str, shape: tuple[int, ...]) -> _Recipe | None:
-        if _EXPERT_KEY.match(name):
-            return self.experts(name, shape)
-        if _NGRAM_KEY.match(name):
-            return self.ngram_table(name, shape)
-        return self.weight(name, shape)
+        """A tensor planned twice (a tied head is the embedding) gets the same recipe, so it is read once."""
+        if (name, shape) not in self.recipes:
+            if _EXPERT_KEY.match(name):
+                self.recipes[name, shape] = self.experts(name, shape)
+            elif _NGRAM_KEY.match(name):
+                self.recipes[name, shape] = self.ngram_table(name, shape)
+            else:
+                self.recipes[name, shape] = self.weight(name, shape)
+        return self.recipes[name, shape]
 
 
 def load_checkpoint(
@@ -375,11 +374,15 @@ def load_checkpoint(
     if unexpected:
         raise CheckpointError(f"checkpoint {folder} has {len(unexpected)} tensor(s) this model does not use: "
                               f"{_listing(unexpected)}")
-    total = sum(tensors.nbytes(s) for name, recipe in recipes.items() if name not in not_read for s in recipe.sources)
-    result = {}
+    to_build = {recipe for name, recipe in recipes.items() if name not in not_read}
+    total = sum(tensors.nbytes(s) for recipe in to_build for s in recipe.sources)
+    result, built_by_recipe = {}, {}
     with tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", disable=not progress) as bar:
         for name, recipe in recipes.items():
             if name in not_read:
+                continue
+            if recipe in built_by_recipe:   # a tied head: the embedding's tensor itself, not a second copy
+                result[name] = built_by_recipe[recipe]
                 continue
             shape, expected_dtype = expected[name]
             out_dtype = dtype if expected_dtype.is_floating_point else expected_dtype
@@ -394,5 +397,6 @@ def load_checkpoint(
                 if into and name in into and tensor is not into[name]:   # a table stored whole, not in shards
                     tensor = into[name].copy_(tensor)
                 result[name] = tensor
+            built_by_recipe[recipe] = result[name]
             bar.update(sum(tensors.nbytes(s) for s in recipe.sources))
     return result

@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+from .checkpoint_keys import canonical_name
+
 # AutoRound packings whose int4 tensors follow auto_gptq (zero points stored minus one).
 _GPTQ_V1_PACKINGS = {None, "auto_gptq", "auto_round:auto_gptq", "auto_round:gptq"}
 
@@ -22,15 +24,11 @@ class QuantizationConfig:
     def symmetric(self, module: str) -> bool:
         """Whether `module` (a checkpoint name without .qweight) is declared symmetric: `sym`, unless extra_config
         overrides it for that module (named with or without a multimodal checkpoint's language_model prefix)."""
-        return self.sym and _plain(module) not in self._asymmetric
+        return self.sym and canonical_name(module) not in self._asymmetric
 
     @functools.cached_property
     def _asymmetric(self) -> frozenset[str]:
-        return frozenset(_plain(m) for m in self.asymmetric_modules)
-
-
-def _plain(module: str) -> str:
-    return module.replace("model.language_model.", "model.", 1)
+        return frozenset(canonical_name(m) for m in self.asymmetric_modules)
 
 
 def read_quantization_config(config: dict) -> QuantizationConfig:
