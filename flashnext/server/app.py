@@ -1,7 +1,6 @@
 """The FastAPI app: settings, the gate every request passes (size, key, loading) and the routers."""
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from dataclasses import dataclass
@@ -10,6 +9,7 @@ from typing import Any, Callable
 from fastapi import FastAPI, Request
 
 from flashnext.server.errors import APIError, error_body, install_handlers
+from flashnext.server.json_body import JSONBody, json_bytes
 from flashnext.server.metrics import ServerMetrics
 
 # Routes a client may call without the API key: probes and scrapers rarely carry one.
@@ -116,7 +116,7 @@ def _replay(body: bytes, receive):
 
 
 async def _send_error(send, status: int, message: str, code: str):
-    payload = json.dumps(error_body(status, message, None, code)).encode()
+    payload = json_bytes(error_body(status, message, None, code))
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
     await send({"type": "http.response.body", "body": payload})
@@ -125,7 +125,7 @@ async def _send_error(send, status: int, message: str, code: str):
 def build_app(engine_provider: EngineProvider, settings: ServerSettings) -> FastAPI:
     from flashnext.server import routes_chat, routes_completions, routes_misc
 
-    app = FastAPI(title="flashnext", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="flashnext", docs_url=None, redoc_url=None, openapi_url=None, default_response_class=JSONBody)
     app.state.engine_provider = engine_provider
     app.state.settings = settings
     app.state.started = int(time.time())

@@ -5,15 +5,14 @@ traceback goes to the log.
 """
 from __future__ import annotations
 
-import json
 import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flashnext.engine.sampling_params import InvalidParams
+from flashnext.server.json_body import JSONBody
 from flashnext.tokenizer.tokenizer import InvalidText
 
 log = logging.getLogger("flashnext.server")
@@ -35,17 +34,10 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "code": code}}
 
 
-class _AsciiJSONResponse(JSONResponse):
-    """JSON with \\u escapes: an error message may quote what the user sent, lone surrogates included (which have no
-    UTF-8: the default rendering failed, a 500 or a reset connection)."""
-
-    def render(self, content) -> bytes:
-        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
-
-
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return _AsciiJSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+                   headers: dict[str, str] | None = None) -> JSONBody:
+    # A message may quote what the user sent, lone surrogates included: JSONBody encodes them.
+    return JSONBody(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 def from_exception(exc: BaseException) -> APIError | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from flashnext.server.app import check_model, get_engine, settings_of
 from flashnext.server.errors import APIError, error_response
@@ -84,4 +84,4 @@ async def props(request: Request):
 @router.get("/debug/engine")
 async def debug_engine(request: Request):
     stats = get_engine(request).stats()
-    return JSONResponse(dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(vars(stats)))
+    return dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(vars(stats))

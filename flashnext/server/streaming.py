@@ -3,7 +3,6 @@ model is silent (long prefills), an error frame if generation fails mid-stream, 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import AsyncIterator, Protocol
 
@@ -11,15 +10,16 @@ from fastapi.responses import StreamingResponse
 
 from flashnext.server.errors import error_body, from_exception
 from flashnext.server.generation import Fanout
+from flashnext.server.json_body import json_bytes
 
 log = logging.getLogger("flashnext.server")
 
-KEEPALIVE = ": keep-alive\n\n"
-DONE = "data: [DONE]\n\n"
+KEEPALIVE = b": keep-alive\n\n"
+DONE = b"data: [DONE]\n\n"
 
 
-def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def sse(payload: dict) -> bytes:
+    return b"data: " + json_bytes(payload) + b"\n\n"
 
 
 class ChunkWriter(Protocol):
@@ -30,7 +30,7 @@ class ChunkWriter(Protocol):
     def end(self) -> list[dict]: ...
 
 
-async def event_stream(fan: Fanout, writer: ChunkWriter, keepalive_s: float) -> AsyncIterator[str]:
+async def event_stream(fan: Fanout, writer: ChunkWriter, keepalive_s: float) -> AsyncIterator[bytes]:
     try:
         for chunk in writer.start():
             yield sse(chunk)
@@ -58,6 +58,6 @@ async def event_stream(fan: Fanout, writer: ChunkWriter, keepalive_s: float) -> 
     yield DONE
 
 
-def sse_response(body: AsyncIterator[str]) -> StreamingResponse:
+def sse_response(body: AsyncIterator[bytes]) -> StreamingResponse:
     return StreamingResponse(body, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -15,12 +15,12 @@ Decisions:
 """
 from __future__ import annotations
 
-import json
 import secrets
 import string
 from enum import Enum
 from typing import Any
 
+from flashnext.server.json_body import json_text
 from flashnext.server.parsers.messages import (ContentDelta, Delta, ParsedMessage, ReasoningDelta,
                                                 ToolCallArguments, ToolCallStart, collect)
 from flashnext.server.parsers.registry import get_tool_parser
@@ -40,18 +40,6 @@ class _Section(Enum):
     REASONING = "reasoning"
     CONTENT = "content"
     TOOL_CALL = "tool_call"  # after `<tool_call>`, until the scanner decides
-
-
-def arguments_json(arguments) -> str:
-    """A call's arguments as JSON text, non-ASCII as itself — unless a JSON escape in what the model wrote decoded to
-    a lone surrogate ("\\ud83d"), which has no UTF-8 (the response could not be encoded: a 500, a stream cut off):
-    then with ASCII escapes, which carry it as the model wrote it."""
-    text = json.dumps(arguments, ensure_ascii=False)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return json.dumps(arguments)
-    return text
 
 
 class ChatOutputParser:
@@ -125,7 +113,8 @@ class ChatOutputParser:
         index = len(self._call_ids)
         self._call_ids.add(call_id)
         self._out.append(ToolCallStart(index=index, id=call_id, name=call.name))
-        self._out.append(ToolCallArguments(index=index, text=arguments_json(call.arguments)))
+        # json.dumps's default separators, as vLLM's parsers write arguments ({"city": "Paris"}).
+        self._out.append(ToolCallArguments(index=index, text=json_text(call.arguments, separators=(", ", ": "))))
 
     def _advance(self, final: bool) -> None:
         while True:

@@ -37,7 +37,7 @@ Delta = ReasoningDelta | ContentDelta | ToolCallStart | ToolCallArguments
 class ToolCall:
     id: str
     name: str
-    arguments: str  # JSON object text, json.dumps(..., ensure_ascii=False)
+    arguments: str  # JSON object text, from json_body.json_text
     type: str = "function"
 
 
