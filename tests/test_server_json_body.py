@@ -49,6 +49,15 @@ def test_a_served_name_without_utf8_is_listed_and_echoed(latin1_server):
         assert r.status_code == 200 and r.json()["model"] == LATIN1_NAME, r.text
 
 
+def test_metrics_label_it_escaped(latin1_server):
+    """Prometheus' exposition is UTF-8 too: the scrape had answered 500; the label carries the byte escaped."""
+    with latin1_server.client() as c:
+        post_json(c, CHAT, {"messages": MSGS, "max_tokens": 2})
+        r = c.get("/metrics")
+    assert r.status_code == 200
+    assert 'vllm:request_success_total{finished_reason="length",model_name="caf\\\\udce9"} 1.0' in r.text
+
+
 @pytest.mark.parametrize("path, body", [(CHAT, {"messages": MSGS}), ("/v1/completions", {"prompt": "Once"})])
 def test_a_stream_naming_it_runs_to_done(latin1_server, path, body):
     req = {**body, "max_tokens": 3, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}

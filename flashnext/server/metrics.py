@@ -18,18 +18,24 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000)
 
 
+def model_label(served_model_name: str) -> str:
+    """The model_name label's value: the exposition is UTF-8, and a name from non-UTF-8 command-line bytes holds lone
+    surrogates (surrogateescape), which made every scrape a 500; those go out as backslash escapes."""
+    return served_model_name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class _EngineCollector:
     """Reads the engine's own counters at scrape time."""
 
-    def __init__(self, settings, engine_provider):
-        self.settings, self.engine_provider = settings, engine_provider
+    def __init__(self, label: str, engine_provider):
+        self.label, self.engine_provider = label, engine_provider
 
     def collect(self):
         engine = self.engine_provider()
         if engine is None:
             return
         s = engine.stats()
-        labels = [self.settings.served_model_name]
+        labels = [self.label]
         for name, doc, value in (("num_requests_running", "Requests in the running batch.", s.num_running),
                                  ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
                                  ("kv_cache_usage_perc", "KV-cache usage, 0 to 1.", s.kv_cache_usage)):
@@ -115,8 +121,8 @@ class ServerMetrics:
 
     def __init__(self, settings, engine_provider):
         self.registry = CollectorRegistry()
-        self.settings = settings
-        self.registry.register(_EngineCollector(settings, engine_provider))
+        self.label = model_label(settings.served_model_name)
+        self.registry.register(_EngineCollector(self.label, engine_provider))
         common = dict(labelnames=["model_name"], registry=self.registry)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", buckets=_TTFT_BUCKETS,
                               **common)
@@ -133,10 +139,10 @@ class ServerMetrics:
         self.success = Counter("vllm:request_success", "Finished requests by reason.",
                                labelnames=["model_name", "finished_reason"], registry=self.registry)
         for histogram in (self.ttft, self.itl, self.e2e, self.queue, self.prompt_len, self.gen_len):
-            histogram.labels(settings.served_model_name)  # series exist (at zero) before the first request
+            histogram.labels(self.label)  # series exist (at zero) before the first request
 
     def observe_finished(self, out) -> None:
-        name = self.settings.served_model_name
+        name = self.label
         self.success.labels(name, out.finish_reason).inc()
         self.prompt_len.labels(name).observe(out.prompt_tokens)
         self.gen_len.labels(name).observe(out.completion_tokens)
