@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -55,7 +56,9 @@ def test_metrics_label_it_escaped(latin1_server):
         post_json(c, CHAT, {"messages": MSGS, "max_tokens": 2})
         r = c.get("/metrics")
     assert r.status_code == 200
-    assert 'vllm:request_success_total{finished_reason="length",model_name="caf\\\\udce9"} 1.0' in r.text
+    # the module's other tests may have finished requests on this server before
+    assert re.search(r'vllm:request_success_total\{finished_reason="length",model_name="caf\\\\udce9"\} [1-9]',
+                     r.text), r.text
 
 
 @pytest.mark.parametrize("path, body", [(CHAT, {"messages": MSGS}), ("/v1/completions", {"prompt": "Once"})])
