@@ -312,3 +312,20 @@ def test_request_tokens_across_the_prompt_and_output_boundary():
     for start in range(len(every) + 1):
         for stop in range(start, len(every) + 1):
             assert r.tokens(start, stop) == every[start:stop]
+
+
+def test_the_step_token_budget_follows_the_device(monkeypatch):
+    """max_num_batched_tokens left unset: 8,192 on the CPU and on a GPU under 80 GiB, 16,384 from 80 GiB (a larger
+    prefill chunk runs faster; its activations' memory is planned from this budget)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from flashnext.engine import args as engine_args
+
+    engine = LLMEngine(EngineArgs(model="tiny-flash-next", device="cpu", dtype="float32", max_model_len=512))
+    assert engine.args.max_num_batched_tokens == engine.scheduler.token_budget == 8192
+    for gib, want in ((24, 8192), (79, 8192), (80, 16384), (141, 16384)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device, gib=gib: SimpleNamespace(total_memory=gib << 30))
+        assert engine_args.step_token_budget("cuda:0") == want, gib

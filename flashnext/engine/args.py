@@ -13,7 +13,8 @@ class EngineArgs:
     device: str = "auto"                  # auto: cuda if available
     max_model_len: int | None = None      # default: the model's max_position_embeddings
     max_num_seqs: int = 16
-    max_num_batched_tokens: int = 8192    # token budget of one step (prefill chunks + decodes)
+    max_num_batched_tokens: int | None = None  # token budget of one step (prefill chunks + decodes); None: by the
+                                          # device (step_token_budget)
     prefill_budget_while_decoding: int = 2048  # prefill tokens per step while any sequence decodes
     decode_step_budget_ms: float = 0.0    # > 0: size those prefill chunks so a mixed step takes about this long
     decode_steps_between_prefill: int = 0  # > 0: after a step with a prefill chunk beside decodes, this many decode-only steps
@@ -48,6 +49,23 @@ class EngineArgs:
     kv_host_idle_copy: bool = True        # while no request runs, copy device entries down to the host tier
     kv_disk_dir: str | None = None        # disk tier: entries survive a restart (several GPUs: rank<r>/ under it)
     kv_disk_gb: float = 16.0              # per rank on several GPUs
+
+
+# A prefill chunk of 16,384 tokens against 8,192: 16.1K against 13.9K tok/s for a 10K-token prompt (one chunk instead
+# of two), 12.9K against 12.5K at 90K (H200, full-size Flash-Next INT4, scripts/gpu_prefill.py, session 16); its
+# activations take twice the memory (LLMEngine._chunk_activation_bytes: ~5 GB for Flash-Next), which a GPU of less
+# than LARGE_GPU_BYTES keeps for KV. Steps with decodes in them are sized by --prefill-budget-while-decoding.
+LARGE_GPU_BYTES = 80 << 30
+
+
+def step_token_budget(device) -> int:
+    """max_num_batched_tokens by default: 16,384 on a GPU of LARGE_GPU_BYTES or more, else 8,192."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory >= LARGE_GPU_BYTES:
+        return 16384
+    return 8192
 
 
 def resolve_dtype(name: str, device, model: str | None = None) -> "torch.dtype":  # noqa: F821

@@ -9,6 +9,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ import torch
 from flashnext.cache.kv_pool import KVPool
 from flashnext.cache.prefix_cache import PrefixCache
 from flashnext.cache.state_pool import StatePool
-from flashnext.engine.args import EngineArgs, resolve_dtype
+from flashnext.engine.args import EngineArgs, resolve_dtype, step_token_budget
 from flashnext.engine.cuda_graph import DecodeGraphs
 from flashnext.engine.errors import RequestRejected
 from flashnext.engine.loading import LoadedModel, load_model
@@ -100,9 +101,11 @@ def request_timing(request: Request) -> str:
 
 class LLMEngine:
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None):
-        self.args = args
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(device)
+        if args.max_num_batched_tokens is None:
+            args = dataclasses.replace(args, max_num_batched_tokens=step_token_budget(self.device))
+        self.args = args
         self.dtype = resolve_dtype(args.dtype, self.device, args.model)
         self.loaded = loaded or load_model(args.model, self.device, self.dtype, quantize=args.quantize,
                                            expert_vram_gb=args.expert_vram_gb,
