@@ -2,6 +2,9 @@
 generated token) at each --chunk size (the engine's max_num_batched_tokens), timed, then profiled by kernel.
 
 Run: python3 scripts/gpu_prefill.py --model mem:flash-next --quantize int4 --tokens 10000 --tokens 90000 --chunk 8192
+
+--host also profiles the host: where it waits for the GPU (each sync's source line, by CPU time) and the wall
+time against the GPU's busy time, which shows how much of the prefill is the host's.
 """
 import argparse
 import random
@@ -15,6 +18,48 @@ from flashnext.engine.sampling_params import SamplingParams
 from gpu_decode import profile_kernels
 
 
+# Host calls that may wait for the GPU (their CPU time is the wait): the runtime's syncs (no Python stack) and the
+# torch ops that sync (a scalar read, an output sized by data, a copy to the host).
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense",
+         "aten::nonzero", "aten::masked_select", "aten::_unique2", "aten::repeat_interleave", "aten::copy_")
+
+
+def host_waits(run, top: int = 12):
+    """One run profiled on host and device: wall against the GPU's busy time (kernels and copies merged), and the
+    host's waits for the GPU by source line (the flashnext frames of each wait's stack)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        run()
+        sync()
+    wall = time.perf_counter() - t0
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    busy, end = 0, None
+    for start, stop in spans:
+        if end is None or start > end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    print(f"  host view: wall {wall * 1e3:.1f} ms (profiled), GPU busy {busy / 1e3:.1f} ms, idle {wall * 1e3 - busy / 1e3:.1f} ms")
+    waits = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA or e.name not in WAITS:
+            continue
+        frames = [f for f in (e.stack or []) if "flashnext" in f or "fla/" in f][:3]
+        key = (e.name, " <- ".join(frames) or "(no flashnext frame)")
+        total, count = waits.get(key, (0.0, 0))
+        waits[key] = (total + e.cpu_time_total, count + 1)
+    print(f"  host waits by source (ms, count): {sum(t for t, _ in waits.values()) / 1e3:.1f} ms in all")
+    for (name, where), (t, count) in sorted(waits.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"    {t / 1e3:8.2f} x{count:<5} {name}: {where[:200]}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="mem:flash-next")
@@ -22,6 +67,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, action="append", default=[])
     ap.add_argument("--chunk", type=int, action="append", default=[])
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--host", action="store_true", help="also profile the host's waits for the GPU")
     args = ap.parse_args()
     chunks = args.chunk or [2048]
     lengths = args.tokens or [10000]
@@ -48,6 +94,8 @@ def main() -> int:
             print(f"{chunk:6} {tokens:7} {dt:8.2f} {tokens / dt:8.0f}")
             if not args.no_profile:
                 profile_kernels(lambda: llm.generate([prompt(tokens)], params), runs=1, top=25)
+            if args.host:
+                host_waits(lambda: llm.generate([prompt(tokens)], params))
     return 0
 
 

@@ -11,7 +11,8 @@ from flashnext.ops.prefill_attention import prefill_attention_reference
 from flashnext.ops.prefill_attention_triton import PrefillConfig, default_config, prefill_attention_triton
 
 CONFIGS = [PrefillConfig(64, 64, 8, 2), PrefillConfig(64, 32, 4, 2), PrefillConfig(128, 64, 8, 2),
-           PrefillConfig(64, 64, 4, 3), PrefillConfig(128, 32, 8, 3)]
+           PrefillConfig(128, 64, 8, 3), PrefillConfig(64, 64, 4, 3), PrefillConfig(64, 64, 4, 4),
+           PrefillConfig(128, 32, 8, 3), PrefillConfig(128, 32, 8, 4), PrefillConfig(64, 64, 8, 3)]
 
 
 def timed(fn, reps=5):
@@ -106,7 +107,8 @@ def main() -> int:
         keys = length * context + length * (length + 1) / 2
         tflops = keys * heads * dim * 4 / (ours * 1e-3) / 1e12
         print(f"{name:16} {context:7} {length:5} {err:8.1e} {ref_ms:8.2f} {ours:8.2f} {tflops:8.1f}  "
-              f"default {default_config(dim, got.device)}; best {best} {times.get(best, float('nan')):.2f} ms")
+              f"default {default_config(dim, got.device, ratio is not None)}; best {best} "
+              f"{times.get(best, float('nan')):.2f} ms")
     crossover()
     print("ALL CORRECT" if ok else "MISMATCH")
     return 0 if ok else 1

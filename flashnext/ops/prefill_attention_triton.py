@@ -43,16 +43,16 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, blocks_ptr, chosen_ptr, out_p
         page = tl.load(blocks_ptr + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
         kv_offs = (page * PAGE + offs_n % PAGE)[:, None] * (KV_HEADS * D) + kv_head * D + offs_d[None, :]
         k = tl.load(k_ptr + kv_offs, mask=n_ok[:, None], other=0.0)
-        if FP32:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
         visible = offs_n[None, :] <= pos[:, None]
-        if HAS_CHOSEN:
+        if HAS_CHOSEN:   # loaded before the dot, whose MMA then covers the load's latency (Triton does not pipeline it)
             block = offs_n // RATIO
             picked = tl.load(chosen_ptr + offs_m[:, None] * stride_ct + block[None, :],
                              mask=m_ok[:, None] & (block < n_chosen)[None, :], other=0)
             visible = visible & ((picked != 0) | (offs_n[None, :] >= tail_start[:, None]))
+        if FP32:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
         s = tl.where(visible, s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row that has seen nothing yet
@@ -78,15 +78,18 @@ class PrefillConfig:
     num_stages: int
 
 
-def default_config(head_dim: int, device: torch.device) -> PrefillConfig:
-    """Head dim 256 (Flash-Next, Qwen3-Next): 128 × 64 tiles, 8 warps, 2 stages — the H200 sweep of
-    scripts/gpu_prefill_attention.py: 1.3–2x faster than 64 × 64 on three of its four shapes (on the fourth,
-    8K queries from 0 with QSA, 64 × 32 was best and 128 × 64 was not printed).
+def default_config(head_dim: int, device: torch.device, selective: bool = False) -> PrefillConfig:
+    """Head dim 256 (Flash-Next, Qwen3-Next), dense: 128 × 64 tiles, 8 warps, 3 stages. With 2 stages Triton
+    issues a K/V tile's copies at the end of the step before the one that waits for them (their latency exposed
+    each step); 3 stages (~200 KB of shared memory) issue them a step earlier. With a QSA selection (`selective`)
+    64 × 32 tiles, 4 warps, 2 stages: each step also reads the selection's bytes, a plain load. The H200 sweep of
+    scripts/gpu_prefill_attention.py (session 16): dense 8K queries 1.64 ms at 128 × 64 × 3 (its best), QSA 8K
+    queries from 0 / 2K after 8K 5.89 / 3.39 ms at 64 × 32 (their best) against 6.59 / 3.73 at 128 × 64 × 3.
     Smaller heads (tiny test models) keep 64 × 64."""
     if device.type != "cuda":
         return PrefillConfig(16, 16, 4, 1)
     if head_dim > 128:
-        return PrefillConfig(128, 64, 8, 2)
+        return PrefillConfig(64, 32, 4, 2) if selective else PrefillConfig(128, 64, 8, 3)
     return PrefillConfig(64, 64, 4, 3)
 
 
@@ -102,7 +105,7 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     out = torch.empty(length, heads, head_dim, dtype=q.dtype, device=q.device)
     if length == 0:
         return out
-    cfg = config or default_config(head_dim, q.device)
+    cfg = config or default_config(head_dim, q.device, chosen is not None)
     if chosen is not None:
         chosen = chosen.contiguous().view(torch.uint8)
     selection = chosen if chosen is not None else blocks   # a pointer never read without a selection
