@@ -55,3 +55,44 @@ def test_engine_keeps_mixed_steps_within_the_budget():
     assert mixed[0] == 150 and max(mixed[1:]) <= MIN_TOKENS and len(mixed) > 2
     for i, p in enumerate(prompts):
         assert outs[str(i)] == Session(engine.loaded.model, 512).greedy(p, 40 if i == 0 else 3)
+
+
+def test_steps_with_chained_chunks_are_not_timed():
+    """A step that replays chained graph steps (a follow-up turn's short chunks after its prefix hit,
+    DecodeGraphs.extend) beside another sequence's decode is neither a decode-only step nor eager prefill at the
+    rate the pacer models: the engine records no time for it, and every other step here. (Chained steps run uncaptured
+    on a CPU: tests/test_extend.py.)"""
+    from test_extend import _chained_engine
+
+    engine = _chained_engine(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=4,
+                             max_num_batched_tokens=64, decode_ahead=False, decode_step_budget_ms=50)
+    pacer, runner = engine.scheduler.pacer, engine.runner
+    recorded, record = [], pacer.record
+    pacer.record = lambda *args: (recorded.append(args), record(*args))[1]
+    kinds, run = [], runner.run     # per step run: (whether it has chained chunks, whether one decodes beside them)
+    runner.run = lambda chunks, *rest: (kinds.append((any(c.chained for c in chunks), any(
+        c.request.num_tokens - c.request.num_computed == 1 for c in chunks))), run(chunks, *rest))[1]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    first = list(range(10, 40))
+    request = engine.add_request("first", first, params)
+    engine.add_request("long", list(range(50, 90)), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    steps = []                                          # per step: (chained, decoding beside, times recorded)
+
+    def step():
+        before, ran = len(recorded), len(kinds)
+        engine.step()
+        steps.append((*(kinds[-1] if ran < len(kinds) else (False, False)), len(recorded) - before))
+
+    while not request.finished:
+        step()
+    history = first + request.output_ids + list(range(100, 110))
+    follow = engine.add_request("follow", history + [7, 8, 9], params, history_len=len(history))
+    while not follow.output_ids:
+        step()
+    assert follow.num_cached > 0
+    # chained chunks ran beside decodes: the rest of "long"'s prompt; the follow-up's to its history's end, then on
+    assert sum(is_chained and decoding for is_chained, decoding, _ in steps) >= 2
+    assert all(n == 0 for is_chained, _, n in steps if is_chained)
+    assert all(n == 1 for is_chained, _, n in steps if not is_chained)
+    # decode-only steps were timed; no step had eager prefill beside decodes, so no prefill rate was measured
+    assert pacer.decode_s is not None and pacer.token_s is None
