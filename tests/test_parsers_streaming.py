@@ -8,6 +8,7 @@ import pytest
 
 from flashnext.server.parsers import (ChatOutputParser, ContentDelta, ReasoningDelta, ToolCallArguments,
                                       ToolCallStart, collect)
+from flashnext.server.parsers.qwen3_coder import MAX_NAME_LEN
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -156,11 +157,116 @@ def test_call_is_emitted_when_it_closes():
     assert parser.has_tool_calls
 
 
-def test_long_call_streamed_finely_stays_linear():
-    big = "x = 1\n" * 20000
-    text = (f"<tool_call>\n<function=write_file>\n<parameter=content>\n{big}\n</parameter>\n</function>\n"
-            "</tool_call>")
-    hermes = "<tool_call>" + json.dumps({"name": "write_file", "arguments": {"content": big}}) + "</tool_call>"
-    for fmt, t in (("qwen3_coder", text), ("hermes", hermes)):
-        deltas, _ = stream(fmt, [t[i:i + 3] for i in range(0, len(t), 3)], reasoning=False)
-        assert json.loads(collect(deltas).tool_calls[0].arguments)["content"] == big
+LONG_CODE = "".join(f'    s{i} = "</parameter>" if i else \'<tool_call>\'  # 東京 é\n' for i in range(700))
+LONG_CALLS = {
+    "qwen3_coder": ("<tool_call>\n<function=write_file>\n<parameter=path>\nbig.py\n</parameter>\n"
+                    f"<parameter=content>\n{LONG_CODE}\n</parameter>\n</function>\n</tool_call>"),
+    "hermes": ("<tool_call>\n" + json.dumps({"name": "write_file", "arguments": {"path": "big.py",
+                                                                                "content": LONG_CODE}},
+                                            ensure_ascii=False) + "\n</tool_call>"),
+}
+
+
+@pytest.mark.parametrize("fmt", ["qwen3_coder", "hermes"])
+def test_held_text_stays_bounded_while_a_long_call_streams(fmt):
+    """30K characters of code streamed one character at a time: between feeds the parser keeps only what it
+    must look at again (a tag or a name cut by the piece's end), never the call so far. It had kept, copied
+    and partly searched the whole call on every delta: quadratic (480K characters: 2.9 s, now 0.8 s)."""
+    text = ("<think>\n" + "Plan: write it. " * 200 + "</think>\n\n" + "Writing the file — «ok». " * 100
+            + LONG_CALLS[fmt] + "\nDone.")
+    assert len(LONG_CODE) > 30000
+    parser = ChatOutputParser(fmt, TOOLS)
+    deltas, most_held = [], 0
+    for char in text:
+        deltas += parser.feed(char)
+        most_held = max(most_held, parser.held_chars)
+    deltas += parser.finish()
+    assert most_held <= len("<parameter=") + MAX_NAME_LEN + 1
+    msg = collect(deltas)
+    assert json.loads(msg.tool_calls[0].arguments) == {"path": "big.py", "content": LONG_CODE}
+    assert msg.content.endswith("«ok». Done.") and msg.reasoning.startswith("Plan:")
+
+
+# Random generations built from the pieces below (fixed seed): whatever the chunking, streamed equals parsed;
+# and when nothing is malformed, parsed is what was built.
+PROSE = ["Sure — I'll do that.", "Zürich, 東京 and Montréal: ", "e\u0301 (combining) and 👩‍💻 (ZWJ). ",
+         "Use <tool_call> tags like this. ", "a < b and c > d; <b>bold</b> ", "Done ✓\n", "שלום עולם. ",
+         "Note: </tool_call> and <function=x> in prose. "]
+VALUES = ["geo/圆.py", CODE, 'x = "</parameter>"  # a close tag in code\nprint(x)', "", "  padded  ",
+          "End a call with </tool_call> and </function>.", '{"a": 1} stays a string', "line\n\n\tindented\n",
+          "<tool_call>\n<function=write_file>\n<parameter=path>\nq.py\n</parameter>\n</function>\n</tool_call>"]
+MALFORMED_CALLS = [
+    "<tool_call>\n<function=delete_all>\n</function>\n</tool_call>",
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n<parameter=days>\n2\n</parameter>\n"
+    "</function>\n</tool_call>",
+    "<tool_call>\n<function=get_weather>\ncity=Oslo\n</function>\n</tool_call>",
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}\n</tool_call>',
+    "<tool_call>\n<function=run_shell>\n<parameter=command>\nls\n</parameter>\n<parameter=cwd>\n/tmp\n</parameter>\n"
+    "</function>\n</tool_call>",
+]
+
+
+def built_call(rng, fmt):
+    name, args = rng.choice([
+        ("write_file", {"path": rng.choice(VALUES), "content": rng.choice(VALUES)}),
+        ("write_file", {"content": rng.choice(VALUES), "overwrite": rng.choice([True, False])}),
+        ("get_weather", {"city": rng.choice(VALUES), "days": rng.randint(-3, 30)}),
+        ("run_shell", {"command": rng.choice(VALUES), "timeout_s": rng.choice([0.5, 90.25, 3])}),
+    ])
+    if fmt == "hermes":
+        body = json.dumps({"name": name, "arguments": args}, ensure_ascii=False)
+        return f"<tool_call>\n{body}\n</tool_call>", (name, args)
+    params = "".join(f"<parameter={k}>\n{json.dumps(v) if not isinstance(v, str) else v}\n</parameter>\n"
+                     for k, v in args.items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>", (name, args)
+
+
+def built_generation(rng, fmt, malformed):
+    """A generation and the message it stands for (content, reasoning, calls; not meant to hold when a
+    malformed call went in)."""
+    text, content, calls = [], [], []
+    reasoning = None
+    if rng.random() < 0.5:
+        reasoning = "".join(rng.choices(PROSE, k=rng.randint(1, 3)))
+        text.append(f"<think>\n{reasoning}</think>\n\n")
+    for _ in range(rng.randint(0, 4)):
+        prose = "".join(rng.choices(PROSE, k=rng.randint(0, 2)))
+        text.append(prose)
+        content.append(prose)
+        if rng.random() < 0.2 and malformed:
+            text.append(rng.choice(MALFORMED_CALLS))
+        else:
+            call_text, call = built_call(rng, fmt)
+            text.append(call_text)
+            calls.append(call)
+        text.append(rng.choice(["", "\n", "\n\n"]))
+    tail = "".join(rng.choices(PROSE, k=rng.randint(0, 2)))
+    text.append(tail)
+    content.append(tail)
+    return "".join(text), ("".join(content) or None, reasoning, calls)
+
+
+def random_chunkings(rng, text, n):
+    yield list(text)
+    for _ in range(n if len(text) > 1 else 0):
+        cuts = sorted(rng.sample(range(1, len(text)), k=rng.randint(1, min(50, len(text) - 1))))
+        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+@pytest.mark.parametrize("fmt", ["qwen3_coder", "hermes"])
+def test_random_generations_stream_as_they_parse(fmt):
+    rng = random.Random(20240611)
+    for case in range(150):
+        text, built = built_generation(rng, fmt, malformed=case % 3 == 0)
+        if case % 5 == 4:  # cut short at max_tokens, a call left open as often as not
+            text = text[:rng.randint(0, len(text))]
+        parser = ChatOutputParser(fmt, TOOLS)
+        parsed = parser.parse(text)
+        if case % 3 and case % 5 != 4:
+            assert (parsed.content, parsed.reasoning, [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls]) \
+                == built, text
+        for pieces in random_chunkings(rng, text, 4):
+            deltas, streamed = stream(fmt, pieces)
+            assert comparable(collect(deltas)) == comparable(parsed), (text, pieces)
+            assert streamed.has_tool_calls == parser.has_tool_calls
+            check_call_deltas(deltas)

@@ -100,9 +100,14 @@ def test_qwen3_coder_values_typed_by_schema():
     ("\nNaN\n", {"type": "number"}, "NaN"),                       # not strict JSON: kept as text
     ("\n1e400\n", {"type": "number"}, "1e400"),
     ("\n{1, 2}\n", {"type": "array"}, "{1, 2}"),                  # a Python set is not JSON
-    ("\n12\n", None, 12),                                         # no schema: JSON if it parses
+    # no type, or not in the schema: the text, as vLLM's qwen3_coder parser gives it, whatever it looks like
+    ("\n12\n", None, "12"),
     ("\nhello\n", None, "hello"),
-    ("\nTrue\n", {}, "True"),                                     # best effort is JSON only
+    ('\n{"a": 1}\n', {}, '{"a": 1}'),
+    ("\n[1, 2]\n", {"description": "any JSON"}, "[1, 2]"),
+    ("\nnull\n", None, "null"),
+    ("\nTrue\n", {}, "True"),
+    ("\n7\n", {"enum": [7, 8]}, "7"),
     ("\ncelsius\n", {"enum": ["celsius", "kelvin"]}, "celsius"),
     ("\n5\n", {"anyOf": [{"type": "integer"}, {"type": "null"}]}, 5),
     # a literal of another type than declared stays text (session 15's bug hunt: "1,000" had become [1, 0])
@@ -118,12 +123,18 @@ def test_coerce_parameter(raw, schema, value):
     assert type(coerce_parameter(raw, schema)) is type(value)
 
 
-def test_unknown_parameter_is_best_effort():
+def test_parameter_without_a_type_is_a_string_as_in_vllm():
+    """vLLM's qwen3_coder parser returns a parameter the tool's schema does not list, or lists without a
+    `type`, as the raw string; it had been parsed as JSON here (47.37 a number, [1, 2] a list)."""
+    tools = [*TOOLS, {"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "properties": {"data": {"description": "anything"}, "n": {"type": "integer"}}}}}]
     text = ("<tool_call>\n<function=get_weather>\n<parameter=city>\n12\n</parameter>\n"
             "<parameter=lat>\n47.37\n</parameter>\n<parameter=hint>\nnear the lake\n</parameter>\n"
-            "</function>\n</tool_call>")
-    assert calls(parse("qwen3_coder", text)) == [("get_weather", {"city": "12", "lat": 47.37,
-                                                                    "hint": "near the lake"})]
+            "</function>\n</tool_call>\n<tool_call>\n<function=note>\n<parameter=data>\n{\"a\": 1}\n</parameter>\n"
+            "<parameter=n>\n3\n</parameter>\n<parameter=extra>\n[1, 2]\n</parameter>\n</function>\n</tool_call>")
+    msg = ChatOutputParser("qwen3_coder", tools).parse(text)
+    assert calls(msg) == [("get_weather", {"city": "12", "lat": "47.37", "hint": "near the lake"}),
+                          ("note", {"data": '{"a": 1}', "n": 3, "extra": "[1, 2]"})]
 
 
 MALFORMED = [

@@ -61,10 +61,12 @@ class ChatOutputParser:
         self._starts_in_reasoning = starts_in_reasoning
         self._section = _Section.START if reasoning else _Section.CONTENT
         self._skip_whitespace = reasoning
-        self._pending = ""  # text not yet emitted: a possible tag prefix, or the body of an open call
+        self._pending = ""  # text outside a call not yet emitted: at most a possible tag prefix between feeds
         self._scanner: ToolCallScanner | None = None
+        self._call_text: list[str] = []  # the open call's text, as it came: read again as content if rejected
         self._call_ids: set[str] = set()
         self._out: list[Delta] = []
+        self._text: list[str] = []  # reasoning or content (by _section) not yet in _out
         self._used = False
         self._finished = False
 
@@ -73,19 +75,24 @@ class ChatOutputParser:
         """Whether a call was emitted: the choice's finish_reason is then `tool_calls`."""
         return bool(self._call_ids)
 
+    @property
+    def held_chars(self) -> int:
+        """Characters kept between feeds to be looked at again: a tag, or a name, cut by a piece's end. It
+        never grows with the length of a call or of the text, which is what keeps streaming linear."""
+        return len(self._pending) + (self._scanner.held_chars if self._scanner is not None else 0)
+
     def feed(self, delta_text: str) -> list[Delta]:
         assert not self._finished, "feed after finish"
         self._used = True
-        self._pending += delta_text
-        self._advance(final=False)
+        self._advance(delta_text, final=False)
         return self._take()
 
     def finish(self) -> list[Delta]:
         """The generation ended: release what was held back; an unfinished call becomes content."""
         assert not self._finished, "finish called twice"
         self._used = self._finished = True
-        self._advance(final=True)
-        assert not self._pending, "text left behind at finish"
+        self._advance("", final=True)
+        assert not self._pending and self._scanner is None, "text left behind at finish"
         return self._take()
 
     def parse(self, full_text: str) -> ParsedMessage:
@@ -94,19 +101,23 @@ class ChatOutputParser:
         return collect(self.feed(full_text) + self.finish())
 
     def _take(self) -> list[Delta]:
+        self._flush_text()
         out, self._out = self._out, []
         return out
 
     def _emit_text(self, text: str) -> None:
-        if not text:
-            return
-        kind = ReasoningDelta if self._section is _Section.REASONING else ContentDelta
-        if self._out and type(self._out[-1]) is kind:
-            self._out[-1] = kind(self._out[-1].text + text)
-        else:
-            self._out.append(kind(text))
+        if text:
+            self._text.append(text)
+
+    def _flush_text(self) -> None:
+        """One delta for the text since the last call or section change, however many pieces it came in."""
+        if self._text:
+            kind = ReasoningDelta if self._section is _Section.REASONING else ContentDelta
+            self._out.append(kind("".join(self._text)))
+            self._text = []
 
     def _emit_call(self, call: ScannedCall) -> None:
+        self._flush_text()
         call_id = new_call_id()
         while call_id in self._call_ids:
             call_id = new_call_id()
@@ -116,25 +127,35 @@ class ChatOutputParser:
         # json.dumps's default separators, as vLLM's parsers write arguments ({"city": "Paris"}).
         self._out.append(ToolCallArguments(index=index, text=json_text(call.arguments, separators=(", ", ": "))))
 
-    def _advance(self, final: bool) -> None:
+    def _advance(self, text: str, final: bool) -> None:
         while True:
             if self._section is _Section.TOOL_CALL:
-                verdict = self._scanner.scan(self._pending, final)
+                self._call_text.append(text)
+                verdict = self._scanner.scan(text, final)
                 if verdict is None:
                     return
-                self._scanner = None
-                self._section = _Section.CONTENT
+                body = "".join(self._call_text)
+                self._scanner, self._call_text, self._section = None, [], _Section.CONTENT
                 if verdict is REJECTED:
                     self._emit_text(TOOL_CALL_OPEN)  # and the body is scanned again as content
+                    self._pending = body
                 else:
                     self._emit_call(verdict)
-                    self._pending = self._pending[verdict.end:]
+                    self._pending = body[verdict.end:]
                     self._skip_whitespace = True
-                continue
+            else:
+                self._pending += text
+            text = self._advance_outside_call(final)
+            if text is None:
+                return
+
+    def _advance_outside_call(self, final: bool) -> str | None:
+        """Emit what pending text can be emitted; when a call opens, the text after `<tool_call>`."""
+        while True:
             if self._skip_whitespace:
                 self._pending = self._pending.lstrip()
                 if not self._pending:
-                    return
+                    return None
                 self._skip_whitespace = False
             if self._section is _Section.START:
                 if self._pending.startswith(THINK_OPEN):
@@ -142,7 +163,7 @@ class ChatOutputParser:
                     self._section, self._skip_whitespace = _Section.REASONING, True
                     continue
                 if THINK_OPEN.startswith(self._pending) and not final:
-                    return
+                    return None
                 self._section = _Section.REASONING if self._starts_in_reasoning else _Section.CONTENT
                 continue
             if self._section is _Section.REASONING:
@@ -152,17 +173,18 @@ class ChatOutputParser:
             else:
                 self._emit_text(self._pending)
                 self._pending = ""
-                return
+                return None
             found = self._pending.find(tag)
             if found >= 0:
                 self._emit_text(self._pending[:found])
-                self._pending = self._pending[found + len(tag):]
+                rest = self._pending[found + len(tag):]
                 if self._section is _Section.REASONING:
-                    self._section, self._skip_whitespace = _Section.CONTENT, True
-                else:
-                    self._section, self._scanner = _Section.TOOL_CALL, self._scanner_type(self._tools)
-                continue
+                    self._flush_text()
+                    self._section, self._skip_whitespace, self._pending = _Section.CONTENT, True, rest
+                    continue
+                self._section, self._scanner, self._pending = _Section.TOOL_CALL, self._scanner_type(self._tools), ""
+                return rest
             held = 0 if final else partial_tag_len(self._pending, tag)
             self._emit_text(self._pending[:len(self._pending) - held])
             self._pending = self._pending[len(self._pending) - held:]
-            return
+            return None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 from flashnext.server.parsers.scanning import REJECTED, ScannedCall, ScanVerdict
 from flashnext.server.parsers.tags import MISMATCH, PENDING, TOOL_CALL_CLOSE, match_literal, skip_whitespace
@@ -13,31 +14,47 @@ _OUTSIDE_STRING = re.compile(r'[{}"<]')
 
 class HermesCallScanner:
     """Finds the end of the JSON object by tracking strings and brace depth, so a `</tool_call>` written
-    inside an argument string does not cut the call short. The scan resumes where it stopped, so a long
-    call costs linear time however finely it is streamed."""
+    inside an argument string does not cut the call short. The object's text is kept as pieces and parsed
+    once it closes; the scan never looks at a character twice."""
 
     def __init__(self, tools: ToolSchemas):
         self._tools = tools
-        self._start: int | None = None  # where the object's `{` is
-        self._pos = 0
+        self._text = ""  # what may still be looked at; what came before it is consumed
+        self._offset = 0  # where _text starts in the call
+        self._pos = 0  # in _text: where the scan resumes
+        self._object: list[str] | None = None  # the object's text before _start, once its `{` is seen
+        self._start = 0  # in _text: where the object's text not yet in _object starts
         self._depth = 0
         self._in_string = False
-        self._object_end: int | None = None
         self._call: tuple[str, dict] | None = None
 
-    def scan(self, text: str, final: bool) -> ScanVerdict:
-        verdict = self._scan(text)
-        return REJECTED if verdict is None and final else verdict
+    @property
+    def held_chars(self) -> int:
+        return len(self._text)
+
+    def scan(self, more: str, final: bool) -> ScanVerdict:
+        self._text += more
+        verdict = self._scan(self._text)
+        if isinstance(verdict, ScannedCall):
+            return replace(verdict, end=verdict.end + self._offset)
+        if verdict is REJECTED:
+            return verdict
+        if self._object is not None and self._call is None:
+            self._object.append(self._text[self._start:self._pos])
+        self._text = self._text[self._pos:]
+        self._offset += self._pos
+        self._pos = self._start = 0
+        return REJECTED if final else None
 
     def _scan(self, text: str) -> ScanVerdict:
-        if self._start is None:
-            pos = skip_whitespace(text, 0)
-            if pos == len(text):
+        if self._object is None:
+            self._pos = skip_whitespace(text, self._pos)
+            if self._pos == len(text):
                 return None
-            if text[pos] != "{":
+            if text[self._pos] != "{":
                 return REJECTED
-            self._start, self._pos, self._depth = pos, pos + 1, 1
-        while self._object_end is None:
+            self._object, self._start, self._pos, self._depth = [], self._pos, self._pos + 1, 1
+        while self._call is None:
             if self._in_string:
                 match = _IN_STRING.search(text, self._pos)
                 if match is None:
@@ -65,15 +82,13 @@ class HermesCallScanner:
             elif char == "}":
                 self._depth -= 1
                 if self._depth == 0:
-                    self._object_end = self._pos
+                    self._call = self._read_call("".join(self._object) + text[self._start:self._pos])
+                    if self._call is None:
+                        return REJECTED
             else:  # `<` outside a string: not JSON, whatever follows (e.g. `</tool_call>` before the last `}`)
                 return REJECTED
-        if self._call is None:
-            call = self._read_call(text[self._start:self._object_end])
-            if call is None:
-                return REJECTED
-            self._call = call
-        end, _ = match_literal(text, self._object_end, TOOL_CALL_CLOSE)
+        self._pos = skip_whitespace(text, self._pos)
+        end, _ = match_literal(text, self._pos, TOOL_CALL_CLOSE)
         if end == PENDING:
             return None
         if end == MISMATCH:

@@ -10,13 +10,27 @@
     </tool_call>
 
 Values are raw text, typed afterwards by the tool's JSON schema (tool_schema.coerce_parameter).
+
+Where a value ends. Values are code, templates and tests that may hold this format's own tags, so the first
+`</parameter>` is not always the end. As vLLM's qwen3_coder parser reads them:
+- a `</parameter>` ends the value only when `</function>`, `</tool_call>` or `<parameter=KEY>` follows it
+  (after whitespace), KEY a parameter the tool declares (any KEY if it declares none); otherwise it is text
+  (`end = "</parameter>"` in code, a template quoting the format);
+- a `<parameter=` at the start of a line inside a value opens a nested pair whose `</parameter>` is text (a
+  value quoting a whole call, as a parser's test fixture does).
+When the generation ends inside a value, the model slipped, and the call is read a second time, more loosely:
+a `<parameter=KEY>` after `</parameter>` counts whatever KEY is (a key the tool lacks, which vLLM folds into
+the value before it), and a line-start `<parameter=KEY>` of a declared parameter not given yet ends the value
+too (a model that left out `</parameter>`). Only such a call waits for the end of the generation.
 """
 from __future__ import annotations
 
+import re
+from dataclasses import replace
 from enum import Enum
 
 from flashnext.server.parsers.scanning import REJECTED, ScannedCall, ScanVerdict
-from flashnext.server.parsers.tags import PENDING, TOOL_CALL_CLOSE, match_literal
+from flashnext.server.parsers.tags import MISMATCH, PENDING, TOOL_CALL_CLOSE, match_literal, skip_whitespace
 from flashnext.server.parsers.tool_schema import ToolSchemas, coerce_parameter
 
 FUNCTION_OPEN = "<function="
@@ -26,37 +40,76 @@ PARAMETER_CLOSE = "</parameter>"
 # A function or parameter name longer than this is a model that lost the format, not a name.
 MAX_NAME_LEN = 256
 
+_NESTED_OPEN = "\n" + PARAMETER_OPEN
+_VALUE_TAGS = re.compile(f"{re.escape(PARAMETER_CLOSE)}|{re.escape(_NESTED_OPEN)}")
+# Text at the end that may be the start of a value tag, and so is searched again with the next piece.
+_VALUE_TAG_HOLD = max(len(PARAMETER_CLOSE), len(_NESTED_OPEN)) - 1
+
 
 class _Expect(Enum):
     FUNCTION = "<function=NAME>"
     PARAMETER_OR_END = "<parameter=KEY>, </function> or </tool_call>"
     PARAMETER_NAME = "KEY>"
     VALUE = "VALUE</parameter>"
+    AFTER_CLOSE = "<parameter=, </function> or </tool_call> after </parameter>, else it was text"
     TOOL_CALL_CLOSE = "</tool_call>"
 
 
 class Qwen3CoderCallScanner:
     """A strict reading of the grammar above (one slip forgiven: a missing `</function>`): anything else
-    between the tags rejects the call (it then reads as content). A value ends at the first
-    `</parameter>`, so values may hold `</tool_call>`, `<function=` or any code. The scan resumes
-    where it stopped: linear in the length of the call."""
+    between the tags rejects the call (it then reads as content). Consumed text is dropped as the scan goes,
+    except the current value's, kept as pieces and joined once when the value ends."""
 
-    def __init__(self, tools: ToolSchemas):
+    def __init__(self, tools: ToolSchemas, recovering: bool = False):
         self._tools = tools
+        self._recovering = recovering  # the second reading: a line-start <parameter=KEY> may end a value
+        self._received: list[str] = []  # the call as handed in, for the second reading
+        self._text = ""  # what may still be looked at; what came before it is consumed
+        self._offset = 0  # where _text starts in the call
+        self._pos = 0  # in _text: where the element now expected starts
         self._expect = _Expect.FUNCTION
-        self._pos = 0
-        self._value_search_from = 0
         self._function = ""
         self._parameter = ""
         self._arguments: dict = {}
+        self._value: list[str] = []  # the current value's text before _pos
+        self._search_from = 0  # in a value: where the search for its tags resumes
+        self._depth = 0  # nested <parameter= … </parameter> pairs open in the current value
+        self._close: list[str] = []  # `</parameter>` and the whitespace after it, until AFTER_CLOSE decides
 
-    def scan(self, text: str, final: bool) -> ScanVerdict:
-        verdict = self._scan(text)
-        return REJECTED if verdict is None and final else verdict
+    @property
+    def held_chars(self) -> int:
+        return len(self._text)
 
-    def _scan(self, text: str) -> ScanVerdict:
+    def scan(self, more: str, final: bool) -> ScanVerdict:
+        if not self._recovering:
+            self._received.append(more)
+        self._text += more
+        verdict = self._scan()
+        if isinstance(verdict, ScannedCall):
+            return replace(verdict, end=verdict.end + self._offset)
+        if verdict is REJECTED:
+            return verdict
+        self._drop_consumed()
+        if not final:
+            return None
+        if self._expect in (_Expect.VALUE, _Expect.AFTER_CLOSE) and not self._recovering:
+            return Qwen3CoderCallScanner(self._tools, recovering=True).scan("".join(self._received), final=True)
+        return REJECTED
+
+    def _drop_consumed(self) -> None:
+        if self._expect is _Expect.VALUE:
+            self._value.append(self._text[self._pos:self._search_from])
+            self._pos = self._search_from
+        cut = self._pos
+        self._text = self._text[cut:]
+        self._offset += cut
+        self._pos = self._search_from = 0
+
+    def _scan(self) -> ScanVerdict:
+        text = self._text
         while True:
             if self._expect is _Expect.FUNCTION:
+                self._pos = skip_whitespace(text, self._pos)
                 end, _ = match_literal(text, self._pos, FUNCTION_OPEN)
                 if end < 0:
                     return None if end == PENDING else REJECTED
@@ -67,6 +120,7 @@ class Qwen3CoderCallScanner:
                     return REJECTED
                 self._function, self._pos, self._expect = name, end, _Expect.PARAMETER_OR_END
             elif self._expect is _Expect.PARAMETER_OR_END:
+                self._pos = skip_whitespace(text, self._pos)
                 # `</tool_call>` without `</function>` is a slip models make; the call is still whole.
                 end, literal = match_literal(text, self._pos, PARAMETER_OPEN, FUNCTION_CLOSE, TOOL_CALL_CLOSE)
                 if end < 0:
@@ -79,22 +133,95 @@ class Qwen3CoderCallScanner:
                 name, end = _read_name(text, self._pos)
                 if name is None or name is REJECTED:
                     return name
-                self._parameter, self._pos, self._value_search_from = name, end, end
-                self._expect = _Expect.VALUE
+                self._start_value(name, end)
             elif self._expect is _Expect.VALUE:
-                close = text.find(PARAMETER_CLOSE, self._value_search_from)
-                if close < 0:
-                    self._value_search_from = max(self._pos, len(text) - len(PARAMETER_CLOSE) + 1)
+                verdict = self._scan_value(text)
+                if verdict is not _CONTINUE:
+                    return verdict
+            elif self._expect is _Expect.AFTER_CLOSE:
+                start = skip_whitespace(text, self._pos)
+                self._close.append(text[self._pos:start])
+                self._pos = start
+                ended = self._value_ended(text, start)
+                if ended is None:
                     return None
-                schema = self._tools.parameter_schema(self._function, self._parameter)
-                # A repeated key: the last one wins, as in a JSON object.
-                self._arguments[self._parameter] = coerce_parameter(text[self._pos:close], schema)
-                self._pos, self._expect = close + len(PARAMETER_CLOSE), _Expect.PARAMETER_OR_END
+                if ended:  # the tag at start is read again as PARAMETER_OR_END
+                    self._end_value("".join(self._value))
+                    self._expect = _Expect.PARAMETER_OR_END
+                else:  # the `</parameter>` was text of the value
+                    self._value += self._close
+                    self._expect, self._search_from = _Expect.VALUE, start
+                    # a line-start <parameter= right after it, whose newline the tag search will not see again
+                    if text.startswith(PARAMETER_OPEN, start) and "".join(self._close).endswith("\n"):
+                        self._depth += 1
+                        self._search_from = start + len(PARAMETER_OPEN)
             else:
+                self._pos = skip_whitespace(text, self._pos)
                 end, _ = match_literal(text, self._pos, TOOL_CALL_CLOSE)
                 if end < 0:
                     return None if end == PENDING else REJECTED
                 return ScannedCall(name=self._function, arguments=self._arguments, end=end)
+
+    def _scan_value(self, text: str):
+        """Up to the `</parameter>` that may end the value (then AFTER_CLOSE decides), or the value's end in
+        the second reading; None when the text runs out first."""
+        while True:
+            match = _VALUE_TAGS.search(text, self._search_from)
+            if match is None:
+                self._search_from = max(self._search_from, len(text) - _VALUE_TAG_HOLD)
+                return None
+            if match.group() == _NESTED_OPEN:
+                if self._recovering:
+                    name, end = _read_name(text, match.end())
+                    if name is None:
+                        self._search_from = match.start()
+                        return None
+                    if name is not REJECTED and self._may_end_unclosed_value(name):
+                        # the newline before the tag is the value's framing, stripped with it
+                        self._end_value("".join(self._value) + text[self._pos:match.start() + 1])
+                        self._start_value(name, end)
+                        return _CONTINUE
+                self._depth += 1
+            elif self._depth:
+                self._depth -= 1
+            else:
+                self._value.append(text[self._pos:match.start()])
+                self._close = [PARAMETER_CLOSE]
+                self._pos, self._expect = match.end(), _Expect.AFTER_CLOSE
+                return _CONTINUE
+            self._search_from = match.end()
+
+    def _value_ended(self, text: str, pos: int) -> bool | None:
+        """Whether the tag at pos, after a `</parameter>`, shows that it ended the value; None if undecided."""
+        end, literal = match_literal(text, pos, PARAMETER_OPEN, FUNCTION_CLOSE, TOOL_CALL_CLOSE)
+        if end == PENDING:
+            return None
+        if end == MISMATCH:
+            return False
+        if literal != PARAMETER_OPEN or self._recovering:
+            return True
+        name, _ = _read_name(text, end)
+        if name is None:
+            return None
+        declared = self._tools.parameter_names(self._function)
+        return name is not REJECTED and (not declared or name in declared)
+
+    def _may_end_unclosed_value(self, name: str) -> bool:
+        return (name != self._parameter and name not in self._arguments
+                and name in self._tools.parameter_names(self._function))
+
+    def _start_value(self, name: str, end: int) -> None:
+        self._parameter, self._pos, self._search_from = name, end, end
+        self._value, self._depth, self._expect = [], 0, _Expect.VALUE
+
+    def _end_value(self, raw: str) -> None:
+        schema = self._tools.parameter_schema(self._function, self._parameter)
+        # A repeated key: the last one wins, as in a JSON object.
+        self._arguments[self._parameter] = coerce_parameter(raw, schema)
+        self._value = []
+
+
+_CONTINUE = object()  # _scan_value moved to another state: go on scanning
 
 
 def _read_name(text: str, pos: int):

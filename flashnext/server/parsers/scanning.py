@@ -1,14 +1,17 @@
 """The contract between the chat output state machine and a tool-call format.
 
-After `<tool_call>` the state machine hands the text that follows it to a fresh scanner of the request's
-format, again each time more text arrives (the text only grows). The scanner answers:
+After `<tool_call>` the state machine makes a fresh scanner of the request's format and hands it the text that
+follows, piece by piece as it arrives. After each piece the scanner answers:
 - None: undecided, send more text;
 - REJECTED: this is not a well-formed call of a requested tool; `<tool_call>` is content after all, and
   everything after it is scanned again as content;
-- ScannedCall: a complete call; `end` is where it stops, just past `</tool_call>`.
+- ScannedCall: a complete call; `end` is where it stops in the pieces joined, just past `</tool_call>`.
 A verdict may depend only on the text given, never on how it was cut into pieces: that is what keeps
 streamed and non-streamed results identical. With final=True (the generation ended) it must not answer
 None.
+
+A scanner keeps only the text it may still have to look at again (`held_chars`: a tag or name cut by a
+piece's end), not the call so far, so a long call streamed a character at a time costs linear time.
 """
 from __future__ import annotations
 
@@ -38,4 +41,7 @@ ScanVerdict = ScannedCall | _Rejected | None
 class ToolCallScanner(Protocol):
     def __init__(self, tools: ToolSchemas): ...
 
-    def scan(self, text: str, final: bool) -> ScanVerdict: ...
+    def scan(self, more: str, final: bool) -> ScanVerdict: ...
+
+    @property
+    def held_chars(self) -> int: ...

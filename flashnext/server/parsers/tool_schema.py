@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+from collections.abc import KeysView
 from typing import Any
 
 
@@ -34,9 +35,16 @@ class ToolSchemas:
         return bool(self._parameters)
 
     def parameter_schema(self, function: str, parameter: str) -> dict | None:
-        properties = self._parameters.get(function, {}).get("properties")
-        schema = properties.get(parameter) if isinstance(properties, dict) else None
+        schema = self._properties(function).get(parameter)
         return schema if isinstance(schema, dict) else None
+
+    def parameter_names(self, function: str) -> KeysView[str]:
+        """The parameters the function's schema lists (none for an unknown function)."""
+        return self._properties(function).keys()
+
+    def _properties(self, function: str) -> dict:
+        properties = self._parameters.get(function, {}).get("properties")
+        return properties if isinstance(properties, dict) else {}
 
 
 class _Invalid:
@@ -92,7 +100,7 @@ def parse_literal(text: str) -> Any:
 
 
 def _schema_types(schema: Any) -> set[str] | None:
-    """The JSON types a schema allows, or None when it does not say (then any value goes)."""
+    """The JSON types a schema allows, or None when it does not say (the value then stays a string)."""
     if not isinstance(schema, dict):
         return None
     declared = schema.get("type")
@@ -129,13 +137,14 @@ def coerce_parameter(raw: str, schema: dict | None) -> Any:
 
     Strings are kept verbatim (code keeps its indentation and inner newlines). Other declared types are
     parsed as JSON, then as a Python literal; text that is neither stays a string, so the tool itself
-    reports the bad argument to the agent. Without a usable schema: JSON if it parses, else the string.
+    reports the bad argument to the agent. A parameter whose schema declares no type, or that the tool's
+    schema does not list, is a string whatever it looks like (`123`, `{"a": 1}`, `null`): what vLLM's
+    qwen3_coder parser gives, so an agent sees the same arguments from either server.
     """
     text = strip_framing_newlines(raw)
     types = _schema_types(schema)
     if types is None:
-        value = parse_json(text)
-        return text if value is INVALID else value
+        return text
     if "string" in types:
         if "null" in types and text.strip() in ("null", "None"):
             return None

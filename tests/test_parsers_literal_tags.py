@@ -1,0 +1,107 @@
+"""qwen3_coder values that hold the format's own tags (code, templates, parser fixtures), and calls that
+slip (a `</parameter>` left out, a key the tool lacks): where each value ends, as vLLM's qwen3_coder parser
+reads it (the cases of its tests/tool_parsers/test_qwen3_xml_coder_shared.py), and the same result however
+the text is streamed."""
+import json
+import random
+
+import pytest
+
+from flashnext.server.parsers import ChatOutputParser, collect
+
+
+def tool(name, **types):
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {k: {"type": t} for k, t in types.items()}}}}
+
+
+TOOLS = [tool("write_file", path="string", content="string"), tool("foo", bar="string"),
+         tool("get_weather", city="string", state="string", unit="string"),
+         tool("edit", path="string", old="string", new="string", count="integer")]
+
+
+def call(name, *params):
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params)
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+# vLLM's fixtures: a value that is itself Python holding the tags
+CODE_WITH_TAGS = ('char_deltas = [\n    "<tool_call>\\n",\n    "<parameter=query>\\n",\n    "\\n</parameter>\\n",\n'
+                  '    "</function>\\n",\n]')
+PARAM_LIKE_LINES = ('TOOL_CALL_TEMPLATE = """\n</parameter>\n<parameter=new_string>\n#!/usr/bin/env python3\n'
+                    '</parameter>\n"""')
+REAL_NAME_LITERAL = 'doc = """\n<parameter=path>\nliteral/value\n</parameter>\n"""'
+NESTED_CALL = 'doc = """\n' + call("write_file", ("path", "literal/value.txt"), ("content", "hello")) + '\n"""'
+NESTED_FOO = ('template = """\n<tool_call>\n<function=foo>\n<parameter=bar>baz</parameter>\n</function>\n'
+              '</tool_call>\n"""')
+
+WHOLE = call("write_file", ("path", "f.py"), ("content", NESTED_CALL))
+TRUNCATED = WHOLE[:WHOLE.rindex('</tool_call>\n"""')]  # the quoted call's </function> is the text's last tag
+
+CASES = [
+    # (id, text, content, calls)
+    ("close-tag-inside-code", call("write_file", ("path", "test.py"), ("content", CODE_WITH_TAGS)),
+     None, [("write_file", {"path": "test.py", "content": CODE_WITH_TAGS})]),
+    ("param-like-lines-undeclared-key", call("write_file", ("path", "t.py"), ("content", PARAM_LIKE_LINES)),
+     None, [("write_file", {"path": "t.py", "content": PARAM_LIKE_LINES})]),
+    ("nested-pair-of-a-declared-key", call("write_file", ("path", "fixture.py"), ("content", REAL_NAME_LITERAL)),
+     None, [("write_file", {"path": "fixture.py", "content": REAL_NAME_LITERAL})]),
+    ("whole-call-quoted", call("write_file", ("path", "fixture.py"), ("content", NESTED_CALL)),
+     None, [("write_file", {"path": "fixture.py", "content": NESTED_CALL})]),
+    ("whole-call-quoted-before-path", call("write_file", ("content", NESTED_CALL), ("path", "fixture.py")),
+     None, [("write_file", {"content": NESTED_CALL, "path": "fixture.py"})]),
+    ("second-call-quotes-the-first", call("foo", ("bar", "baz")) + "\n\n"
+     + call("write_file", ("path", "fixture.py"), ("content", NESTED_FOO)),
+     None, [("foo", {"bar": "baz"}), ("write_file", {"path": "fixture.py", "content": NESTED_FOO})]),
+    ("close-then-whitespace-then-text", call("edit", ("path", "a.py"), ("old", "x = 1\n</parameter>\n  y = 2")),
+     None, [("edit", {"path": "a.py", "old": "x = 1\n</parameter>\n  y = 2"})]),
+    # slips, read a second time once the generation ends
+    ("missing-close", "Let me check:\n<tool_call>\n<function=get_weather>\n<parameter=city>\nDallas\n"
+     "<parameter=state>\nTX\n</parameter>\n<parameter=unit>\nfahrenheit\n</parameter>\n</function>\n</tool_call>",
+     "Let me check:\n", [("get_weather", {"city": "Dallas", "state": "TX", "unit": "fahrenheit"})]),
+    ("undeclared-keys", call("get_weather", ("city", "Oslo"), ("lat", "59.9"), ("unit", "celsius"), ("hint", "fjord"))
+     + "\nDone.", "Done.", [("get_weather", {"city": "Oslo", "lat": "59.9", "unit": "celsius", "hint": "fjord"})]),
+    ("undeclared-key-then-another-call", call("edit", ("path", "a"), ("line", "3"), ("count", "2")) + "\n"
+     + call("foo", ("bar", "1")), None,
+     [("edit", {"path": "a", "line": "3", "count": 2}), ("foo", {"bar": "1"})]),
+    # truncated at max_tokens: content, even where the value's tags would close a call at the end
+    ("truncated-in-quoted-call", TRUNCATED, TRUNCATED, []),
+    ("truncated-after-close", "<tool_call>\n<function=foo>\n<parameter=bar>\nx\n</parameter>\n",
+     "<tool_call>\n<function=foo>\n<parameter=bar>\nx\n</parameter>\n", []),
+    ("truncated-in-key-after-close", "<tool_call>\n<function=foo>\n<parameter=bar>\nx\n</parameter>\n<parameter=ba",
+     "<tool_call>\n<function=foo>\n<parameter=bar>\nx\n</parameter>\n<parameter=ba", []),
+]
+
+
+def comparable(msg):
+    return msg.content, msg.reasoning, [(c.name, json.loads(c.arguments)) for c in msg.tool_calls]
+
+
+@pytest.mark.parametrize("text,content,calls", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_where_a_value_ends(text, content, calls):
+    assert comparable(ChatOutputParser("qwen3_coder", TOOLS, reasoning=False).parse(text)) == (content, None, calls)
+
+
+@pytest.mark.parametrize("text", [c[1] for c in CASES], ids=[c[0] for c in CASES])
+def test_streamed_the_same_at_every_split_and_char_by_char(text):
+    expected = comparable(ChatOutputParser("qwen3_coder", TOOLS, reasoning=False).parse(text))
+    rng = random.Random(7)
+    chunkings = [list(text)] + [[text[:i], text[i:]] for i in range(len(text) + 1)]
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), k=rng.randint(1, 40)))
+        chunkings.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
+    for pieces in chunkings:
+        parser = ChatOutputParser("qwen3_coder", TOOLS, reasoning=False)
+        deltas = [d for piece in pieces for d in parser.feed(piece)] + parser.finish()
+        assert comparable(collect(deltas)) == expected, pieces
+
+
+def test_only_a_slipped_call_waits_for_the_end():
+    """A well-formed call is out at its `</tool_call>`; one that needs the second reading cannot be until the
+    generation ends (another `</parameter>` might still close its value)."""
+    parser = ChatOutputParser("qwen3_coder", TOOLS, reasoning=False)
+    assert len(parser.feed(call("write_file", ("path", "p"), ("content", NESTED_CALL)))) == 2
+    slipped = call("get_weather", ("city", "Oslo"), ("lat", "59.9"))
+    parser = ChatOutputParser("qwen3_coder", TOOLS, reasoning=False)
+    assert parser.feed(slipped + "\nmore") == []
+    assert comparable(collect(parser.finish())) == ("more", None, [("get_weather", {"city": "Oslo", "lat": "59.9"})])
