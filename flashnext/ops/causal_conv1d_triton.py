@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _causal_conv1d_kernel(x_ptr, tail_ptr, w_ptr, out_ptr, T, C, span, dilation, stride_x, stride_tail,
                           K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)

@@ -36,7 +36,7 @@ def gather_rows(table: torch.Tensor, rows: torch.Tensor, out_dtype: torch.dtype,
     return picked.to(device=rows.device, dtype=out_dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _gather_rows_kernel(table_ptr, rows_ptr, out_ptr, scale, num_rows, dim, row_stride,
                         HAS_SCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)

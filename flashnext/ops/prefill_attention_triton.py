@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "context_len", "n_chosen", "stride_ct"])
 def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, blocks_ptr, chosen_ptr, out_ptr,
                               T, context_len, n_chosen, stride_qt, stride_qh, stride_ot, stride_oh, stride_ct, scale,
                               GROUP: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,

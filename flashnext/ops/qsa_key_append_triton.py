@@ -20,7 +20,7 @@ from flashnext.ops.pdl import launch_options, wait_for_inputs
 from flashnext.ops.rounding import round_to_dtype
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _qsa_key_append_kernel(raw_ptr, ring_ptr, slots_ptr, pos_ptr, table_ptr, keys_ptr, w_ptr, inv_freq_ptr,
                            stride_raw, stride_table, rows, D, R, eps, RATIO: tl.constexpr, PER_PAGE: tl.constexpr,
                            BLOCK_D: tl.constexpr, CHAINED: tl.constexpr, RING: tl.constexpr, PDL: tl.constexpr):

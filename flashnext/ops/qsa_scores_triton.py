@@ -51,7 +51,7 @@ def qsa_block_scores_triton(q: torch.Tensor, index_keys: torch.Tensor, block_tab
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _qsa_prefill_scores_kernel(q_ptr, keys_ptr, before_ptr, out_ptr, T, NBLK, stride_qt, stride_qh, scale,
                                HEADS: tl.constexpr, D: tl.constexpr, FP32: tl.constexpr,
                                BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr):

@@ -72,7 +72,7 @@ def _top(keys, K):
     return chosen == 1, tl.cumsum(chosen, axis=0) - chosen
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _slice_top_kernel(scores_ptr, cand_key_ptr, cand_block_ptr, n, stride_s, K, SLICE: tl.constexpr,
                       PDL: tl.constexpr):
     wait_for_inputs(PDL)
@@ -86,7 +86,7 @@ def _slice_top_kernel(scores_ptr, cand_key_ptr, cand_block_ptr, n, stride_s, K, 
     tl.store(cand_block_ptr + out, block, mask=chosen)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "limit"])
 def _lists_kernel(scores_ptr, cand_block_ptr, pos_ptr, index_ptr, valid_ptr, n, stride_s, K, limit, width,
                   R: tl.constexpr, CHUNK: tl.constexpr, CANDIDATES: tl.constexpr, PDL: tl.constexpr):
     """scores_ptr: the row's scores, or with CANDIDATES the slices' candidate keys (n of them a row, block indices at

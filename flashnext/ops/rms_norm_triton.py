@@ -23,7 +23,7 @@ def rows_per_program(rows: int, block: int, device: torch.device) -> int:
     return max(1, min(triton.next_power_of_2(per + 1) // 2, MAX_TILE // block))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_units"])
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_units, stride_row, groups, group_size, eps, ROWS: tl.constexpr,
                      BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
@@ -59,7 +59,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, group_siz
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, n_rows, stride_x, stride_g, dim, eps, SILU: tl.constexpr,
                            ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)

@@ -59,7 +59,7 @@ def _row_bytes(table: torch.Tensor) -> int:
     return math.prod(table.shape[1:]) * table.element_size()   # an empty table too
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _copy_rows_kernel(plan_ptr, n, BLOCK: tl.constexpr):
     """plan [3, n]: source address, destination address, words. Programs (i, p) of P move row i's words
     p·BLOCK, (p + P)·BLOCK, …"""
