@@ -22,7 +22,7 @@ ELEMENTS_PER_THREAD = 64   # the weight tile a thread holds: BLOCK_N × next_pow
 NUM_WARPS = 4
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit
 def _linear_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -183,7 +183,7 @@ def _weight_tile(qw_ptr, z_ptr, s_ptr, k0, group_size, N, offs_n, n_ok, HAS_ZERO
     return words, low, zero, scale
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit
 def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, part_ptr, counter_ptr,
                        M, N, K, stride_xm, stride_om, group_size, k_per_split, n_split,
                        HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, USE_DOT: tl.constexpr,
