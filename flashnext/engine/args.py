@@ -54,12 +54,13 @@ class EngineArgs:
 # A prefill chunk of 16,384 tokens against 8,192: 16.1K against 13.9K tok/s for a 10K-token prompt (one chunk instead
 # of two), 12.9K against 12.5K at 90K (H200, full-size Flash-Next INT4, scripts/gpu_prefill.py, session 16); its
 # activations take twice the memory (LLMEngine._chunk_activation_bytes: ~5 GB for Flash-Next), which a GPU of less
-# than LARGE_GPU_BYTES keeps for KV. Steps with decodes in them are sized by --prefill-budget-while-decoding.
-LARGE_GPU_BYTES = 80 << 30
+# than LARGE_GPU_BYTES keeps for KV (80 GB cards report ~79.3 GiB: they take the larger step). Steps with decodes in
+# them are sized by --prefill-budget-while-decoding.
+LARGE_GPU_BYTES = 72 << 30
 
 
 def step_token_budget(device) -> int:
-    """max_num_batched_tokens by default: 16,384 on a GPU of LARGE_GPU_BYTES or more, else 8,192."""
+    """max_num_batched_tokens by default: 16,384 on a GPU of LARGE_GPU_BYTES (72 GiB) or more, else 8,192."""
     import torch
 
     device = torch.device(device)

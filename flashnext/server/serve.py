@@ -63,7 +63,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--device", help="cpu, cuda or auto (default: cuda when available)")
     _add(parser, "--max-num-batched-tokens", type=int,
          help="token budget of one engine step: prefill chunks plus decodes; larger prefill chunks run faster "
-              "and keep more activation memory (default 16384 on a GPU of 80 GiB or more, else 8192)")
+              "and keep more activation memory (default 16384 on a GPU of 72 GiB or more, e.g. 80 GB cards, else 8192)")
     _add(parser, "--prefill-budget-while-decoding", type=int,
          help="prefill tokens per step while any sequence decodes, so running streams keep flowing while a long "
               "prompt enters (default 2048)")
