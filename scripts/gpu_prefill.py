@@ -18,10 +18,19 @@ from flashnext.engine.sampling_params import SamplingParams
 from gpu_decode import profile_kernels
 
 
-# Host calls that may wait for the GPU (their CPU time is the wait): the runtime's syncs (no Python stack) and the
-# torch ops that sync (a scalar read, an output sized by data, a copy to the host).
-WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense",
-         "aten::nonzero", "aten::masked_select", "aten::_unique2", "aten::repeat_interleave", "aten::copy_")
+# The runtime's calls that wait for the GPU (their CPU time is the wait); they carry no Python stack, so each is
+# put under the nearest torch op above it that has one (a scalar read, an output sized by data, a copy to the host).
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def _source(event) -> str:
+    """The flashnext (or fla) frames of the nearest enclosing op with a Python stack."""
+    while event is not None:
+        frames = [f for f in (event.stack or []) if "flashnext" in f or "fla/" in f][:3]
+        if frames:
+            return f"{event.name} <- " + " <- ".join(frames)
+        event = event.cpu_parent
+    return "(no flashnext frame)"
 
 
 def host_waits(run, top: int = 12):
@@ -51,8 +60,7 @@ def host_waits(run, top: int = 12):
     for e in prof.events():
         if e.device_type == DeviceType.CUDA or e.name not in WAITS:
             continue
-        frames = [f for f in (e.stack or []) if "flashnext" in f or "fla/" in f][:3]
-        key = (e.name, " <- ".join(frames) or "(no flashnext frame)")
+        key = (e.name, _source(e.cpu_parent))
         total, count = waits.get(key, (0.0, 0))
         waits[key] = (total + e.cpu_time_total, count + 1)
     print(f"  host waits by source (ms, count): {sum(t for t, _ in waits.values()) / 1e3:.1f} ms in all")

@@ -9,8 +9,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -104,7 +103,7 @@ class LLMEngine:
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(device)
         if args.max_num_batched_tokens is None:
-            args = dataclasses.replace(args, max_num_batched_tokens=step_token_budget(self.device))
+            args = replace(args, max_num_batched_tokens=step_token_budget(self.device))
         self.args = args
         self.dtype = resolve_dtype(args.dtype, self.device, args.model)
         self.loaded = loaded or load_model(args.model, self.device, self.dtype, quantize=args.quantize,

@@ -120,8 +120,9 @@ def _state_bytes(model: torch.nn.Module, device) -> int:
     """Bytes of the weights on `device` (a PLE table in host memory is not counted against a GPU; a tied head, which
     is the embedding's tensor itself, once)."""
     kind = torch.device(device).type
-    sizes = {t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values() if t.device.type == kind}
-    return sum(sizes.values())
+    held = {s.data_ptr(): s.nbytes() for s in (t.untyped_storage() for t in model.state_dict().values()
+                                                 if t.device.type == kind)}
+    return sum(held.values())
 
 
 def _build_in_memory(name: str, device, dtype, quantize, parallel, ple_placement):

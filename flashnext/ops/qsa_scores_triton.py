@@ -51,8 +51,8 @@ def qsa_block_scores_triton(q: torch.Tensor, index_keys: torch.Tensor, block_tab
     return out
 
 
-@triton.jit(do_not_specialize=["T"])
-def _qsa_prefill_scores_kernel(q_ptr, keys_ptr, before_ptr, out_ptr, T, NBLK, stride_qt, stride_qh, scale,
+@triton.jit(do_not_specialize=["T", "NBLK"])
+def _qsa_prefill_scores_kernel(q_ptr, keys_ptr, before_ptr, out_ptr, T, NBLK, stride_qt, stride_qh, stride_o, scale,
                                HEADS: tl.constexpr, D: tl.constexpr, FP32: tl.constexpr,
                                BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -72,7 +72,7 @@ def _qsa_prefill_scores_kernel(q_ptr, keys_ptr, before_ptr, out_ptr, T, NBLK, st
         total += tl.maximum(s, 0.0)
     before = tl.load(before_ptr + offs_t, mask=t_ok, other=0)
     scores = tl.where(offs_b[None, :] < before[:, None], total * scale, float("-inf"))
-    tl.store(out_ptr + offs_t[:, None] * NBLK + offs_b[None, :], scores, mask=t_ok[:, None] & b_ok[None, :])
+    tl.store(out_ptr + offs_t[:, None] * stride_o + offs_b[None, :], scores, mask=t_ok[:, None] & b_ok[None, :])
 
 
 def qsa_prefill_scores_triton(q: torch.Tensor, keys: torch.Tensor, complete_before: torch.Tensor) -> torch.Tensor:
@@ -82,10 +82,13 @@ def qsa_prefill_scores_triton(q: torch.Tensor, keys: torch.Tensor, complete_befo
     nblk = keys.shape[0]
     assert dim == triton.next_power_of_2(dim) and dim >= 16 and q.stride(-1) == 1, q.shape
     keys = keys.to(q.dtype).contiguous()
-    out = torch.empty(length, nblk, dtype=torch.float32, device=q.device)
+    # rows padded to a multiple of 16 blocks: the row stride, which this kernel and the token lists' read the scores
+    # by, is then of one divisibility class whatever the context (Triton compiles per class: docs/architecture.md)
+    width = -(-nblk // 16) * 16
+    out = torch.empty(length, width, dtype=torch.float32, device=q.device)[:, :nblk]
     if length and nblk:
         block_t, block_b = (64, 64) if q.is_cuda else (16, 16)
         _qsa_prefill_scores_kernel[(triton.cdiv(length, block_t), triton.cdiv(nblk, block_b))](
-            q, keys, complete_before, out, length, nblk, q.stride(0), q.stride(1), 1.0 / math.sqrt(dim),
+            q, keys, complete_before, out, length, nblk, q.stride(0), q.stride(1), out.stride(0), 1.0 / math.sqrt(dim),
             HEADS=heads, D=dim, FP32=q.dtype == torch.float32, BLOCK_T=block_t, BLOCK_B=block_b, num_warps=4)
     return out

@@ -381,8 +381,8 @@ def load_checkpoint(
         for name, recipe in recipes.items():
             if name in not_read:
                 continue
-            if recipe in built_by_recipe:   # a tied head: the embedding's tensor itself, not a second copy
-                result[name] = built_by_recipe[recipe]
+            if (recipe, expected[name]) in built_by_recipe:   # a tied head: the embedding's tensor, not a second copy
+                result[name] = built_by_recipe[recipe, expected[name]]
                 continue
             shape, expected_dtype = expected[name]
             out_dtype = dtype if expected_dtype.is_floating_point else expected_dtype
@@ -397,6 +397,6 @@ def load_checkpoint(
                 if into and name in into and tensor is not into[name]:   # a table stored whole, not in shards
                     tensor = into[name].copy_(tensor)
                 result[name] = tensor
-            built_by_recipe[recipe] = result[name]
+            built_by_recipe[recipe, expected[name]] = result[name]   # the two names alias one tensor
             bar.update(sum(tensors.nbytes(s) for s in recipe.sources))
     return result
