@@ -1,13 +1,14 @@
 """qwen3_coder values that hold the format's own tags (code, templates, parser fixtures), and calls that
-slip (a `</parameter>` left out, a key the tool lacks): where each value ends, as vLLM's qwen3_coder parser
-reads it (the cases of its tests/tool_parsers/test_qwen3_xml_coder_shared.py), and the same result however
-the text is streamed."""
+slip (a `</parameter>` left out, a key the tool lacks): where each value ends (the well-formed cases are those
+of vLLM's tests/tool_parsers/test_qwen3_xml_coder_shared.py, read as vLLM's qwen3_coder parser reads them),
+and the same result however the text is streamed."""
 import json
 import random
 
 import pytest
 
 from flashnext.server.parsers import ChatOutputParser, collect
+from flashnext.server.parsers.qwen3_coder import Qwen3CoderCallScanner
 
 
 def tool(name, **types):
@@ -35,8 +36,18 @@ NESTED_CALL = 'doc = """\n' + call("write_file", ("path", "literal/value.txt"), 
 NESTED_FOO = ('template = """\n<tool_call>\n<function=foo>\n<parameter=bar>baz</parameter>\n</function>\n'
               '</tool_call>\n"""')
 
+
+def cut_after_quoted_call(text):
+    return text[:text.index('</tool_call>\n"""') + len("</tool_call>")]
+
+
 WHOLE = call("write_file", ("path", "f.py"), ("content", NESTED_CALL))
 TRUNCATED = WHOLE[:WHOLE.rindex('</tool_call>\n"""')]  # the quoted call's </function> is the text's last tag
+ENDED_AFTER_QUOTED_CALL = cut_after_quoted_call(WHOLE)
+DOC = "Usage:\n<parameter=path>\nthe file to write\n</parameter>\nend of docs"
+# an unfinished call that holds whole calls (a value quoting them, or a call abandoned for another)
+UNFINISHED_AROUND_CALLS = ("<tool_call>\n<function=foo>\n<parameter=bar>\nx\n</function>\n</tool_call>\n"
+                           + call("foo", ("bar", "y")) + "\n" + call("foo", ("bar", "z")))
 
 CASES = [
     # (id, text, content, calls)
@@ -64,27 +75,51 @@ CASES = [
     ("undeclared-key-then-another-call", call("edit", ("path", "a"), ("line", "3"), ("count", "2")) + "\n"
      + call("foo", ("bar", "1")), None,
      [("edit", {"path": "a", "line": "3", "count": 2}), ("foo", {"bar": "1"})]),
-    # truncated at max_tokens: content, even where the value's tags would close a call at the end
+    # the second reading starts at the value left open: the values before it stay as the first reading closed them
+    ("slip-after-a-value-quoting-a-pair", call("write_file", ("content", DOC), ("path", "docs.md"),
+                                                ("encoding", "utf-8")),
+     None, [("write_file", {"content": DOC, "path": "docs.md", "encoding": "utf-8"})]),
+    ("slip-after-a-value-quoting-a-call", call("write_file", ("content", NESTED_CALL), ("path", "f.py"),
+                                                ("encoding", "utf-8")),
+     None, [("write_file", {"content": NESTED_CALL, "path": "f.py", "encoding": "utf-8"})]),
+    # the generation ended inside a call: content, even where the value's tags would close a call at the end,
+    # and no call opens inside it
     ("truncated-in-quoted-call", TRUNCATED, TRUNCATED, []),
     ("truncated-after-close", "<tool_call>\n<function=foo>\n<parameter=bar>\nx\n</parameter>\n",
      "<tool_call>\n<function=foo>\n<parameter=bar>\nx\n</parameter>\n", []),
     ("truncated-in-key-after-close", "<tool_call>\n<function=foo>\n<parameter=bar>\nx\n</parameter>\n<parameter=ba",
      "<tool_call>\n<function=foo>\n<parameter=bar>\nx\n</parameter>\n<parameter=ba", []),
+    ("ended-after-a-quoted-call", ENDED_AFTER_QUOTED_CALL, ENDED_AFTER_QUOTED_CALL, []),
+    ("unfinished-around-calls", UNFINISHED_AROUND_CALLS, UNFINISHED_AROUND_CALLS, []),
 ]
+
+CUT_IN_PATH_FIRST = cut_after_quoted_call(call("write_file", ("path", "real.py"), ("content", NESTED_CALL)))
+CUT_IN_CONTENT_FIRST = cut_after_quoted_call(call("write_file", ("content", NESTED_CALL), ("path", "real.py")))
+CUT_AFTER_SLIP = call("get_weather", ("city", "Oslo"), ("lat", "59.9")) + "\nDone"
+
+# cut at max_tokens (finish_reason "length"): a call left open is content, never read a second time
+CUT_CASES = [
+    ("cut-after-a-quoted-call", CUT_IN_PATH_FIRST, CUT_IN_PATH_FIRST, []),
+    ("cut-after-a-quoted-call-before-path", CUT_IN_CONTENT_FIRST, CUT_IN_CONTENT_FIRST, []),
+    ("cut-after-a-slipped-call", CUT_AFTER_SLIP, CUT_AFTER_SLIP, []),
+    ("cut-after-a-whole-call", call("foo", ("bar", "1")) + "\nDone", "Done", [("foo", {"bar": "1"})]),
+]
+ALL_CASES = [(*c, False) for c in CASES] + [(*c, True) for c in CUT_CASES]
 
 
 def comparable(msg):
     return msg.content, msg.reasoning, [(c.name, json.loads(c.arguments)) for c in msg.tool_calls]
 
 
-@pytest.mark.parametrize("text,content,calls", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_where_a_value_ends(text, content, calls):
-    assert comparable(ChatOutputParser("qwen3_coder", TOOLS, reasoning=False).parse(text)) == (content, None, calls)
+@pytest.mark.parametrize("text,content,calls,cut", [c[1:] for c in ALL_CASES], ids=[c[0] for c in ALL_CASES])
+def test_where_a_value_ends(text, content, calls, cut):
+    parser = ChatOutputParser("qwen3_coder", TOOLS, reasoning=False)
+    assert comparable(parser.parse(text, truncated=cut)) == (content, None, calls)
 
 
-@pytest.mark.parametrize("text", [c[1] for c in CASES], ids=[c[0] for c in CASES])
-def test_streamed_the_same_at_every_split_and_char_by_char(text):
-    expected = comparable(ChatOutputParser("qwen3_coder", TOOLS, reasoning=False).parse(text))
+@pytest.mark.parametrize("text,cut", [(c[1], c[4]) for c in ALL_CASES], ids=[c[0] for c in ALL_CASES])
+def test_streamed_the_same_at_every_split_and_char_by_char(text, cut):
+    expected = comparable(ChatOutputParser("qwen3_coder", TOOLS, reasoning=False).parse(text, truncated=cut))
     rng = random.Random(7)
     chunkings = [list(text)] + [[text[:i], text[i:]] for i in range(len(text) + 1)]
     for _ in range(20):
@@ -92,7 +127,7 @@ def test_streamed_the_same_at_every_split_and_char_by_char(text):
         chunkings.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
     for pieces in chunkings:
         parser = ChatOutputParser("qwen3_coder", TOOLS, reasoning=False)
-        deltas = [d for piece in pieces for d in parser.feed(piece)] + parser.finish()
+        deltas = [d for piece in pieces for d in parser.feed(piece)] + parser.finish(truncated=cut)
         assert comparable(collect(deltas)) == expected, pieces
 
 
@@ -105,3 +140,18 @@ def test_only_a_slipped_call_waits_for_the_end():
     parser = ChatOutputParser("qwen3_coder", TOOLS, reasoning=False)
     assert parser.feed(slipped + "\nmore") == []
     assert comparable(collect(parser.finish())) == ("more", None, [("get_weather", {"city": "Oslo", "lat": "59.9"})])
+
+
+def test_an_unfinished_call_is_read_once_however_many_calls_open_inside_it(monkeypatch):
+    """Each `<tool_call>` inside an unfinished call had opened a scanner that read to the end twice: quadratic
+    (4,000 of them: 12.8 s, on the server's event loop). Now the call is content, and its text is scanned at
+    most twice (the second reading from the value left open)."""
+    scanned = []
+    scan = Qwen3CoderCallScanner.scan
+    monkeypatch.setattr(Qwen3CoderCallScanner, "scan",
+                        lambda self, more, final: scanned.append(len(more)) or scan(self, more, final))
+    opening = "<tool_call>\n<function=write_file>\n<parameter=content>\n"
+    text = opening + ("x " + opening) * 300
+    msg = ChatOutputParser("qwen3_coder", TOOLS, reasoning=False).parse(text)
+    assert (msg.content, msg.tool_calls) == (text, [])
+    assert sum(scanned) < 2 * len(text)

@@ -249,3 +249,15 @@ def test_a_lone_surrogate_escape_in_arguments_stays_encodable(fmt, text):
     call.arguments.encode("utf-8")
     value = json.loads(call.arguments)
     assert ("\ud83d" in value["command"]) if fmt == "hermes" else (value["env"] == {"a": "\udc00"})
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "qwen3_coder"])
+def test_deeply_nested_arguments(fmt):
+    """Arguments 400 lists deep are JSON: checking them had exhausted Python's stack (a RecursionError: a 500)."""
+    deep = "[" * 400 + "]" * 400
+    if fmt == "hermes":
+        text = f'<tool_call>\n{{"name": "run_shell", "arguments": {{"args": {deep}}}}}\n</tool_call>'
+    else:
+        text = f"<tool_call>\n<function=run_shell>\n<parameter=args>\n{deep}\n</parameter>\n</function>\n</tool_call>"
+    msg = parse(fmt, text)
+    assert msg.content is None and calls(msg) == [("run_shell", {"args": json.loads(deep)})]

@@ -192,7 +192,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     results = await collect(request, fan)
     choices = []
     for i, res in enumerate(results):
-        parsed = output_parsers[i].parse(res.text)
+        parsed = output_parsers[i].parse(res.text, truncated=res.finish_reason == "length")
         message = {"role": "assistant", "content": parsed.content if parsed.content or parsed.tool_calls else ""}
         if parsed.reasoning is not None:
             message["reasoning_content"] = message["reasoning"] = parsed.reasoning
@@ -239,7 +239,7 @@ class _ChatChunks:
         parser = self.parsers[index]
         deltas = openai_deltas(parser.feed(out.text) if out.text else [])
         if out.finished:
-            deltas += openai_deltas(parser.finish())
+            deltas += openai_deltas(parser.finish(truncated=out.finish_reason == "length"))
         logprobs = chat_logprobs(out.logprobs, self.texts, self.top_k) if self.top_k is not None and out.logprobs else None
         if logprobs and not deltas:
             deltas = [{"content": ""}]

@@ -12,6 +12,9 @@ Decisions:
   framing written by the template, not text, and is dropped. Nothing else is dropped.
 - Text is held back only while it may be the start of the next tag: `<think>` at the start, `</think>`
   in reasoning, `<tool_call>` in content (only when the request has tools).
+- A call the generation ended inside is content, and so are the calls it holds. Cut at max_tokens, it is not
+  read a second time either (a slipped call's second reading, qwen3_coder.py): the text stopped at a limit, not
+  where the model meant it to, and a value quoting a call can look like a call that ends there.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from flashnext.server.json_body import json_text
 from flashnext.server.parsers.messages import (ContentDelta, Delta, ParsedMessage, ReasoningDelta,
                                                 ToolCallArguments, ToolCallStart, collect)
 from flashnext.server.parsers.registry import get_tool_parser
-from flashnext.server.parsers.scanning import REJECTED, ScannedCall, ToolCallScanner
+from flashnext.server.parsers.scanning import REJECTED, UNFINISHED, ScannedCall, ToolCallScanner
 from flashnext.server.parsers.tags import (THINK_CLOSE, THINK_OPEN, TOOL_CALL_OPEN, partial_tag_len)
 from flashnext.server.parsers.tool_schema import ToolSchemas
 
@@ -63,7 +66,7 @@ class ChatOutputParser:
         self._skip_whitespace = reasoning
         self._pending = ""  # text outside a call not yet emitted: at most a possible tag prefix between feeds
         self._scanner: ToolCallScanner | None = None
-        self._call_text: list[str] = []  # the open call's text, as it came: read again as content if rejected
+        self._call_text: list[str] = []  # the open call's text, as it came: content if it is not a call
         self._call_ids: set[str] = set()
         self._out: list[Delta] = []
         self._text: list[str] = []  # reasoning or content (by _section) not yet in _out
@@ -77,8 +80,9 @@ class ChatOutputParser:
 
     @property
     def held_chars(self) -> int:
-        """Characters kept between feeds to be looked at again: a tag, or a name, cut by a piece's end. It
-        never grows with the length of a call or of the text, which is what keeps streaming linear."""
+        """Characters the next feed looks at again: a tag, or a name, cut by a piece's end. It never grows
+        with the length of a call or of the text, which is what keeps streaming linear (the open call's text
+        is kept as well, but read again only when the call ends: as content, or by a second reading)."""
         return len(self._pending) + (self._scanner.held_chars if self._scanner is not None else 0)
 
     def feed(self, delta_text: str) -> list[Delta]:
@@ -87,18 +91,21 @@ class ChatOutputParser:
         self._advance(delta_text, final=False)
         return self._take()
 
-    def finish(self) -> list[Delta]:
-        """The generation ended: release what was held back; an unfinished call becomes content."""
+    def finish(self, truncated: bool = False) -> list[Delta]:
+        """The generation ended (truncated: at max_tokens): release what was held back; an unfinished call
+        becomes content."""
         assert not self._finished, "finish called twice"
         self._used = self._finished = True
+        if truncated and self._section is _Section.TOOL_CALL:
+            self._end_unfinished_call()
         self._advance("", final=True)
         assert not self._pending and self._scanner is None, "text left behind at finish"
         return self._take()
 
-    def parse(self, full_text: str) -> ParsedMessage:
+    def parse(self, full_text: str, truncated: bool = False) -> ParsedMessage:
         """The non-streaming result: exactly what the concatenated deltas of any chunking add up to."""
         assert not self._used, "parse needs a fresh parser"
-        return collect(self.feed(full_text) + self.finish())
+        return collect(self.feed(full_text) + self.finish(truncated))
 
     def _take(self) -> list[Delta]:
         self._flush_text()
@@ -134,6 +141,9 @@ class ChatOutputParser:
                 verdict = self._scanner.scan(text, final)
                 if verdict is None:
                     return
+                if verdict is UNFINISHED:
+                    self._end_unfinished_call()
+                    return
                 body = "".join(self._call_text)
                 self._scanner, self._call_text, self._section = None, [], _Section.CONTENT
                 if verdict is REJECTED:
@@ -148,6 +158,10 @@ class ChatOutputParser:
             text = self._advance_outside_call(final)
             if text is None:
                 return
+
+    def _end_unfinished_call(self) -> None:
+        self._emit_text(TOOL_CALL_OPEN + "".join(self._call_text))
+        self._scanner, self._call_text, self._section = None, [], _Section.CONTENT
 
     def _advance_outside_call(self, final: bool) -> str | None:
         """Emit what pending text can be emitted; when a call opens, the text after `<tool_call>`."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from flashnext.server.parsers.scanning import REJECTED, ScannedCall, ScanVerdict
+from flashnext.server.parsers.scanning import REJECTED, UNFINISHED, ScannedCall, ScanVerdict
 from flashnext.server.parsers.tags import MISMATCH, PENDING, TOOL_CALL_CLOSE, match_literal, skip_whitespace
 from flashnext.server.parsers.tool_schema import INVALID, ToolSchemas, parse_json
 
@@ -15,7 +15,8 @@ _OUTSIDE_STRING = re.compile(r'[{}"<]')
 class HermesCallScanner:
     """Finds the end of the JSON object by tracking strings and brace depth, so a `</tool_call>` written
     inside an argument string does not cut the call short. The object's text is kept as pieces and parsed
-    once it closes; the scan never looks at a character twice."""
+    once it closes; between pieces, only an escape or a `</tool_call>` cut by a piece's end is looked at
+    again."""
 
     def __init__(self, tools: ToolSchemas):
         self._tools = tools
@@ -44,7 +45,7 @@ class HermesCallScanner:
         self._text = self._text[self._pos:]
         self._offset += self._pos
         self._pos = self._start = 0
-        return REJECTED if final else None
+        return UNFINISHED if final else None
 
     def _scan(self, text: str) -> ScanVerdict:
         if self._object is None:

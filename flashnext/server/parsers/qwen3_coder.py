@@ -12,16 +12,19 @@
 Values are raw text, typed afterwards by the tool's JSON schema (tool_schema.coerce_parameter).
 
 Where a value ends. Values are code, templates and tests that may hold this format's own tags, so the first
-`</parameter>` is not always the end. As vLLM's qwen3_coder parser reads them:
+`</parameter>` is not always the end. The first reading applies the two rules vLLM's qwen3_coder parser has for
+it (its tests' cases are in tests/test_parsers_literal_tags.py):
 - a `</parameter>` ends the value only when `</function>`, `</tool_call>` or `<parameter=KEY>` follows it
   (after whitespace), KEY a parameter the tool declares (any KEY if it declares none); otherwise it is text
   (`end = "</parameter>"` in code, a template quoting the format);
 - a `<parameter=` at the start of a line inside a value opens a nested pair whose `</parameter>` is text (a
   value quoting a whole call, as a parser's test fixture does).
-When the generation ends inside a value, the model slipped, and the call is read a second time, more loosely:
-a `<parameter=KEY>` after `</parameter>` counts whatever KEY is (a key the tool lacks, which vLLM folds into
-the value before it), and a line-start `<parameter=KEY>` of a declared parameter not given yet ends the value
-too (a model that left out `</parameter>`). Only such a call waits for the end of the generation.
+When the generation ends inside a value, the model slipped, and the value left open is read a second time,
+more loosely (the values before it stay as the first reading closed them): a `<parameter=KEY>` after
+`</parameter>` counts whatever KEY is (a key the tool lacks, which vLLM instead folds into the value before
+it), and a line-start `<parameter=KEY>` of a declared parameter not given yet ends the value too (a model that
+left out `</parameter>`). Only such a call waits for the end of the generation, and a generation cut at
+max_tokens is not read again (chat_output.py).
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import re
 from dataclasses import replace
 from enum import Enum
 
-from flashnext.server.parsers.scanning import REJECTED, ScannedCall, ScanVerdict
+from flashnext.server.parsers.scanning import REJECTED, UNFINISHED, ScannedCall, ScanVerdict
 from flashnext.server.parsers.tags import MISMATCH, PENDING, TOOL_CALL_CLOSE, match_literal, skip_whitespace
 from flashnext.server.parsers.tool_schema import ToolSchemas, coerce_parameter
 
@@ -56,14 +59,17 @@ class _Expect(Enum):
 
 
 class Qwen3CoderCallScanner:
-    """A strict reading of the grammar above (one slip forgiven: a missing `</function>`): anything else
-    between the tags rejects the call (it then reads as content). Consumed text is dropped as the scan goes,
-    except the current value's, kept as pieces and joined once when the value ends."""
+    """A strict reading of the grammar above, but for a missing `</function>` (and the second reading's
+    slips): anything else between the tags rejects the call (it then reads as content). Consumed text is not
+    looked at again but by the second reading, except the current value's, kept as pieces and joined once when
+    the value ends."""
 
     def __init__(self, tools: ToolSchemas, recovering: bool = False):
         self._tools = tools
         self._recovering = recovering  # the second reading: a line-start <parameter=KEY> may end a value
         self._received: list[str] = []  # the call as handed in, for the second reading
+        self._open_at = 0  # in the call: where the latest `<parameter=` starts (the open value's, at the end)
+        self._arguments_before: dict = {}  # the arguments before it
         self._text = ""  # what may still be looked at; what came before it is consumed
         self._offset = 0  # where _text starts in the call
         self._pos = 0  # in _text: where the element now expected starts
@@ -93,8 +99,16 @@ class Qwen3CoderCallScanner:
         if not final:
             return None
         if self._expect in (_Expect.VALUE, _Expect.AFTER_CLOSE) and not self._recovering:
-            return Qwen3CoderCallScanner(self._tools, recovering=True).scan("".join(self._received), final=True)
-        return REJECTED
+            return self._read_open_value_again()
+        return UNFINISHED
+
+    def _read_open_value_again(self) -> ScanVerdict:
+        """The second reading, from the `<parameter=` of the value left open to the end."""
+        again = Qwen3CoderCallScanner(self._tools, recovering=True)
+        again._function, again._arguments = self._function, self._arguments_before
+        again._expect = _Expect.PARAMETER_OR_END
+        verdict = again.scan("".join(self._received)[self._open_at:], final=True)
+        return replace(verdict, end=verdict.end + self._open_at) if isinstance(verdict, ScannedCall) else verdict
 
     def _drop_consumed(self) -> None:
         if self._expect is _Expect.VALUE:
@@ -127,6 +141,9 @@ class Qwen3CoderCallScanner:
                     return None if end == PENDING else REJECTED
                 if literal == TOOL_CALL_CLOSE:
                     return ScannedCall(name=self._function, arguments=self._arguments, end=end)
+                if literal == PARAMETER_OPEN:
+                    self._open_at = self._offset + end - len(PARAMETER_OPEN)
+                    self._arguments_before = dict(self._arguments)
                 self._pos = end
                 self._expect = _Expect.PARAMETER_NAME if literal == PARAMETER_OPEN else _Expect.TOOL_CALL_CLOSE
             elif self._expect is _Expect.PARAMETER_NAME:

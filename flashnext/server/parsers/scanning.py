@@ -5,13 +5,17 @@ follows, piece by piece as it arrives. After each piece the scanner answers:
 - None: undecided, send more text;
 - REJECTED: this is not a well-formed call of a requested tool; `<tool_call>` is content after all, and
   everything after it is scanned again as content;
-- ScannedCall: a complete call; `end` is where it stops in the pieces joined, just past `</tool_call>`.
+- ScannedCall: a complete call; `end` is where it stops in the pieces joined, just past `</tool_call>`;
+- UNFINISHED (only with final=True): the generation ended inside the call. It is content, `<tool_call>` and
+  all, and no call opens inside it: a call within an unfinished one is more often quoted in a value than real,
+  and scanning again from each of them, to the end every time, is quadratic in their number.
 A verdict may depend only on the text given, never on how it was cut into pieces: that is what keeps
 streamed and non-streamed results identical. With final=True (the generation ended) it must not answer
 None.
 
-A scanner keeps only the text it may still have to look at again (`held_chars`: a tag or name cut by a
-piece's end), not the call so far, so a long call streamed a character at a time costs linear time.
+Between pieces a scanner re-examines only `held_chars` (a tag or name cut by a piece's end), never the call so
+far, so a long call streamed a character at a time costs linear time. It may keep the call's text, to read it
+again at the end.
 """
 from __future__ import annotations
 
@@ -28,14 +32,18 @@ class ScannedCall:
     end: int
 
 
-class _Rejected:
+class _Verdict:
+    def __init__(self, name: str):
+        self._name = name
+
     def __repr__(self) -> str:
-        return "REJECTED"
+        return self._name
 
 
-REJECTED = _Rejected()
+REJECTED = _Verdict("REJECTED")
+UNFINISHED = _Verdict("UNFINISHED")
 
-ScanVerdict = ScannedCall | _Rejected | None
+ScanVerdict = ScannedCall | _Verdict | None
 
 
 class ToolCallScanner(Protocol):

@@ -55,15 +55,22 @@ INVALID = _Invalid()
 
 
 def _is_json_value(value: Any) -> bool:
-    if value is None or isinstance(value, (bool, int, str)):
-        return True
-    if isinstance(value, float):
-        return math.isfinite(value)  # 1e400 parses to inf, which json.dumps would write as invalid JSON
-    if isinstance(value, list):
-        return all(_is_json_value(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _is_json_value(v) for k, v in value.items())
-    return False
+    """Iterative: a value nested as deep as the parsers accept would exhaust Python's stack in recursion."""
+    stack = [value]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, list):
+            stack += value
+        elif isinstance(value, dict):
+            if not all(isinstance(k, str) for k in value):
+                return False
+            stack += value.values()
+        elif isinstance(value, float):
+            if not math.isfinite(value):  # 1e400 parses to inf, which json.dumps would write as invalid JSON
+                return False
+        elif not (value is None or isinstance(value, (bool, int, str))):
+            return False
+    return True
 
 
 def _reject_constant(name: str) -> Any:
