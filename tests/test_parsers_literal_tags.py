@@ -45,6 +45,12 @@ WHOLE = call("write_file", ("path", "f.py"), ("content", NESTED_CALL))
 TRUNCATED = WHOLE[:WHOLE.rindex('</tool_call>\n"""')]  # the quoted call's </function> is the text's last tag
 ENDED_AFTER_QUOTED_CALL = cut_after_quoted_call(WHOLE)
 DOC = "Usage:\n<parameter=path>\nthe file to write\n</parameter>\nend of docs"
+# rejected only after its value (junk where `</tool_call>` belongs), that value quoting a call; then a call
+REJECTED_AROUND_A_CALL = ("<tool_call>\n<function=write_file>\n<parameter=content>\n" + call("foo", ("bar", "x"))
+                          + "\n</parameter>\n</function>\njunk\n")
+# its value slipped (no `</parameter>`), and the second reading is rejected at the junk after it; then a call
+SLIPPED_THEN_REJECTED = ("<tool_call>\n<function=write_file>\n<parameter=content>\nx <tool_call>\n"
+                         "<parameter=path>\np\n</parameter>\n</function>\njunk\n")
 # an unfinished call that holds whole calls (a value quoting them, or a call abandoned for another)
 UNFINISHED_AROUND_CALLS = ("<tool_call>\n<function=foo>\n<parameter=bar>\nx\n</function>\n</tool_call>\n"
                            + call("foo", ("bar", "y")) + "\n" + call("foo", ("bar", "z")))
@@ -75,6 +81,8 @@ CASES = [
     ("undeclared-key-then-another-call", call("edit", ("path", "a"), ("line", "3"), ("count", "2")) + "\n"
      + call("foo", ("bar", "1")), None,
      [("edit", {"path": "a", "line": "3", "count": 2}), ("foo", {"bar": "1"})]),
+    ("slipped-then-rejected-then-a-call", SLIPPED_THEN_REJECTED + call("write_file", ("path", "q")),
+     SLIPPED_THEN_REJECTED, [("write_file", {"path": "q"})]),
     # the second reading starts at the value left open: the values before it stay as the first reading closed them
     ("slip-after-a-value-quoting-a-pair", call("write_file", ("content", DOC), ("path", "docs.md"),
                                                 ("encoding", "utf-8")),
@@ -82,6 +90,10 @@ CASES = [
     ("slip-after-a-value-quoting-a-call", call("write_file", ("content", NESTED_CALL), ("path", "f.py"),
                                                 ("encoding", "utf-8")),
      None, [("write_file", {"content": NESTED_CALL, "path": "f.py", "encoding": "utf-8"})]),
+    # a rejected call is content, and so are the calls quoted in its values: only a call after the point where
+    # the reading failed opens
+    ("rejected-late-around-a-call", REJECTED_AROUND_A_CALL + call("foo", ("bar", "y")),
+     REJECTED_AROUND_A_CALL, [("foo", {"bar": "y"})]),
     # the generation ended inside a call: content, even where the value's tags would close a call at the end,
     # and no call opens inside it
     ("truncated-in-quoted-call", TRUNCATED, TRUNCATED, []),

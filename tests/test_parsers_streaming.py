@@ -7,7 +7,7 @@ import re
 import pytest
 
 from flashnext.server.parsers import (ChatOutputParser, ContentDelta, ReasoningDelta, ToolCallArguments,
-                                      ToolCallStart, collect)
+                                      ToolCallStart, collect, get_tool_parser)
 from flashnext.server.parsers.qwen3_coder import MAX_NAME_LEN
 
 TOOLS = [
@@ -33,6 +33,17 @@ HERMES_QWEN3 = (
     '{"name": "run_shell", "arguments": {"command": "python -c \\"print(1<2)\\" && echo \'</tool_call>\'", '
     '"timeout_s": 2.5, "env": {"NESTED": {"list": [1, -2.0e3, true, false, null, "\\u00e9"]}}}}\n</tool_call>')
 
+
+def rejected_late(fmt, n):
+    """A write_file call whose content holds n more openings of a call, each of which, read as a call, would
+    run to the text's end too; the outer call is rejected only there (junk where `</tool_call>` belongs)."""
+    if fmt == "qwen3_coder":
+        opening = "<tool_call>\n<function=write_file>\n<parameter=content>\n"
+        return opening + (opening + "x ") * n + "\n</parameter>\n" * (n + 1) + "</function>\njunk"
+    return ('<tool_call>{"name": "write_file", "arguments": {"content": "' + '<tool_call>{\\"x ' * n
+            + '"}}\njunk')
+
+
 CODER_FLASH_NEXT = (  # starts_in_reasoning: the template opened <think>
     "Need to write area() then test it. I shouldn't write <tool_call> in prose.\n</think>\n\n"
     "Writing the module.\n\n<tool_call>\n<function=write_file>\n<parameter=path>\ngeo/circle.py\n</parameter>\n"
@@ -55,10 +66,15 @@ SAMPLES = [
     ("qwen3_coder", "x <tool_call>\n<function=nope>\n</function>\n</tool_call><tool_call>\n<function=get_weather"
                     ">\n<parameter=city>\nOslo\n</parameter>\n</tool_call>tail", {}),
     ("qwen3_coder", "<tool_call>\n<function=get_weather\n<parameter=city>", {"reasoning": False}),
+    # then a call that is a call: only the text after where the scanner decided is scanned again
+    ("qwen3_coder", rejected_late("qwen3_coder", 3) + "<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+                    "Oslo\n</parameter>\n</tool_call>", {}),
+    ("hermes", rejected_late("hermes", 3) + '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>', {}),
 ]
 SAMPLE_IDS = ["hermes-qwen3", "coder-flash-next", "no-tools-used", "hermes-thinking-off", "hermes-truncated",
               "hermes-python-dict", "hermes-nested-tags", "hermes-unknown-name", "coder-truncated-value",
-              "coder-unknown-then-forgiven", "coder-broken-name"]
+              "coder-unknown-then-forgiven", "coder-broken-name", "coder-rejected-late",
+              "hermes-rejected-late"]
 ID = re.compile(r"^call_[A-Za-z0-9]{24}$")
 
 
@@ -186,6 +202,22 @@ def test_held_text_stays_bounded_while_a_long_call_streams(fmt):
     msg = collect(deltas)
     assert json.loads(msg.tool_calls[0].arguments) == {"path": "big.py", "content": LONG_CODE}
     assert msg.content.endswith("«ok». Done.") and msg.reasoning.startswith("Plan:")
+
+
+@pytest.mark.parametrize("fmt", ["qwen3_coder", "hermes"])
+def test_a_call_rejected_late_is_read_once_however_many_calls_open_inside_it(fmt, monkeypatch):
+    """The text of a rejected call had all been scanned again as content, so each `<tool_call>` in its value
+    opened a scanner that read to the far end again: quadratic (qwen3_coder, 2,000 of them: 9 s in feed, on the
+    server's event loop; now 2 ms): only the text from where the scanner decided is scanned again."""
+    scanner = get_tool_parser(fmt)
+    scanned = []
+    scan = scanner.scan
+    monkeypatch.setattr(scanner, "scan",
+                        lambda self, more, final: scanned.append(len(more)) or scan(self, more, final))
+    text = rejected_late(fmt, 300)
+    msg = ChatOutputParser(fmt, TOOLS, reasoning=False).parse(text)
+    assert (msg.content, msg.tool_calls) == (text, [])
+    assert sum(scanned) < 2 * len(text)
 
 
 # Random generations built from the pieces below (fixed seed): whatever the chunking, streamed equals parsed;

@@ -8,6 +8,8 @@ Decisions:
   cannot dispatch it, and it is most often the model quoting or inventing a call in prose. Shown as
   text, nothing is lost; as a call, the agent would fail on it. A call with a missing or ill-typed
   parameter is still a call: the tool reports that to the agent, which can retry.
+- A call that is not well formed is content up to where its reading failed, calls quoted in its values
+  included; only the text from there on is looked at for calls again (scanning.py says why).
 - Whitespace that opens a section (before `<think>`, after `<think>`, `</think>` and `</tool_call>`) is
   framing written by the template, not text, and is dropped. Nothing else is dropped.
 - Text is held back only while it may be the start of the next tag: `<think>` at the start, `</think>`
@@ -27,7 +29,7 @@ from flashnext.server.json_body import json_text
 from flashnext.server.parsers.messages import (ContentDelta, Delta, ParsedMessage, ReasoningDelta,
                                                 ToolCallArguments, ToolCallStart, collect)
 from flashnext.server.parsers.registry import get_tool_parser
-from flashnext.server.parsers.scanning import REJECTED, UNFINISHED, ScannedCall, ToolCallScanner
+from flashnext.server.parsers.scanning import UNFINISHED, Rejected, ScannedCall, ToolCallScanner
 from flashnext.server.parsers.tags import (THINK_CLOSE, THINK_OPEN, TOOL_CALL_OPEN, partial_tag_len)
 from flashnext.server.parsers.tool_schema import ToolSchemas
 
@@ -146,13 +148,12 @@ class ChatOutputParser:
                     return
                 body = "".join(self._call_text)
                 self._scanner, self._call_text, self._section = None, [], _Section.CONTENT
-                if verdict is REJECTED:
-                    self._emit_text(TOOL_CALL_OPEN)  # and the body is scanned again as content
-                    self._pending = body
+                if isinstance(verdict, Rejected):
+                    self._emit_text(TOOL_CALL_OPEN + body[:verdict.end])
                 else:
                     self._emit_call(verdict)
-                    self._pending = body[verdict.end:]
                     self._skip_whitespace = True
+                self._pending = body[verdict.end:]  # scanned again as content
             else:
                 self._pending += text
             text = self._advance_outside_call(final)

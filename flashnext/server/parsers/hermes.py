@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from flashnext.server.parsers.scanning import REJECTED, UNFINISHED, ScannedCall, ScanVerdict
+from flashnext.server.parsers.scanning import UNFINISHED, Rejected, ScannedCall, ScanVerdict
 from flashnext.server.parsers.tags import MISMATCH, PENDING, TOOL_CALL_CLOSE, match_literal, skip_whitespace
 from flashnext.server.parsers.tool_schema import INVALID, ToolSchemas, parse_json
 
@@ -36,10 +36,8 @@ class HermesCallScanner:
     def scan(self, more: str, final: bool) -> ScanVerdict:
         self._text += more
         verdict = self._scan(self._text)
-        if isinstance(verdict, ScannedCall):
+        if verdict is not None:
             return replace(verdict, end=verdict.end + self._offset)
-        if verdict is REJECTED:
-            return verdict
         if self._object is not None and self._call is None:
             self._object.append(self._text[self._start:self._pos])
         self._text = self._text[self._pos:]
@@ -47,13 +45,15 @@ class HermesCallScanner:
         self._pos = self._start = 0
         return UNFINISHED if final else None
 
-    def _scan(self, text: str) -> ScanVerdict:
+    def _scan(self, text: str) -> ScannedCall | Rejected | None:
+        """The verdict, with its end in text, once the text decides it; None until then. An object that is not a
+        call is rejected at its end, so no call opens in its strings."""
         if self._object is None:
             self._pos = skip_whitespace(text, self._pos)
             if self._pos == len(text):
                 return None
             if text[self._pos] != "{":
-                return REJECTED
+                return Rejected(self._pos)
             self._object, self._start, self._pos, self._depth = [], self._pos, self._pos + 1, 1
         while self._call is None:
             if self._in_string:
@@ -85,15 +85,15 @@ class HermesCallScanner:
                 if self._depth == 0:
                     self._call = self._read_call("".join(self._object) + text[self._start:self._pos])
                     if self._call is None:
-                        return REJECTED
+                        return Rejected(self._pos)
             else:  # `<` outside a string: not JSON, whatever follows (e.g. `</tool_call>` before the last `}`)
-                return REJECTED
+                return Rejected(match.start())
         self._pos = skip_whitespace(text, self._pos)
         end, _ = match_literal(text, self._pos, TOOL_CALL_CLOSE)
         if end == PENDING:
             return None
         if end == MISMATCH:
-            return REJECTED
+            return Rejected(self._pos)
         return ScannedCall(name=self._call[0], arguments=self._call[1], end=end)
 
     def _read_call(self, text: str) -> tuple[str, dict] | None:

@@ -32,7 +32,7 @@ import re
 from dataclasses import replace
 from enum import Enum
 
-from flashnext.server.parsers.scanning import REJECTED, UNFINISHED, ScannedCall, ScanVerdict
+from flashnext.server.parsers.scanning import UNFINISHED, Rejected, ScannedCall, ScanVerdict
 from flashnext.server.parsers.tags import MISMATCH, PENDING, TOOL_CALL_CLOSE, match_literal, skip_whitespace
 from flashnext.server.parsers.tool_schema import ToolSchemas, coerce_parameter
 
@@ -91,10 +91,8 @@ class Qwen3CoderCallScanner:
             self._received.append(more)
         self._text += more
         verdict = self._scan()
-        if isinstance(verdict, ScannedCall):
+        if verdict is not None:
             return replace(verdict, end=verdict.end + self._offset)
-        if verdict is REJECTED:
-            return verdict
         self._drop_consumed()
         if not final:
             return None
@@ -108,7 +106,7 @@ class Qwen3CoderCallScanner:
         again._function, again._arguments = self._function, self._arguments_before
         again._expect = _Expect.PARAMETER_OR_END
         verdict = again.scan("".join(self._received)[self._open_at:], final=True)
-        return replace(verdict, end=verdict.end + self._open_at) if isinstance(verdict, ScannedCall) else verdict
+        return verdict if verdict is UNFINISHED else replace(verdict, end=verdict.end + self._open_at)
 
     def _drop_consumed(self) -> None:
         if self._expect is _Expect.VALUE:
@@ -119,26 +117,27 @@ class Qwen3CoderCallScanner:
         self._offset += cut
         self._pos = self._search_from = 0
 
-    def _scan(self) -> ScanVerdict:
+    def _scan(self) -> ScannedCall | Rejected | None:
+        """The verdict, with its end in _text, once the text decides it; None until then."""
         text = self._text
         while True:
             if self._expect is _Expect.FUNCTION:
                 self._pos = skip_whitespace(text, self._pos)
                 end, _ = match_literal(text, self._pos, FUNCTION_OPEN)
                 if end < 0:
-                    return None if end == PENDING else REJECTED
+                    return None if end == PENDING else Rejected(self._pos)
                 name, end = _read_name(text, end)
-                if name is None or name is REJECTED:
-                    return name
-                if name not in self._tools:
-                    return REJECTED
+                if name is None:
+                    return None
+                if name is _NOT_A_NAME or name not in self._tools:
+                    return Rejected(self._pos)
                 self._function, self._pos, self._expect = name, end, _Expect.PARAMETER_OR_END
             elif self._expect is _Expect.PARAMETER_OR_END:
                 self._pos = skip_whitespace(text, self._pos)
                 # `</tool_call>` without `</function>` is a slip models make; the call is still whole.
                 end, literal = match_literal(text, self._pos, PARAMETER_OPEN, FUNCTION_CLOSE, TOOL_CALL_CLOSE)
                 if end < 0:
-                    return None if end == PENDING else REJECTED
+                    return None if end == PENDING else Rejected(self._pos)
                 if literal == TOOL_CALL_CLOSE:
                     return ScannedCall(name=self._function, arguments=self._arguments, end=end)
                 if literal == PARAMETER_OPEN:
@@ -148,8 +147,10 @@ class Qwen3CoderCallScanner:
                 self._expect = _Expect.PARAMETER_NAME if literal == PARAMETER_OPEN else _Expect.TOOL_CALL_CLOSE
             elif self._expect is _Expect.PARAMETER_NAME:
                 name, end = _read_name(text, self._pos)
-                if name is None or name is REJECTED:
-                    return name
+                if name is None:
+                    return None
+                if name is _NOT_A_NAME:
+                    return Rejected(self._pos)
                 self._start_value(name, end)
             elif self._expect is _Expect.VALUE:
                 verdict = self._scan_value(text)
@@ -176,7 +177,7 @@ class Qwen3CoderCallScanner:
                 self._pos = skip_whitespace(text, self._pos)
                 end, _ = match_literal(text, self._pos, TOOL_CALL_CLOSE)
                 if end < 0:
-                    return None if end == PENDING else REJECTED
+                    return None if end == PENDING else Rejected(self._pos)
                 return ScannedCall(name=self._function, arguments=self._arguments, end=end)
 
     def _scan_value(self, text: str):
@@ -193,7 +194,7 @@ class Qwen3CoderCallScanner:
                     if name is None:
                         self._search_from = match.start()
                         return None
-                    if name is not REJECTED and self._may_end_unclosed_value(name):
+                    if name is not _NOT_A_NAME and self._may_end_unclosed_value(name):
                         # the newline before the tag is the value's framing, stripped with it
                         self._end_value("".join(self._value) + text[self._pos:match.start() + 1])
                         self._start_value(name, end)
@@ -221,7 +222,7 @@ class Qwen3CoderCallScanner:
         if name is None:
             return None
         declared = self._tools.parameter_names(self._function)
-        return name is not REJECTED and (not declared or name in declared)
+        return name is not _NOT_A_NAME and (not declared or name in declared)
 
     def _may_end_unclosed_value(self, name: str) -> bool:
         return (name != self._parameter and name not in self._arguments
@@ -239,18 +240,19 @@ class Qwen3CoderCallScanner:
 
 
 _CONTINUE = object()  # _scan_value moved to another state: go on scanning
+_NOT_A_NAME = object()
 
 
 def _read_name(text: str, pos: int):
-    """The NAME of `NAME>` at pos and the position after `>`; (None, pos) if undecided, REJECTED if it
+    """The NAME of `NAME>` at pos and the position after `>`; (None, pos) if undecided, _NOT_A_NAME if it
     cannot be a name (empty, spans a line or a tag, or too long)."""
     close = text.find(">", pos, pos + MAX_NAME_LEN + 1)
     if close < 0:
         tail = text[pos:pos + MAX_NAME_LEN + 1]
         if len(tail) > MAX_NAME_LEN or "<" in tail or "\n" in tail:
-            return REJECTED, pos
+            return _NOT_A_NAME, pos
         return None, pos
     raw = text[pos:close]
     if "<" in raw or "\n" in raw or not raw.strip():
-        return REJECTED, pos
+        return _NOT_A_NAME, pos
     return raw.strip(), close + 1

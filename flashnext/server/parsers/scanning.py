@@ -3,8 +3,12 @@
 After `<tool_call>` the state machine makes a fresh scanner of the request's format and hands it the text that
 follows, piece by piece as it arrives. After each piece the scanner answers:
 - None: undecided, send more text;
-- REJECTED: this is not a well-formed call of a requested tool; `<tool_call>` is content after all, and
-  everything after it is scanned again as content;
+- Rejected: this is not a well-formed call of a requested tool; `<tool_call>` is content after all. `end` is
+  how far the reading that decided went, in the pieces joined (where the element it could not read starts, or
+  where a JSON object that is not a call ends): the text before it is content in which no call opens (a
+  `<tool_call>` there is inside one of the call's values), and the text from `end` on is scanned again as
+  content. Scanning again from the call's start was quadratic for a call rejected late: each `<tool_call>`
+  quoted in its values opened a scanner that read to the same far end;
 - ScannedCall: a complete call; `end` is where it stops in the pieces joined, just past `</tool_call>`;
 - UNFINISHED (only with final=True): the generation ended inside the call. It is content, `<tool_call>` and
   all, and no call opens inside it: a call within an unfinished one is more often quoted in a value than real,
@@ -32,6 +36,11 @@ class ScannedCall:
     end: int
 
 
+@dataclass(frozen=True)
+class Rejected:
+    end: int
+
+
 class _Verdict:
     def __init__(self, name: str):
         self._name = name
@@ -40,10 +49,9 @@ class _Verdict:
         return self._name
 
 
-REJECTED = _Verdict("REJECTED")
 UNFINISHED = _Verdict("UNFINISHED")
 
-ScanVerdict = ScannedCall | _Verdict | None
+ScanVerdict = ScannedCall | Rejected | _Verdict | None
 
 
 class ToolCallScanner(Protocol):
