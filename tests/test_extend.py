@@ -65,7 +65,8 @@ def test_extend_equals_eager_chunk(case, chunk, max_chain, widest):
         want = _eager_chunk(model, *eager, slot, table, more, PROMPT)
         got = graphs.extend(more.tolist(), PROMPT, slot, table)
         assert got.shape == want.shape and rel_err(got, want) < TOL
-        assert set(graphs.graphs) <= {(1, bucket(need, 16))}   # a last single token at the decode step's own width
+        # an odd chunk ends in a single token, which replays the decode step at its own width; an even one never does
+        assert set(graphs.graphs) == ({(1, bucket(need, 16))} if chunk % 2 else set())
         # and the sequence goes on from there: one decode step after the chunk
         token = int(want.argmax())
         want = _eager_chunk(model, *eager, slot, table, torch.tensor([token]), PROMPT + chunk)

@@ -122,7 +122,7 @@ class _Tensors:
         self.used.update(n for n in self.where if belongs(n))
 
 
-@dataclass(eq=False)   # compared and hashed by identity: names that share a recipe share its tensor
+@dataclass
 class _Recipe:
     """How to build one expected tensor: the canonical source tensors it reads, and the builder."""
 
@@ -139,7 +139,6 @@ class _Planner:
         self.into = into or {}   # name → the tensor to fill instead of a new one (a table shared by ranks)
         # (first, total): stacked experts [E, ...] hold experts first … first + E - 1 of the checkpoint's total
         self.expert_share = expert_share
-        self.recipes: dict[tuple[str, tuple[int, ...]], _Recipe | None] = {}
 
     # A 2-D weight `X.weight` stored plain, as int4 (`X.qweight` ...) or as fp8 (+ `X.weight_scale_inv`).
     def weight(self, name: str, shape: tuple[int, ...], packed: bool | None = None) -> _Recipe | None:
@@ -243,11 +242,14 @@ class _Planner:
         other bit widths or group sizes fall back to the dequantised stack."""
 
         def build() -> torch.Tensor | Int4Weight:
-            built = [[r.build() for r in recipes] for recipes in pieces]
-            weights = [w for parts in built for w in parts]
-            if not all(isinstance(w, Int4Weight) and w.perm is None and w.group_size == weights[0].group_size
-                       for w in weights):
-                return self._stacked(shape, pieces, split).build()
+            built, weights = [], []
+            for recipes in pieces:   # built one expert at a time: the fallback at the first that does not fit
+                parts = [r.build() for r in recipes]
+                if not all(isinstance(w, Int4Weight) and w.perm is None
+                           and w.group_size == (weights or parts)[0].group_size for w in parts):
+                    return self._stacked(shape, pieces, split).build()
+                built.append(parts)
+                weights += parts
             # an asymmetric checkpoint where some pieces read as symmetric (all their zero points 8, so from_gptq
             # drops them): those get 8s when any piece of the layer has zero points
             zeros = next((w.zeros for w in weights if w.zeros is not None), None)
@@ -298,15 +300,11 @@ class _Planner:
         return _Recipe([s for shard in shards for s in shard.sources], build)
 
     def plan(self, name: str, shape: tuple[int, ...]) -> _Recipe | None:
-        """A tensor planned twice (a tied head is the embedding) gets the same recipe, so it is read once."""
-        if (name, shape) not in self.recipes:
-            if _EXPERT_KEY.match(name):
-                self.recipes[name, shape] = self.experts(name, shape)
-            elif _NGRAM_KEY.match(name):
-                self.recipes[name, shape] = self.ngram_table(name, shape)
-            else:
-                self.recipes[name, shape] = self.weight(name, shape)
-        return self.recipes[name, shape]
+        if _EXPERT_KEY.match(name):
+            return self.experts(name, shape)
+        if _NGRAM_KEY.match(name):
+            return self.ngram_table(name, shape)
+        return self.weight(name, shape)
 
 
 def load_checkpoint(
@@ -353,13 +351,19 @@ def load_checkpoint(
     planners = {on_host: _Planner(tensors, quant, config, torch.device("cpu") if on_host else device, dtype,
                                   packed_int4, share, into)
                 for on_host in (False, True)}
-    recipes, missing = {}, []
+    recipes, missing, aliases = {}, [], {}
     text = config.get("text_config", config)
     tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
     for name, (shape, _) in expected.items():
         recipe = planners[name in host_names].plan(name, tuple(shape))
         if recipe is None and tied and name == "lm_head.weight":   # save_pretrained writes a tied head not at all
-            recipe = planners[name in host_names].plan("model.embed_tokens.weight", tuple(shape))
+            embed = "model.embed_tokens.weight"
+            # the embedding's tensor itself (read once) where both are expected alike and in one place
+            if (expected.get(embed) == expected[name] and (embed in host_names) == (name in host_names)
+                    and (embed in not_read) == (name in not_read)):
+                aliases[name] = embed
+                continue
+            recipe = planners[name in host_names].plan(embed, tuple(shape))
         if recipe is None:
             missing.append(name)
         else:
@@ -374,15 +378,11 @@ def load_checkpoint(
     if unexpected:
         raise CheckpointError(f"checkpoint {folder} has {len(unexpected)} tensor(s) this model does not use: "
                               f"{_listing(unexpected)}")
-    to_build = {recipe for name, recipe in recipes.items() if name not in not_read}
-    total = sum(tensors.nbytes(s) for recipe in to_build for s in recipe.sources)
-    result, built_by_recipe = {}, {}
+    total = sum(tensors.nbytes(s) for name, recipe in recipes.items() if name not in not_read for s in recipe.sources)
+    result = {}
     with tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", disable=not progress) as bar:
         for name, recipe in recipes.items():
             if name in not_read:
-                continue
-            if (recipe, expected[name]) in built_by_recipe:   # a tied head: the embedding's tensor, not a second copy
-                result[name] = built_by_recipe[recipe, expected[name]]
                 continue
             shape, expected_dtype = expected[name]
             out_dtype = dtype if expected_dtype.is_floating_point else expected_dtype
@@ -397,6 +397,6 @@ def load_checkpoint(
                 if into and name in into and tensor is not into[name]:   # a table stored whole, not in shards
                     tensor = into[name].copy_(tensor)
                 result[name] = tensor
-            built_by_recipe[recipe, expected[name]] = result[name]   # the two names alias one tensor
             bar.update(sum(tensors.nbytes(s) for s in recipe.sources))
+    result.update({name: result[embed] for name, embed in aliases.items() if name not in not_read})
     return result
