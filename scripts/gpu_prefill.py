@@ -15,6 +15,7 @@ import torch
 
 from flashnext.engine.llm import LLM
 from flashnext.engine.sampling_params import SamplingParams
+from gpu_common import sync
 from gpu_decode import profile_kernels
 
 
@@ -39,7 +40,6 @@ def host_waits(run, top: int = 12):
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:

@@ -124,7 +124,7 @@ def test_triton_default_configs(m):
     from flashnext.ops.moe_int4_triton import PREFILL, SMALL, SMALL_MAX_M, default_config, moe_int4_triton
 
     assert 3 * 3 < SMALL.block_m < 40 * 3 and 40 < SMALL_MAX_M < 150
-    assert default_config(m) == (SMALL if m <= SMALL_MAX_M else PREFILL)
+    assert default_config(m) == {3: SMALL, 40: SMALL, 150: PREFILL}[m]
     assert (default_config(SMALL_MAX_M), default_config(SMALL_MAX_M + 1)) == (SMALL, PREFILL)
     x, ids, weights, w_gate_up, w_down = case(m, 8, 3, 128, 64, 64, 64, asym=True)
     got = moe_int4_triton(x, ids, weights, w_gate_up, w_down)

@@ -34,6 +34,8 @@ def test_length_arguments_are_unspecialised(where):
     unspecialised = {kernel.arg_names[i] if isinstance(i, int) else i for i in listed or ()}
     assert unspecialised <= set(kernel.arg_names), "a do_not_specialize name is not an argument"
     assert unspecialised == UNSPECIALISED[where]
+    if hasattr(kernel, "params"):   # compiled (not interpreted): what Triton made of the list, argument by argument
+        assert {p.name for p in kernel.params if p.do_not_specialize} == UNSPECIALISED[where]
 
 
 def test_prefill_attention_tiles_follow_the_selection():
