@@ -36,10 +36,10 @@ class ForwardContext:
     positions: torch.Tensor = field(init=False)
 
     def __post_init__(self):
-        parts = [torch.arange(s.context_len, s.total_len) for s in self.segments]
-        positions = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-        if self.kv.device.type == "cuda":   # page-locked: a pageable copy waits for every step queued (weights/pinned)
-            positions = positions.pin_memory()
+        # written once, page-locked on a GPU: a pageable copy waits for every step queued (weights/pinned.staged)
+        positions = torch.empty(self.num_tokens, dtype=torch.long, pin_memory=self.kv.device.type == "cuda")
+        if self.segments:
+            torch.cat([torch.arange(s.context_len, s.total_len) for s in self.segments], out=positions)
         self.positions = positions.to(self.kv.device, non_blocking=True)
 
     @property
