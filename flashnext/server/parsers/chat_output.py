@@ -47,7 +47,7 @@ class _Section(Enum):
     TOOL_CALL = "tool_call"  # after `<tool_call>`, until the scanner decides
 
 
-PARSE_PIECE = 4096
+FEED_PIECE = 4096
 
 
 class ChatOutputParser:
@@ -91,9 +91,13 @@ class ChatOutputParser:
         return len(self._pending) + (self._scanner.held_chars if self._scanner is not None else 0)
 
     def feed(self, delta_text: str) -> list[Delta]:
+        """Text is advanced in pieces of FEED_PIECE characters, as a stream brings it: a rejected call hands back the
+        text after it to be scanned again, and from one large piece that was a copy of the rest of it at every
+        rejection (960K characters of "<tool_call>\n" in one feed took 3 s, on the server's event loop)."""
         assert not self._finished, "feed after finish"
         self._used = True
-        self._advance(delta_text, final=False)
+        for at in range(0, len(delta_text), FEED_PIECE):
+            self._advance(delta_text[at:at + FEED_PIECE], final=False)
         return self._take()
 
     def finish(self, truncated: bool = False) -> list[Delta]:
@@ -108,13 +112,9 @@ class ChatOutputParser:
         return self._take()
 
     def parse(self, full_text: str, truncated: bool = False) -> ParsedMessage:
-        """The non-streaming result: exactly what the concatenated deltas of any chunking add up to. Fed in pieces
-        of PARSE_PIECE characters: a rejected call hands back the text after it to be scanned again, and in one
-        piece that was a copy of the rest of the whole text at every rejection (960K characters of "<tool_call>\n"
-        took 3 s, on the server's event loop)."""
+        """The non-streaming result: exactly what the concatenated deltas of any chunking add up to."""
         assert not self._used, "parse needs a fresh parser"
-        deltas = [d for at in range(0, len(full_text), PARSE_PIECE) for d in self.feed(full_text[at:at + PARSE_PIECE])]
-        return collect(deltas + self.finish(truncated))
+        return collect(self.feed(full_text) + self.finish(truncated))
 
     def _take(self) -> list[Delta]:
         self._flush_text()
