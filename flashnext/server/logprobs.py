@@ -8,6 +8,7 @@ from flashnext.engine.outputs import TokenLogprob
 from flashnext.tokenizer.detokenizer import IncrementalDetokenizer
 
 _FLOOR = -9999.0  # JSON has no -inf; OpenAI clients expect a number
+_REPLACEMENT = "\ufffd"
 
 
 def _finite(value: float) -> float:
@@ -47,11 +48,16 @@ class TextOffsets:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
         self._length = 0
 
-    def of(self, token_ids) -> list[int]:
+    def of(self, token_ids, token_texts) -> list[int]:
+        """token_texts: each token's own decoded string, only to tell whose a leading U+FFFD is."""
         offsets = []
-        for token_id in token_ids:
-            offsets.append(self._length)
-            self._length += len(self._detokenizer.push([token_id]))
+        for token_id, own in zip(token_ids, token_texts):
+            added = self._detokenizer.push([token_id])
+            # The detokenizer holds back a trailing U+FFFD until later bytes complete it; when this token proves those
+            # bytes invalid, their U+FFFD comes out ahead of this token's text and belongs to the earlier token.
+            earlier = 1 if added.startswith(_REPLACEMENT) and not own.startswith(_REPLACEMENT) else 0
+            offsets.append(self._length + earlier)
+            self._length += len(added)
         return offsets
 
 
@@ -63,4 +69,4 @@ def completion_logprobs(entries: list[TokenLogprob], texts: TokenTexts, top_k: i
         top = {texts(t): _finite(lp) for t, lp in e.top[:top_k]}
         tops.append(top or None)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
-            "text_offset": offsets.of([e.token_id for e in entries])}
+            "text_offset": offsets.of([e.token_id for e in entries], tokens)}
