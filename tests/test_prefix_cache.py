@@ -169,7 +169,7 @@ def test_an_idle_engine_copies_entries_down_ahead_of_their_eviction(flash):
     and replies first, then the snapshots inside a prefill, least recently used first; their eviction later copies
     nothing; a resume from the host tier stays exact. An entry that would not fit the host tier without evicting is
     left alone."""
-    engine = make(loaded=flash.loaded, kv_host_gb=0.05)     # the default: on
+    engine = make(loaded=flash.loaded, kv_host_gb=0.05, kv_host_write_behind=False)     # the idle copy: on by default
     first = tokens(8, 70)
     reply, _ = run(engine, first, rid="a")
     run(engine, tokens(9, 50), rid="b")
@@ -186,12 +186,36 @@ def test_an_idle_engine_copies_entries_down_ahead_of_their_eviction(flash):
     assert host.bytes == held and cache.num_snapshots == 0 and not host.held_above   # now the only copies
     turn2 = first + reply + tokens(10, 4)
     assert run(engine, turn2) == (cold(engine, turn2, 6), 75)    # the reply's last token is not computed yet
-    small = make(loaded=flash.loaded, kv_host_gb=1e-6, kv_host_idle_copy=True)     # ~1 KB: no entry fits
+    small = make(loaded=flash.loaded, kv_host_gb=1e-6, kv_host_write_behind=False)     # ~1 KB: no entry fits
     run(small, first)
     assert not small.idle_work() and not small.prefix_cache.lower.snaps
-    off = make(loaded=flash.loaded, kv_host_gb=0.05, kv_host_idle_copy=False)
+    off = make(loaded=flash.loaded, kv_host_gb=0.05, kv_host_idle_copy=False, kv_host_write_behind=False)
     run(off, first)
     assert not off.idle_work() and not off.prefix_cache.lower.snaps
+
+
+def test_running_requests_write_the_cache_behind_between_steps(flash):
+    """--kv-host-write-behind (on by default): while a request runs, each step copies a piece of a device entry down
+    to the host tier (copy_down_one, ends first, least recently used first) — no idle time needed: the entries of an
+    earlier conversation reach the host tier during the next one's steps, stay on the device too, and their eviction
+    then copies nothing; a resume from the host tier stays exact. Off, nothing moves before an eviction."""
+    engine = make(loaded=flash.loaded, kv_host_gb=0.05, kv_host_idle_copy=False)
+    first = tokens(13, 70)
+    reply, _ = run(engine, first, rid="a")
+    cache, host = engine.prefix_cache, engine.prefix_cache.lower
+    ends_of_a = [k for k in cache.lru if k not in cache.inside_prefill]
+    run(engine, tokens(14, 40), n=12, rid="b")
+    assert ends_of_a and all(k in host.snaps and k in host.held_above and k in cache.lru for k in ends_of_a)
+    held = host.bytes
+    for key in ends_of_a:
+        cache._evict(key)
+    assert host.bytes == held                                     # written already: nothing copied at eviction
+    turn2 = first + reply + tokens(15, 4)
+    assert run(engine, turn2, rid="a2") == (cold(engine, turn2, 6), len(first) + len(reply) - 1)
+    off = make(loaded=flash.loaded, kv_host_gb=0.05, kv_host_idle_copy=False, kv_host_write_behind=False)
+    run(off, first, rid="a")
+    run(off, tokens(14, 40), n=12, rid="b")
+    assert not off.prefix_cache.lower.snaps
 
 
 def test_the_idle_copy_goes_a_piece_at_a_time(flash, monkeypatch):
@@ -202,7 +226,7 @@ def test_the_idle_copy_goes_a_piece_at_a_time(flash, monkeypatch):
     from flashnext.cache import tier_index
 
     monkeypatch.setattr(tier_index, "WRITE_PIECE", 1)
-    engine = make(loaded=flash.loaded, kv_host_gb=0.05)
+    engine = make(loaded=flash.loaded, kv_host_gb=0.05, kv_host_write_behind=False)
     a = tokens(8, 70)
     reply, _ = run(engine, a, rid="a")
     run(engine, tokens(9, 60), rid="b")
@@ -231,7 +255,7 @@ def test_the_idle_copy_goes_a_piece_at_a_time(flash, monkeypatch):
     # its eviction drops: its loose blocks go with it
     from flashnext.cache.cache_entry import read_block, tensor_bytes
 
-    engine = make(loaded=flash.loaded, kv_host_gb=0.05)
+    engine = make(loaded=flash.loaded, kv_host_gb=0.05, kv_host_write_behind=False)
     run(engine, tokens(12, 100), rid="d")
     cache, host = engine.prefix_cache, engine.prefix_cache.lower
     inside = next(iter(cache.inside_prefill))
@@ -399,7 +423,7 @@ def test_snapshots_inside_a_prefill_are_dropped_not_written_down(flash):
     """Evicted to a host tier, a prompt's snapshots taken inside its prefill that nothing resumed from are dropped (its
     blocks go down with its end's snapshot) and the next turn resumes exactly from the host tier; one that a request
     resumed from is written down like an end, and a third prompt sharing that prefix resumes from it on the host."""
-    engine = make(loaded=flash.loaded, kv_host_gb=0.05, kv_host_idle_copy=False)
+    engine = make(loaded=flash.loaded, kv_host_gb=0.05, kv_host_idle_copy=False, kv_host_write_behind=False)
     a = tokens(20, 150)
     reply_a, _ = run(engine, a, rid="a")
     cache, host = engine.prefix_cache, engine.prefix_cache.lower
@@ -410,7 +434,7 @@ def test_snapshots_inside_a_prefill_are_dropped_not_written_down(flash):
     assert {meta.num_tokens for meta in host.snaps.values()} == ends
     turn2 = a + reply_a + tokens(22, 5)
     assert run(engine, turn2, rid="a2") == (cold(engine, turn2, 6), len(a) + len(reply_a) - 1)
-    engine2 = make(loaded=flash.loaded, kv_host_gb=0.05, kv_host_idle_copy=False)
+    engine2 = make(loaded=flash.loaded, kv_host_gb=0.05, kv_host_idle_copy=False, kv_host_write_behind=False)
     run(engine2, a, rid="a")
     shared = max(t for t in inside if t <= 130)
     b = a[:130] + tokens(23, 20)

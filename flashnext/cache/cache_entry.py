@@ -61,7 +61,7 @@ def read_blocks(kv, blocks: list[int]) -> dict[str, torch.Tensor]:
     """Several KV blocks as one batch: name → [len(blocks), …], one gather per tensor of the pool (a lower
     tier then takes a conversation in one copy per tensor, not one per block and tensor: 130,500 copies for
     a 58K-token Flash-Next conversation)."""
-    index = torch.tensor(blocks, dtype=torch.long, device=kv.device)
+    index = to_device(blocks, kv.device)   # no host wait: write-behind gathers between steps queued ahead
     return {name: t.index_select(0, index) for name, t in _pool_tensors(kv)}
 
 
@@ -141,8 +141,9 @@ def packed_bytes(tensors: dict[str, torch.Tensor]) -> int:
 
 
 def copy_tensors(tensors: dict[str, torch.Tensor], device, pin: bool = False,
-                 into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                 into: torch.Tensor | None = None, wait: bool = True) -> dict[str, torch.Tensor]:
     """Copies on `device`; `pin`: host copies in pinned memory, written once (not copied to pageable first).
+    `wait` False: host copies from a device are only queued on the current stream (host_copies.py waits for them).
 
     Host copies share one buffer (views at PIN_ALIGN offsets; `into`, a uint8 tensor of packed_bytes, when given,
     e.g. from the host tier's PinnedArena) and wait for their device once: page-locking memory costs ~1.3 ms a
@@ -164,7 +165,7 @@ def copy_tensors(tensors: dict[str, torch.Tensor], device, pin: bool = False,
     for (name, t), start in zip(tensors.items(), starts):
         out[name] = flat[start: start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         out[name].copy_(t, non_blocking=True)
-    for t in tensors.values():
+    for t in tensors.values() if wait else ():
         if t.is_cuda:   # the copies ran on t's device's current stream: the host may read them after this
             torch.cuda.current_stream(t.device).synchronize()
             break

@@ -19,6 +19,7 @@ import time
 import torch
 
 from flashnext.cache.cache_entry import copy_tensors, packed_bytes, tensor_bytes
+from flashnext.cache.host_copies import HostCopies
 from flashnext.cache.pinned_arena import PinnedArena
 from flashnext.cache.tier_index import BlockData, SnapshotData, SnapshotMeta, TierStore, row_runs
 from flashnext.weights.pinned import meminfo_bytes
@@ -50,6 +51,7 @@ class HostStore(TierStore):
         self.rows: dict[bytes, tuple[int, int]] = {}     # block hash → (batch id, row)
         self.snapshot_data: dict[bytes, SnapshotData] = {}
         self._next_batch = 0
+        self.copies = HostCopies() if self.pin else None   # copies down not waited for (host_copies.py)
 
     def store_blocks(self, hashes: list[bytes], batch: BlockData) -> list[int]:
         # Pieces of power-of-two block counts (a batch of TierIndex.put is at most WRITE_PIECE = 256 blocks; its
@@ -75,20 +77,40 @@ class HostStore(TierStore):
     def _copy(self, owner, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Host copies of `tensors` in one buffer from the arena (or a fresh one), kept under `owner`."""
         buf = self.arena.take(packed_bytes(tensors))
-        out = copy_tensors(tensors, "cpu", self.pin, into=buf)
+        if self.copies is not None and all(t.is_cuda for t in tensors.values()):
+            out = self.copies.copy(owner, tensors, buf)
+        else:
+            out = copy_tensors(tensors, "cpu", self.pin, into=buf)
         if buf is not None:
             self.buffers.setdefault(owner, []).append(buf)
         return out
 
+    def _written(self, owner) -> None:
+        """Before the host buffers of `owner` are read or given back: its copies down are done."""
+        if self.copies is not None:
+            self.copies.wait(owner)
+
+    def copying(self) -> bool:
+        """Whether copies down are still in flight (HostCopies.busy)."""
+        return self.copies is not None and self.copies.busy()
+
+    def flush(self) -> None:
+        if self.copies is not None:
+            self.copies.wait_all()
+
     def _release(self, owner) -> None:
+        self._written(owner)
         for buf in self.buffers.pop(owner, ()):
             self.arena.give_back(buf)
 
     def load_blocks(self, hashes: list[bytes]) -> list[BlockData]:
-        return [{name: t[first: first + n] for name, t in self.batches[batch_id].items()}
-                for batch_id, first, n in row_runs([self.rows[h] for h in hashes])]
+        runs = row_runs([self.rows[h] for h in hashes])
+        for batch_id, _, _ in runs:
+            self._written(batch_id)
+        return [{name: t[first: first + n] for name, t in self.batches[batch_id].items()} for batch_id, first, n in runs]
 
     def load_snapshot(self, key: bytes) -> SnapshotData:
+        self._written(key)
         return self.snapshot_data[key]
 
     def drop_block(self, h: bytes) -> None:

@@ -354,10 +354,11 @@ class PrefixCache:
         the host tier lacks into it, the entry kept on the device too, when it fits there without evicting anything:
         False when there is none (or no host tier). Ends of prompts and replies first, then the snapshots taken
         inside a prefill (which their eviction would drop: `_evict`), least recently used first. Run while no
-        request does (LLMEngine.idle_work), so that the eviction of such an entry, when a request needs its blocks,
-        finds it written and costs no copy (on the H200 a 58K-token Flash-Next conversation's end took ~50 ms to
-        write down on a resume's path, session 15). A piece at a time, so that a request arriving meanwhile waits for
-        one piece (~0.1 GB), not a whole entry (~1.5 GB)."""
+        request does (LLMEngine.idle_work) and between steps (LLMEngine's write-behind, its copy not waited for:
+        host_copies.py), so that the eviction of such an entry, when a request needs its blocks, finds it written
+        and costs no copy (on the H200 a 58K-token Flash-Next conversation's end took ~50 ms to write down on a
+        resume's path, session 16). A piece at a time, so that a request arriving meanwhile waits for one piece
+        (~0.1 GB), not a whole entry (~1.5 GB)."""
         host = self.lower
         if host is None or host.name != "host" or self.mirror is not None:
             return False
@@ -377,13 +378,17 @@ class PrefixCache:
             seconds, pieces = self._idle_copies.pop(key, (0.0, 0))
             seconds, pieces = seconds + time.perf_counter() - start, pieces + 1
             if done:
-                log.info("idle copy: an entry of %d tokens down to the host tier in %d pieces, %.3f s", snap.num_tokens,
-                         pieces, seconds)
+                log.info("copied ahead: an entry of %d tokens down to the host tier in %d pieces, %.3f s of host time",
+                         snap.num_tokens, pieces, seconds)
                 host.held_above.add(key)
             else:
                 self._idle_copies[key] = (seconds, pieces)
             return True
         return False
+
+    def copying_down(self) -> bool:
+        """Whether copies down to the host tier are still crossing (HostCopies.busy: not waited for)."""
+        return self.lower is not None and self.lower.name == "host" and self.lower.store.copying()
 
     # ---- eviction ----
     def free_blocks(self, n: int) -> bool:
@@ -464,8 +469,8 @@ class PrefixCache:
             return 0
         disk, written = tiers[-1], 0
         # every entry held in memory, least recently used first: the host tier's are older than the device's (not the
-        # snapshots inside a prefill on the device, which their eviction drops too)
-        entries = [(tier, key) for tier in tiers[:-1] for key in tier.snaps] + [
+        # snapshots inside a prefill on the device, which their eviction drops too, nor their copies ahead of it)
+        entries = [(tier, key) for tier in tiers[:-1] for key in tier.snaps if key not in self.inside_prefill] + [
             (None, key) for key in self.lru if key not in self.inside_prefill]
         chosen = self._newest_that_fit(entries, disk)
         for _, key in chosen:      # first, so that writing the others cannot evict them

@@ -47,6 +47,7 @@ class EngineArgs:
     kv_host_gb: float = 0.0               # host-RAM tier for evicted entries (0: none); per rank on several GPUs
     kv_host_write_through: bool = False   # write every finished turn down to the lower tiers at once
     kv_host_idle_copy: bool = True        # while no request runs, copy device entries down to the host tier
+    kv_host_write_behind: bool = True     # while requests run, a piece of that between steps (not waited for)
     kv_disk_dir: str | None = None        # disk tier: entries survive a restart (several GPUs: rank<r>/ under it)
     kv_disk_gb: float = 16.0              # per rank on several GPUs
 

@@ -148,6 +148,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
          help="while no request runs, copy device prefix-cache entries to the host tier ahead of their eviction, "
               "so a request that needs their blocks does not wait for the copy (default true; only with --kv-host-gb, on one "
               "device)")
+    _add(parser, "--kv-host-write-behind", type=_bool,
+         help="while requests run, copy a piece of a device prefix-cache entry to the host tier between steps, on a "
+              "stream of its own that the steps do not wait for, ahead of the entry's eviction (default true; only "
+              "with --kv-host-gb, on one device)")
     _add(parser, "--kv-disk-dir", help="disk tier directory: cached conversations survive a restart")
     _add(parser, "--kv-disk-gb", type=float, help="size of the disk tier (default 16)")
     _add(parser, "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
@@ -163,7 +167,7 @@ _ENGINE_FLAGS = {"model": "model", "device": "device", "max_num_batched_tokens":
                  "dtype": "dtype", "quantize": "quantize", "enforce_eager": "enforce_eager", "warmup": "warmup", "ple_placement": "ple_placement", "enable_prefix_caching": "enable_prefix_caching",
                  "prefix_snapshot_interval": "prefix_snapshot_interval", "prefix_cache_gb": "prefix_cache_gb",
                  "kv_host_gb": "kv_host_gb", "kv_host_write_through": "kv_host_write_through",
-                 "kv_host_idle_copy": "kv_host_idle_copy",
+                 "kv_host_idle_copy": "kv_host_idle_copy", "kv_host_write_behind": "kv_host_write_behind",
                  "kv_disk_dir": "kv_disk_dir", "kv_disk_gb": "kv_disk_gb", "tensor_parallel": "tensor_parallel",
                  "expert_parallel": "expert_parallel", "ple_share_dir": "ple_share_dir",
                  "expert_vram_gb": "expert_vram_gb",
