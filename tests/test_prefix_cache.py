@@ -194,17 +194,26 @@ def test_an_idle_engine_copies_entries_down_ahead_of_their_eviction(flash):
     assert not off.idle_work() and not off.prefix_cache.lower.snaps
 
 
-def test_running_requests_write_the_cache_behind_between_steps(flash):
-    """--kv-host-write-behind (on by default): while a request runs, each step copies a piece of a device entry down
-    to the host tier (copy_down_one, ends first, least recently used first) — no idle time needed: the entries of an
+def test_running_requests_write_the_cache_behind_between_steps(flash, monkeypatch):
+    """--kv-host-write-behind (on by default): while requests run, a step the host has time beside (a decode step
+    queued ahead — GPU only —, or a prefill step of WRITE_BEHIND_MIN_TOKENS) copies a piece of a device entry down to
+    the host tier (copy_down_one, ends first, least recently used first) — no idle time needed: the entries of an
     earlier conversation reach the host tier during the next one's steps, stay on the device too, and their eviction
-    then copies nothing; a resume from the host tier stays exact. Off, nothing moves before an eviction."""
+    then copies nothing; a resume from the host tier stays exact. Beside short prompt steps (a resumed turn's),
+    nothing moves; off, nothing moves before an eviction."""
+    from flashnext.engine import llm_engine
+
+    first, second = tokens(13, 70), tokens(14, 150)     # the second prefills in three steps of at most 64 tokens
+    short = make(loaded=flash.loaded, kv_host_gb=0.05, kv_host_idle_copy=False)
+    run(short, first, rid="a")
+    run(short, second, rid="b")
+    assert not short.prefix_cache.lower.snaps                # below WRITE_BEHIND_MIN_TOKENS a step
+    monkeypatch.setattr(llm_engine, "WRITE_BEHIND_MIN_TOKENS", 1)
     engine = make(loaded=flash.loaded, kv_host_gb=0.05, kv_host_idle_copy=False)
-    first = tokens(13, 70)
     reply, _ = run(engine, first, rid="a")
     cache, host = engine.prefix_cache, engine.prefix_cache.lower
     ends_of_a = [k for k in cache.lru if k not in cache.inside_prefill]
-    run(engine, tokens(14, 40), n=12, rid="b")
+    run(engine, second, rid="b")
     assert ends_of_a and all(k in host.snaps and k in host.held_above and k in cache.lru for k in ends_of_a)
     held = host.bytes
     for key in ends_of_a:
@@ -214,7 +223,7 @@ def test_running_requests_write_the_cache_behind_between_steps(flash):
     assert run(engine, turn2, rid="a2") == (cold(engine, turn2, 6), len(first) + len(reply) - 1)
     off = make(loaded=flash.loaded, kv_host_gb=0.05, kv_host_idle_copy=False, kv_host_write_behind=False)
     run(off, first, rid="a")
-    run(off, tokens(14, 40), n=12, rid="b")
+    run(off, second, rid="b")
     assert not off.prefix_cache.lower.snaps
 
 

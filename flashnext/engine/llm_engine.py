@@ -29,6 +29,7 @@ from flashnext.engine.sampler import SamplerOutput, validate_token_ids
 from flashnext.engine.sampling_params import InvalidParams, SamplingParams
 from flashnext.engine.scheduler import Scheduler
 from flashnext.engine.structured.backend import InvalidConstraint, shared_backend
+from flashnext.ops.qsa_token_lists import compile_for_lengths
 from flashnext.tokenizer.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("flashnext.engine")
@@ -38,6 +39,8 @@ log = logging.getLogger("flashnext.engine")
 # one more. Fewer, and conversations resumed in turn push each other's ends out before their turn comes: the
 # H200's `bench concurrency` (8 streams, session 13) resumed none with a fixed 1 GiB (~9 Flash-Next snapshots).
 SNAPSHOTS_PER_SEQUENCE = 3
+# Prefill tokens in a step from which the write-behind runs beside it (LLMEngine._write_behind).
+WRITE_BEHIND_MIN_TOKENS = 1024
 
 
 @dataclass
@@ -343,14 +346,21 @@ class LLMEngine:
         return (self.prefix_cache is not None and self.args.kv_host_idle_copy and not self.has_work()
                 and self.prefix_cache.copy_down_one())
 
-    def _write_behind(self) -> None:
+    def _write_behind(self, chunks) -> None:
         """With a step queued on the device: a piece of a device prefix-cache entry copied down to the host tier ahead
         of its eviction (--kv-host-write-behind; PrefixCache.copy_down_one), its gather queued behind the step and its
         copy on a stream the steps do not wait for — unless the last pieces are still crossing. On the H200's idle
         bench the resumes follow each other too closely for the idle copy: each had written down the conversation it
-        evicted on its own path (~50 ms of a ~0.2 s first token, session 16)."""
+        evicted on its own path (~50 ms of a ~0.2 s first token, session 16).
+
+        Only where the host has time to spare: beside a decode step queued ahead (the host then waits for the one
+        before it) or a prefill step of WRITE_BEHIND_MIN_TOKENS or more (~0.1 s of GPU work and up). A piece costs
+        the host 3–8 ms (H200, session 17): beside a resumed turn's ~100-token step it delayed that turn's first
+        token instead."""
         cache = self.prefix_cache
-        if cache is not None and self.args.kv_host_write_behind and not cache.copying_down():
+        if cache is None or not self.args.kv_host_write_behind or cache.copying_down():
+            return
+        if self._in_flight is not None or sum(c.num_tokens for c in chunks or ()) >= WRITE_BEHIND_MIN_TOKENS:
             cache.copy_down_one()
 
     def warm_up(self) -> float:
@@ -375,6 +385,10 @@ class LLMEngine:
             self.step()
         while self.has_work():
             self.step()
+        cfg = self.config
+        if cfg.indexer_budget:   # the eager path's selections at context lengths the prompts above did not reach
+            compile_for_lengths(self.device, cfg.indexer_budget // cfg.indexer_compress_ratio,
+                                cfg.indexer_compress_ratio, -(-self.max_model_len // cfg.indexer_compress_ratio))
         graphs = self.runner.graphs
         if graphs is not None and graphs.announce is None:   # one GPU (several: the workers capture as announced)
             graphs.capture_widths(1)
@@ -428,7 +442,7 @@ class LLMEngine:
                 self._in_flight = self._launch_ahead(sampling, sampled)
             if launched is not None:
                 launched()
-            self._write_behind()   # while the host would wait for the step's tokens anyway
+            self._write_behind(chunks)   # while the host would wait for the step's tokens anyway
             tokens, logprobs, top = on_host.lists()
             for i, request in enumerate(sampling):
                 if request.finished:   # ended (or aborted) while this step, launched ahead, ran: its row is dropped
@@ -451,7 +465,7 @@ class LLMEngine:
             if launched is not None:
                 launched()
             if chunks is not None:
-                self._write_behind()
+                self._write_behind(chunks)
         if chunks is None:   # a request that ended before this step ran has had its output
             return [self._output(r) for r in live if r.pending_ids or r.finished]
         return [self._output(c.request) for c in chunks if c.request.pending_ids or c.request.finished]
