@@ -161,7 +161,8 @@ def test_an_unfinished_call_is_read_once_however_many_calls_open_inside_it(monke
     scanned = []
     scan = Qwen3CoderCallScanner.scan
     monkeypatch.setattr(Qwen3CoderCallScanner, "scan",
-                        lambda self, more, final: scanned.append(len(more)) or scan(self, more, final))
+                        lambda self, more, final, start=0:
+                        scanned.append(len(more) - start) or scan(self, more, final, start))
     opening = "<tool_call>\n<function=write_file>\n<parameter=content>\n"
     text = opening + ("x " + opening) * 300
     msg = ChatOutputParser("qwen3_coder", TOOLS, reasoning=False).parse(text)

@@ -213,7 +213,8 @@ def test_a_call_rejected_late_is_read_once_however_many_calls_open_inside_it(fmt
     scanned = []
     scan = scanner.scan
     monkeypatch.setattr(scanner, "scan",
-                        lambda self, more, final: scanned.append(len(more)) or scan(self, more, final))
+                        lambda self, more, final, start=0:
+                        scanned.append(len(more) - start) or scan(self, more, final, start))
     text = rejected_late(fmt, 300)
     msg = ChatOutputParser(fmt, TOOLS, reasoning=False).parse(text)
     assert (msg.content, msg.tool_calls) == (text, [])

@@ -30,7 +30,7 @@ from flashnext.server.parsers.messages import (ContentDelta, Delta, ParsedMessag
                                                 ToolCallArguments, ToolCallStart, collect)
 from flashnext.server.parsers.registry import get_tool_parser
 from flashnext.server.parsers.scanning import UNFINISHED, Rejected, ScannedCall, ToolCallScanner
-from flashnext.server.parsers.tags import (THINK_CLOSE, THINK_OPEN, TOOL_CALL_OPEN, partial_tag_len)
+from flashnext.server.parsers.tags import THINK_CLOSE, THINK_OPEN, TOOL_CALL_OPEN, partial_tag_len, skip_whitespace
 from flashnext.server.parsers.tool_schema import ToolSchemas
 
 _ID_ALPHABET = string.ascii_letters + string.digits
@@ -69,9 +69,14 @@ class ChatOutputParser:
         self._starts_in_reasoning = starts_in_reasoning
         self._section = _Section.START if reasoning else _Section.CONTENT
         self._skip_whitespace = reasoning
-        self._pending = ""  # text outside a call not yet emitted: at most a possible tag prefix between feeds
+        # Text outside a call not yet emitted, from _pending_at: between feeds at most a possible tag prefix; after
+        # a call, the rest of its text (at finish, of the generation: not sliced off again for every call in it).
+        self._pending = ""
+        self._pending_at = 0
         self._scanner: ToolCallScanner | None = None
+        self._shared_by_scanners: dict = {}  # what the scanners keep for the next (scanning.py)
         self._call_text: list[str] = []  # the open call's text, as it came: content if it is not a call
+        self._call_start = 0  # where the call starts in _call_text[0]
         self._call_ids: set[str] = set()
         self._out: list[Delta] = []
         self._text: list[str] = []  # reasoning or content (by _section) not yet in _out
@@ -88,7 +93,7 @@ class ChatOutputParser:
         """Characters the next feed looks at again: a tag, or a name, cut by a piece's end. It never grows
         with the length of a call or of the text, which is what keeps streaming linear (the open call's text
         is kept as well, but read again only when the call ends: as content, or by a second reading)."""
-        return len(self._pending) + (self._scanner.held_chars if self._scanner is not None else 0)
+        return len(self._pending) - self._pending_at + (self._scanner.held_chars if self._scanner is not None else 0)
 
     def feed(self, delta_text: str) -> list[Delta]:
         """Text is advanced in pieces of FEED_PIECE characters, as a stream brings it: a rejected call hands back the
@@ -108,7 +113,7 @@ class ChatOutputParser:
         if truncated and self._section is _Section.TOOL_CALL:
             self._end_unfinished_call()
         self._advance("", final=True)
-        assert not self._pending and self._scanner is None, "text left behind at finish"
+        assert self._pending_at == len(self._pending) and self._scanner is None, "text left behind at finish"
         return self._take()
 
     def parse(self, full_text: str, truncated: bool = False) -> ParsedMessage:
@@ -144,47 +149,61 @@ class ChatOutputParser:
         self._out.append(ToolCallArguments(index=index, text=json_text(call.arguments, separators=(", ", ": "))))
 
     def _advance(self, text: str, final: bool) -> None:
+        start = 0  # where the call that opened in text starts
         while True:
             if self._section is _Section.TOOL_CALL:
-                self._call_text.append(text)
-                verdict = self._scanner.scan(text, final)
+                if not self._call_text:
+                    self._call_text, self._call_start = [text], start
+                elif text:
+                    self._call_text.append(text)
+                verdict = self._scanner.scan(text, final, start)
                 if verdict is None:
                     return
                 if verdict is UNFINISHED:
                     self._end_unfinished_call()
                     return
-                body = "".join(self._call_text)
+                body, at = self._call_body()
                 self._scanner, self._call_text, self._section = None, [], _Section.CONTENT
                 if isinstance(verdict, Rejected):
-                    self._emit_text(TOOL_CALL_OPEN + body[:verdict.end])
+                    self._emit_text(TOOL_CALL_OPEN + body[at:at + verdict.end])
                 else:
                     self._emit_call(verdict)
                     self._skip_whitespace = True
-                self._pending = body[verdict.end:]  # scanned again as content
+                self._pending, self._pending_at = body, at + verdict.end  # scanned again as content
             else:
-                self._pending += text
-            text = self._advance_outside_call(final)
-            if text is None:
+                self._pending = self._pending[self._pending_at:] + text
+                self._pending_at = 0
+            opened = self._advance_outside_call(final)
+            if opened is None:
                 return
+            text, start = opened
+
+    def _call_body(self) -> tuple[str, int]:
+        """The open call's text in one string (joined only if it came in pieces), and where it starts in it."""
+        body = self._call_text[0] if len(self._call_text) == 1 else "".join(self._call_text)
+        return body, self._call_start
 
     def _end_unfinished_call(self) -> None:
-        self._emit_text(TOOL_CALL_OPEN + "".join(self._call_text))
+        body, at = self._call_body()
+        self._emit_text(TOOL_CALL_OPEN + body[at:])
         self._scanner, self._call_text, self._section = None, [], _Section.CONTENT
 
-    def _advance_outside_call(self, final: bool) -> str | None:
-        """Emit what pending text can be emitted; when a call opens, the text after `<tool_call>`."""
+    def _advance_outside_call(self, final: bool) -> tuple[str, int] | None:
+        """Emit what pending text can be emitted; when a call opens, the text it opens in and where it starts,
+        after `<tool_call>`. Only what is emitted is sliced off the pending text (scanning.py says why)."""
         while True:
+            text, at = self._pending, self._pending_at
             if self._skip_whitespace:
-                self._pending = self._pending.lstrip()
-                if not self._pending:
+                at = self._pending_at = skip_whitespace(text, at)
+                if at == len(text):
                     return None
                 self._skip_whitespace = False
             if self._section is _Section.START:
-                if self._pending.startswith(THINK_OPEN):
-                    self._pending = self._pending[len(THINK_OPEN):]
+                if text.startswith(THINK_OPEN, at):
+                    self._pending_at = at + len(THINK_OPEN)
                     self._section, self._skip_whitespace = _Section.REASONING, True
                     continue
-                if THINK_OPEN.startswith(self._pending) and not final:
+                if len(text) - at < len(THINK_OPEN) and THINK_OPEN.startswith(text[at:]) and not final:
                     return None
                 self._section = _Section.REASONING if self._starts_in_reasoning else _Section.CONTENT
                 continue
@@ -193,20 +212,22 @@ class ChatOutputParser:
             elif self._scanner_type is not None:
                 tag = TOOL_CALL_OPEN
             else:
-                self._emit_text(self._pending)
-                self._pending = ""
+                self._emit_text(text[at:])
+                self._pending, self._pending_at = "", 0
                 return None
-            found = self._pending.find(tag)
+            found = text.find(tag, at)
             if found >= 0:
-                self._emit_text(self._pending[:found])
-                rest = self._pending[found + len(tag):]
+                self._emit_text(text[at:found])
+                self._pending_at = found + len(tag)
                 if self._section is _Section.REASONING:
                     self._flush_text()
-                    self._section, self._skip_whitespace, self._pending = _Section.CONTENT, True, rest
+                    self._section, self._skip_whitespace = _Section.CONTENT, True
                     continue
-                self._section, self._scanner, self._pending = _Section.TOOL_CALL, self._scanner_type(self._tools), ""
-                return rest
-            held = 0 if final else partial_tag_len(self._pending, tag)
-            self._emit_text(self._pending[:len(self._pending) - held])
-            self._pending = self._pending[len(self._pending) - held:]
+                self._section = _Section.TOOL_CALL
+                self._scanner = self._scanner_type(self._tools, self._shared_by_scanners)
+                self._pending, self._pending_at = "", 0
+                return text, found + len(tag)
+            held = 0 if final else partial_tag_len(text[max(at, len(text) - len(tag) + 1):], tag)
+            self._emit_text(text[at:len(text) - held])
+            self._pending, self._pending_at = text[len(text) - held:], 0
             return None

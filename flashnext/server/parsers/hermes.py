@@ -18,7 +18,7 @@ class HermesCallScanner:
     once it closes; between pieces, only an escape or a `</tool_call>` cut by a piece's end is looked at
     again."""
 
-    def __init__(self, tools: ToolSchemas):
+    def __init__(self, tools: ToolSchemas, shared: dict | None = None):
         self._tools = tools
         self._text = ""  # what may still be looked at; what came before it is consumed
         self._offset = 0  # where _text starts in the call
@@ -33,8 +33,8 @@ class HermesCallScanner:
     def held_chars(self) -> int:
         return len(self._text)
 
-    def scan(self, more: str, final: bool) -> ScanVerdict:
-        self._text += more
+    def scan(self, more: str, final: bool, start: int = 0) -> ScanVerdict:
+        self._text += more[start:]
         verdict = self._scan(self._text)
         if verdict is not None:
             return replace(verdict, end=verdict.end + self._offset)

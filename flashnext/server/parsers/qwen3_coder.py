@@ -24,7 +24,9 @@ more loosely (the values before it stay as the first reading closed them): a `<p
 `</parameter>` counts whatever KEY is (a key the tool lacks, which vLLM instead folds into the value before
 it), and a line-start `<parameter=KEY>` of a declared parameter not given yet ends the value too (a model that
 left out `</parameter>`). Only such a call waits for the end of the generation, and a generation cut at
-max_tokens is not read again (chat_output.py).
+max_tokens is not read again (chat_output.py). At the end of a generation, whether a value runs to the end is
+looked up rather than read (value_ends.py): the text after each call that slipped is scanned for calls again,
+and reading each of their last values to the end was quadratic.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from enum import Enum
 from flashnext.server.parsers.scanning import UNFINISHED, Rejected, ScannedCall, ScanVerdict
 from flashnext.server.parsers.tags import MISMATCH, PENDING, TOOL_CALL_CLOSE, match_literal, skip_whitespace
 from flashnext.server.parsers.tool_schema import ToolSchemas, coerce_parameter
+from flashnext.server.parsers.value_ends import ENDS, ValueEnds
 
 FUNCTION_OPEN = "<function="
 FUNCTION_CLOSE = "</function>"
@@ -64,10 +67,12 @@ class Qwen3CoderCallScanner:
     looked at again but by the second reading, except the current value's, kept as pieces and joined once when
     the value ends."""
 
-    def __init__(self, tools: ToolSchemas, recovering: bool = False):
+    def __init__(self, tools: ToolSchemas, shared: dict | None = None, recovering: bool = False):
         self._tools = tools
+        self._shared = shared  # holds the ValueEnds of a finished generation, for its later calls
         self._recovering = recovering  # the second reading: a line-start <parameter=KEY> may end a value
         self._received: list[str] = []  # the call as handed in, for the second reading
+        self._received_start = 0  # where the call starts in _received[0]
         self._open_at = 0  # in the call: where the latest `<parameter=` starts (the open value's, at the end)
         self._arguments_before: dict = {}  # the arguments before it
         self._text = ""  # what may still be looked at; what came before it is consumed
@@ -86,15 +91,23 @@ class Qwen3CoderCallScanner:
     def held_chars(self) -> int:
         return len(self._text)
 
-    def scan(self, more: str, final: bool) -> ScanVerdict:
-        if not self._recovering:
+    def scan(self, more: str, final: bool, start: int = 0) -> ScanVerdict:
+        if start and (self._text or self._received):  # only a call's first piece is handed in with its start
+            more, start = more[start:], 0
+        if not self._recovering and len(more) > start:
+            if not self._received:
+                self._received_start = start
             self._received.append(more)
-        self._text += more
-        verdict = self._scan()
+        if self._text:
+            self._text += more
+        else:  # not copied: at the end of a generation, each call it still holds is handed all the rest
+            self._text, self._pos, self._search_from = more, start, start
+            self._offset -= start
+        verdict = self._scan(final)
         if verdict is not None:
             return replace(verdict, end=verdict.end + self._offset)
-        self._drop_consumed()
-        if not final:
+        if not final:  # at the end nothing is looked at again, and the rest is not copied
+            self._drop_consumed()
             return None
         if self._expect in (_Expect.VALUE, _Expect.AFTER_CLOSE) and not self._recovering:
             return self._read_open_value_again()
@@ -105,8 +118,18 @@ class Qwen3CoderCallScanner:
         again = Qwen3CoderCallScanner(self._tools, recovering=True)
         again._function, again._arguments = self._function, self._arguments_before
         again._expect = _Expect.PARAMETER_OR_END
-        verdict = again.scan("".join(self._received)[self._open_at:], final=True)
+        text = self._received[0] if len(self._received) == 1 else "".join(self._received)
+        verdict = again.scan(text, final=True, start=self._received_start + self._open_at)
         return verdict if verdict is UNFINISHED else replace(verdict, end=verdict.end + self._open_at)
+
+    def _runs_to_end(self, text: str, pos: int) -> bool:
+        """Whether the value starting at pos runs to the end of the text, which is the generation's end."""
+        if self._shared is None or self._recovering:
+            return False
+        ends = self._shared.get(ValueEnds)
+        if ends is None or not ends.covers(text, pos):
+            ends = self._shared[ValueEnds] = ValueEnds(text, pos, _value_events(text, pos))
+        return ends.runs_to_end(text, pos, self._tools.parameter_names(self._function))
 
     def _drop_consumed(self) -> None:
         if self._expect is _Expect.VALUE:
@@ -117,7 +140,7 @@ class Qwen3CoderCallScanner:
         self._offset += cut
         self._pos = self._search_from = 0
 
-    def _scan(self) -> ScannedCall | Rejected | None:
+    def _scan(self, final: bool) -> ScannedCall | Rejected | None:
         """The verdict, with its end in _text, once the text decides it; None until then."""
         text = self._text
         while True:
@@ -152,6 +175,8 @@ class Qwen3CoderCallScanner:
                 if name is _NOT_A_NAME:
                     return Rejected(self._pos)
                 self._start_value(name, end)
+                if final and self._runs_to_end(text, end):
+                    return None  # left open at the end: scan() reads it again
             elif self._expect is _Expect.VALUE:
                 verdict = self._scan_value(text)
                 if verdict is not _CONTINUE:
@@ -241,6 +266,26 @@ class Qwen3CoderCallScanner:
 
 _CONTINUE = object()  # _scan_value moved to another state: go on scanning
 _NOT_A_NAME = object()
+
+
+def _value_events(text: str, start: int) -> list[tuple[int, int, object]]:
+    """The value tags from start, as ValueEnds takes them; what follows each `</parameter>` as the first reading's
+    _value_ended reads it."""
+    events = []
+    for match in _VALUE_TAGS.finditer(text, start):
+        if match.group() == _NESTED_OPEN:
+            events.append((match.start(), 1, None))
+            continue
+        end, literal = match_literal(text, match.end(), PARAMETER_OPEN, FUNCTION_CLOSE, TOOL_CALL_CLOSE)
+        if end < 0:
+            after = None
+        elif literal != PARAMETER_OPEN:
+            after = ENDS
+        else:
+            name, _ = _read_name(text, end)
+            after = name if isinstance(name, str) else None
+        events.append((match.start(), -1, after))
+    return events
 
 
 def _read_name(text: str, pos: int):

@@ -20,6 +20,10 @@ None.
 Between pieces a scanner re-examines only `held_chars` (a tag or name cut by a piece's end), never the call so
 far, so a long call streamed a character at a time costs linear time. It may keep the call's text, to read it
 again at the end.
+
+A call's first piece comes with `start`, where the call begins in it: at the end of a generation each call it
+still holds is handed all the rest of it, and copying that for every such call was quadratic. The scanners of one
+generation share `shared`, a dict where one may keep what it learned about the finished text for the next.
 """
 from __future__ import annotations
 
@@ -55,9 +59,9 @@ ScanVerdict = ScannedCall | Rejected | _Verdict | None
 
 
 class ToolCallScanner(Protocol):
-    def __init__(self, tools: ToolSchemas): ...
+    def __init__(self, tools: ToolSchemas, shared: dict): ...
 
-    def scan(self, more: str, final: bool) -> ScanVerdict: ...
+    def scan(self, more: str, final: bool, start: int = 0) -> ScanVerdict: ...
 
     @property
     def held_chars(self) -> int: ...
