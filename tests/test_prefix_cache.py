@@ -227,6 +227,34 @@ def test_running_requests_write_the_cache_behind_between_steps(flash, monkeypatc
     assert not off.prefix_cache.lower.snaps
 
 
+def test_copy_down_walks_nothing_again_while_nothing_fits(flash, monkeypatch):
+    """The write-behind asks copy_down_one at every decode step: with a host tier too full for any entry, each entry
+    is walked at most once (kept while it waits for room) and, the state unchanged, not even that; an entry whose
+    snapshot alone does not fit is never walked. Once room comes back, the entries go down."""
+    from flashnext.cache import prefix_cache
+
+    engine = make(loaded=flash.loaded, kv_host_gb=0.05, kv_host_idle_copy=False, kv_host_write_behind=False)
+    run(engine, tokens(16, 70), rid="a")
+    cache, host = engine.prefix_cache, engine.prefix_cache.lower
+    walks = []
+    real = prefix_cache._path_lists
+    monkeypatch.setattr(prefix_cache, "_path_lists", lambda node: walks.append(node) or real(node))
+    smallest = min(node.snapshots[tail].nbytes for node, tail in cache.lru.values())
+    host.capacity = host.used_bytes + smallest          # room for a snapshot, not for its blocks
+    assert not cache.copy_down_one() and 0 < len(walks) <= len(cache.lru)
+    walked = len(walks)
+    assert not cache.copy_down_one() and len(walks) == walked      # unchanged: nothing looked at
+    cache._nothing_to_copy = None
+    assert not cache.copy_down_one() and len(walks) == walked      # looked at again, the walks kept
+    host.capacity = host.used_bytes                     # no room even for a snapshot: no walk at all
+    cache._copies_ahead.clear()
+    assert not cache.copy_down_one() and len(walks) == walked
+    host.capacity = 1 << 30
+    while cache.copy_down_one():
+        pass
+    assert all(key in host for key in cache.lru)
+
+
 def test_the_idle_copy_goes_a_piece_at_a_time(flash, monkeypatch):
     """idle_work copies WRITE_PIECE blocks of an entry a call (a request arriving meanwhile waits for one piece, not a
     whole entry): the blocks stay loose until the snapshot follows the last piece; a host tier over its budget drops

@@ -5,7 +5,9 @@ steps, PrefixCache.copy_down_one, relies on it — a synchronous copy would wait
 Each owner's copies (a stored batch of blocks, a snapshot) end with an event; whoever reads the host buffers (a
 restore, a move to disk) or gives them back for reuse waits for it first — by then, mostly long passed. The device
 tensors a copy reads stay allocated until it has read them (record_stream), and the bytes in flight are bounded:
-the gathered blocks are device memory beside a step's activations (the memory plan's slack is 1 GiB).
+the gathered blocks are device memory beside a step's activations (the memory plan's slack is 1 GiB). The bound is
+checked before a copy, after its piece was gathered (the peak is the bound plus a piece); snapshots count toward it
+though their tensors are the device snapshot's own.
 """
 from __future__ import annotations
 
@@ -31,9 +33,10 @@ class HostCopies:
         work the current stream has queued so far."""
         nbytes = tensor_bytes(tensors)
         self._retire(self.limit - nbytes)
+        device = next(iter(tensors.values())).device
         if self.stream is None:
-            self.stream = torch.cuda.Stream(next(iter(tensors.values())).device)
-        self.stream.wait_stream(torch.cuda.current_stream())
+            self.stream = torch.cuda.Stream(device)
+        self.stream.wait_stream(torch.cuda.current_stream(device))   # the device's, whichever is current
         with torch.cuda.stream(self.stream):
             out = copy_tensors(tensors, "cpu", True, into=into, wait=False)
         for t in tensors.values():

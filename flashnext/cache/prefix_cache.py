@@ -67,8 +67,8 @@ def _path_lists(node: Node) -> tuple[list[bytes], list[int]]:
 
 @dataclass(eq=False)
 class _CopyAhead:
-    """An entry copy_down_one has begun: its path (fixed while the entry is on the device), and so far the host time
-    spent and the pieces copied (for the log)."""
+    """An entry copy_down_one has walked (begun, or waiting for room in the host tier): its path, fixed while the
+    entry is on the device, and so far the pieces copied (0: not begun) and the host time spent (for the log)."""
     hashes: list[bytes]
     blocks: list[int]
     seconds: float = 0.0
@@ -125,7 +125,8 @@ class PrefixCache:
         self._reads: dict[bytes, _BackgroundRead] = {}
         self._read_of: dict[object, bytes] = {}
         self._reader: ThreadPoolExecutor | None = None
-        self._copies_ahead: dict[bytes, _CopyAhead] = {}   # entries copy_down_one began and has not finished
+        self._copies_ahead: dict[bytes, _CopyAhead] = {}   # entries copy_down_one walked and has not finished
+        self._nothing_to_copy: tuple | None = None   # copy_down_one's state when it last found nothing to copy
 
     # ---- lookup and resume ----
     def lookup(self, tokens: list[int], limit: int, owner: str | None = None) -> PrefixHit | None | object:
@@ -378,6 +379,12 @@ class PrefixCache:
         host = self.lower
         if host is None or host.name != "host" or self.mirror is not None:
             return False
+        # the write-behind asks at every decode step: once nothing fits (a full host tier), nothing is walked again
+        # until the host tier or the device entries change
+        state = (host.used_bytes, host.capacity, len(self.lru), next(reversed(self.lru), None))
+        if state == self._nothing_to_copy:
+            return False
+        room = host.capacity - host.used_bytes
         block_bytes = tensor_bytes(read_block(self.kv, 0))
         ends = [key for key in self.lru if key not in self.inside_prefill]
         for key in ends + [key for key in self.lru if key in self.inside_prefill]:
@@ -385,24 +392,27 @@ class PrefixCache:
                 continue
             node, tail = self.lru[key]
             snap = node.snapshots[tail]
+            if snap.nbytes > room:
+                continue     # without its blocks already: no walk
             # the entry's path walked once, not at each of its ~15 pieces (3,600 nodes at 58K tokens: ~1 ms of host
-            # time a walk, beside decode steps of ~6 ms)
-            copy = self._copies_ahead.get(key) or _CopyAhead(*_path_lists(node))
+            # time a walk, beside decode steps of ~6 ms); kept while the entry waits for room too
+            copy = self._copies_ahead.get(key)
+            if copy is None:
+                copy = self._copies_ahead[key] = _CopyAhead(*_path_lists(node))
             size = sum(h not in host.block_refs for h in copy.hashes) * block_bytes + snap.nbytes
-            if host.used_bytes + size > host.capacity:
+            if size > room:
                 continue     # a smaller one may fit
             start = time.perf_counter()
             done = self._put(host, key, snap, copy.hashes, copy.blocks, max_pieces=1)
             copy.seconds += time.perf_counter() - start
             copy.pieces += 1
             if done:
-                self._copies_ahead.pop(key, None)
+                del self._copies_ahead[key]
                 log.info("copied ahead: an entry of %d tokens down to the host tier in %d pieces, %.3f s of host time",
                          snap.num_tokens, copy.pieces, copy.seconds)
                 host.held_above.add(key)
-            else:
-                self._copies_ahead[key] = copy
             return True
+        self._nothing_to_copy = state
         return False
 
     def copying_down(self) -> bool:
@@ -438,7 +448,8 @@ class PrefixCache:
         # resumes from the lower tier at a shorter snapshot, or none. A snapshot once resumed from is an end.
         never_resumed = key in self.inside_prefill
         self.inside_prefill.discard(key)
-        if self._copies_ahead.pop(key, None) is not None and never_resumed and self.lower is not None:
+        copy = self._copies_ahead.pop(key, None)
+        if copy is not None and copy.pieces and never_resumed and self.lower is not None:
             self.lower.drop_loose()   # the blocks its unfinished idle copy put down, which nothing will name now
         node, tail = self.lru.pop(key)
         snap = node.snapshots.pop(tail)
@@ -491,7 +502,8 @@ class PrefixCache:
         disk, written = tiers[-1], 0
         # every entry held in memory, least recently used first: the host tier's are older than the device's (not the
         # snapshots inside a prefill on the device, which their eviction drops too, nor their copies ahead of it)
-        entries = [(tier, key) for tier in tiers[:-1] for key in tier.snaps if key not in self.inside_prefill] + [
+        entries = [(tier, key) for tier in tiers[:-1] for key in tier.snaps
+                   if key not in self.inside_prefill or key not in tier.held_above] + [
             (None, key) for key in self.lru if key not in self.inside_prefill]
         chosen = self._newest_that_fit(entries, disk)
         for _, key in chosen:      # first, so that writing the others cannot evict them

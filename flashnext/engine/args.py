@@ -70,6 +70,11 @@ def step_token_budget(device) -> int:
     return 8192
 
 
+def model_len(args: EngineArgs, cfg) -> int:
+    """The longest sequence served: --max-model-len, at most the model's max_position_embeddings."""
+    return min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+
+
 def resolve_dtype(name: str, device, model: str | None = None) -> "torch.dtype":  # noqa: F821
     """auto: bf16 on GPU, fp32 on CPU (fast on both); checkpoint: what the model's config.json declares."""
     import torch

@@ -16,7 +16,7 @@ import torch
 from flashnext.cache.kv_pool import KVPool
 from flashnext.cache.prefix_cache import PrefixCache
 from flashnext.cache.state_pool import StatePool
-from flashnext.engine.args import EngineArgs, resolve_dtype, step_token_budget
+from flashnext.engine.args import EngineArgs, model_len, resolve_dtype, step_token_budget
 from flashnext.engine.cuda_graph import DecodeGraphs
 from flashnext.engine.errors import RequestRejected
 from flashnext.engine.loading import LoadedModel, load_model
@@ -29,7 +29,7 @@ from flashnext.engine.sampler import SamplerOutput, validate_token_ids
 from flashnext.engine.sampling_params import InvalidParams, SamplingParams
 from flashnext.engine.scheduler import Scheduler
 from flashnext.engine.structured.backend import InvalidConstraint, shared_backend
-from flashnext.ops.qsa_token_lists import compile_for_lengths
+from flashnext.models.layers.qsa_indexer import compile_selection_kernels
 from flashnext.tokenizer.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("flashnext.engine")
@@ -121,7 +121,7 @@ class LLMEngine:
             count = install_routing_trace(self.loaded.model, args.routing_trace, args.seed)
             log.warning("--routing-trace %s: %d routers pick experts from a trace of stated locality; outputs are "
                         "not the model's (a benchmark mode)", args.routing_trace, count)
-        self.max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_model_len = model_len(args, cfg)
         block_size = KVPool.fit_block_size(cfg, args.block_size)
         slot_bytes = StatePool.bytes_per_slot(cfg, self.dtype)
         use_graphs = self._use_cuda_graphs()
@@ -360,7 +360,10 @@ class LLMEngine:
         cache = self.prefix_cache
         if cache is None or not self.args.kv_host_write_behind or cache.copying_down():
             return
-        if self._in_flight is not None or sum(c.num_tokens for c in chunks or ()) >= WRITE_BEHIND_MIN_TOKENS:
+        # a step queued ahead also follows a prompt's last chunk (its first token, still to read, is what a resumed
+        # turn waits for): only beside decode steps
+        decoding = self._in_flight is not None and (chunks is None or all(c.num_tokens == 1 for c in chunks))
+        if decoding or sum(c.num_tokens for c in chunks or ()) >= WRITE_BEHIND_MIN_TOKENS:
             cache.copy_down_one()
 
     def warm_up(self) -> float:
@@ -385,10 +388,9 @@ class LLMEngine:
             self.step()
         while self.has_work():
             self.step()
-        cfg = self.config
-        if cfg.indexer_budget:   # the eager path's selections at context lengths the prompts above did not reach
-            compile_for_lengths(self.device, cfg.indexer_budget // cfg.indexer_compress_ratio,
-                                cfg.indexer_compress_ratio, -(-self.max_model_len // cfg.indexer_compress_ratio))
+        # the eager path's selections at context lengths the prompts above did not reach (the workers of several
+        # ranks compile their own: parallel/launch.py)
+        compile_selection_kernels(self.config, self.device, self.max_model_len)
         graphs = self.runner.graphs
         if graphs is not None and graphs.announce is None:   # one GPU (several: the workers capture as announced)
             graphs.capture_widths(1)

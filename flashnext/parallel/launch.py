@@ -88,6 +88,11 @@ def _worker(rank: int, args: EngineArgs, port: int) -> None:
         # decode steps read the pools through their slot tables, as rank 0's (LLMEngine), and the keeper, told
         # around each step (DecodeGraphs.keeper), adapts this rank's pools as rank 0's keeper does its own
         keeper = loaded.expert_cache.enable_graphs()
+    if args.warmup:   # rank 0's warm-up compiles these outside any forward the workers follow (LLMEngine.warm_up)
+        from flashnext.engine.args import model_len
+        from flashnext.models.layers.qsa_indexer import compile_selection_kernels
+
+        compile_selection_kernels(loaded.config, device, model_len(args, loaded.config))
     steps = worker_loop(loaded.model, dtype, device, WorkerCache(_tier_stores(args, loaded, dtype, rank)), keeper)
     log.debug("rank %d: %d forwards, stopping", rank, steps)
     dist.destroy_process_group()

@@ -149,9 +149,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
               "so a request that needs their blocks does not wait for the copy (default true; only with --kv-host-gb, on one "
               "device)")
     _add(parser, "--kv-host-write-behind", type=_bool,
-         help="while requests run, copy a piece of a device prefix-cache entry to the host tier between steps, on a "
-              "stream of its own that the steps do not wait for, ahead of the entry's eviction (default true; only "
-              "with --kv-host-gb, on one device)")
+         help="while requests run, copy a piece of a device prefix-cache entry to the host tier beside decode steps "
+              "queued ahead and prefill steps of 1,024+ tokens, on a stream of its own that the steps do not wait "
+              "for, ahead of the entry's eviction, while the host tier has room (default true; only with "
+              "--kv-host-gb, on one device; decode steps slow while it copies)")
     _add(parser, "--kv-disk-dir", help="disk tier directory: cached conversations survive a restart")
     _add(parser, "--kv-disk-gb", type=float, help="size of the disk tier (default 16)")
     _add(parser, "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")

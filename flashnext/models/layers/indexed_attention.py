@@ -15,7 +15,8 @@ class IndexedAttention(GatedAttention):
         self.indexer = QSAIndexer(cfg, layer_idx, rope)
 
     def block_selection(self, x, cos, sin, ctx, seg):
-        return self.indexer(x, cos, sin, ctx, seg), self.indexer.ratio
+        chosen = self.indexer(x, cos, sin, ctx, seg)
+        return (chosen, self.indexer.ratio) if chosen is not None else None
 
     def token_lists(self, x, cos, sin, ctx, seg):
         return self.indexer.token_lists(x, cos, sin, ctx, seg) if lists_pay_off(x, seg, self.indexer) else None

@@ -21,7 +21,7 @@ from flashnext.ops.norm_rope import norm_rope
 from flashnext.ops.prefill_attention import QUERY_BLOCK
 from flashnext.ops.qsa_key_append import qsa_key_append
 from flashnext.ops.qsa_scores import qsa_block_scores, qsa_prefill_scores
-from flashnext.ops.qsa_token_lists import qsa_token_lists, qsa_top_blocks
+from flashnext.ops.qsa_token_lists import compile_for_lengths, qsa_token_lists, qsa_top_blocks
 from flashnext.weights.config import ModelConfig
 
 
@@ -108,11 +108,18 @@ class QSAIndexer(nn.Module):
         rest = pending[complete * self.ratio:]
         ring[: rest.shape[0]] = rest
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext, seg: Segment) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext,
+                seg: Segment) -> torch.Tensor | None:
         """x [T, hidden] of one segment → chosen [T, total_len // ratio] bool: the complete blocks each query attends
-        to (ops/prefill_attention adds the tail of its incomplete block and the causal limit)."""
-        q = self._queries(x, cos, sin, ctx, seg)
+        to (ops/prefill_attention adds the tail of its incomplete block and the causal limit); None while the
+        segment ends within the top-k blocks: every complete block is chosen then, which is dense causal attention
+        (as `decode` does) — nothing scored, and no list kernel compiled for each of the block counts below top-k on
+        a short prompt's way."""
         num_blocks = seg.total_len // self.ratio
+        if num_blocks <= self.block_topk:
+            self._append_block_keys(self._project(x)[1], ctx, seg)
+            return None
+        q = self._queries(x, cos, sin, ctx, seg)
         chosen = torch.zeros(seg.length, num_blocks, dtype=torch.bool, device=x.device)
         if num_blocks:
             k = min(self.block_topk, num_blocks)
@@ -146,3 +153,12 @@ class QSAIndexer(nn.Module):
         q = norm_rope(q.view(-1, self.num_heads, self.head_dim), self.q_layernorm.weight, self.q_layernorm.eps, cos, sin)
         scores = qsa_block_scores(q, keys, batch.block_table, (pos + 1) // r)
         return self._lists(scores, pos, capacity * r)
+
+
+def compile_selection_kernels(cfg: ModelConfig, device: torch.device, max_len: int) -> None:
+    """The QSA list kernels compiled for every block count a request up to max_len tokens can meet
+    (ops/qsa_token_lists.compile_for_lengths), at the warm-up of every rank; nothing for a model without an
+    indexer."""
+    if cfg.indexer_budget:
+        ratio = cfg.indexer_compress_ratio
+        compile_for_lengths(device, cfg.indexer_budget // ratio, ratio, -(-max_len // ratio))
