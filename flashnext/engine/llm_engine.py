@@ -355,8 +355,8 @@ class LLMEngine:
 
         Only where the host has time to spare: beside a decode step queued ahead (the host then waits for the one
         before it) or a prefill step of WRITE_BEHIND_MIN_TOKENS or more (~0.1 s of GPU work and up). A piece costs
-        the host 3–8 ms (H200, session 17): beside a resumed turn's ~100-token step it delayed that turn's first
-        token instead."""
+        the host 3–7 ms (H200, session 17's logs), which beside a resumed turn's ~100-token step comes before that
+        turn's first token (the idle bench's second resume had nine pieces there at 2c03ae8)."""
         cache = self.prefix_cache
         if cache is None or not self.args.kv_host_write_behind or cache.copying_down():
             return
