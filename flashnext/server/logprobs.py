@@ -48,15 +48,14 @@ class TextOffsets:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
         self._length = 0
 
-    def of(self, token_ids, token_texts) -> list[int]:
-        """token_texts: each token's own decoded string, only to tell whose a leading U+FFFD is."""
+    def of(self, token_ids) -> list[int]:
         offsets = []
-        for token_id, own in zip(token_ids, token_texts):
+        for token_id in token_ids:
+            held = self._detokenizer.holding
             added = self._detokenizer.push([token_id])
-            # The detokenizer holds back a trailing U+FFFD until later bytes complete it; when this token proves those
-            # bytes invalid, their U+FFFD comes out ahead of this token's text and belongs to the earlier token.
-            earlier = 1 if added.startswith(_REPLACEMENT) and not own.startswith(_REPLACEMENT) else 0
-            offsets.append(self._length + earlier)
+            # A character held back (bytes a later token might complete) that this token proves invalid comes out
+            # as U+FFFD ahead of this token's own text: it is the earlier token's.
+            offsets.append(self._length + (1 if held and added.startswith(_REPLACEMENT) else 0))
             self._length += len(added)
         return offsets
 
@@ -69,4 +68,4 @@ def completion_logprobs(entries: list[TokenLogprob], texts: TokenTexts, top_k: i
         top = {texts(t): _finite(lp) for t, lp in e.top[:top_k]}
         tops.append(top or None)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
-            "text_offset": offsets.of([e.token_id for e in entries], tokens)}
+            "text_offset": offsets.of([e.token_id for e in entries])}

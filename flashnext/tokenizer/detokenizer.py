@@ -23,12 +23,14 @@ class IncrementalDetokenizer:
         self._ids: list[int] = context
         self._read_offset = len(context)
         self._sent = len(self._decode(context))  # chars of the window already returned (or context)
+        self.holding = False   # the last push held a character back (its bytes may be completed by the next)
 
     def push(self, token_ids) -> str:
         """Append generated tokens; return the text they complete (possibly "")."""
         self._ids.extend(token_ids)
         window = self._decode(self._ids)
         complete = not window.endswith(_REPLACEMENT)
+        self.holding = not complete
         stable = len(window) if complete else len(window) - 1
         new_text = window[self._sent:stable] if stable > self._sent else ""
         self._sent = max(self._sent, stable)
@@ -44,6 +46,7 @@ class IncrementalDetokenizer:
         window = self._decode(self._ids)
         new_text = window[self._sent:]
         self._sent = len(window)
+        self.holding = False
         return new_text
 
     def _decode(self, ids) -> str:
