@@ -131,6 +131,13 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, lens_ptr, out_ptr, num_splits, T,
     tl.store(out_ptr + (b * tl.num_programs(1) + h) * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
+# The merge's split lanes (BLOCK_S) at least this many: only its two 1-D loads of the splits' maxima and sums are that
+# wide, and the split count varies with the rows (an eager prefill's token-list attention takes one split past ~130
+# rows, a few for a short chunk): one variant for them all instead of one per power of two, each compiled on the way
+# of the first request to meet it (H200, session 17: a 5,007-token prompt past 16K of context compiled one).
+MERGE_MIN_SPLITS = 32
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     num_splits: int
@@ -189,7 +196,8 @@ def split_k_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     _merge_kernel[(batch, heads)](
         part_acc, part_m, part_l, seq_lens, out, splits, span if sparse else 0,
         SPARSE=sparse, HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split,
-        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4 if block_d >= 256 else 1,
+        BLOCK_S=max(MERGE_MIN_SPLITS, triton.next_power_of_2(splits)), BLOCK_D=block_d,
+        num_warps=4 if block_d >= 256 else 1,
         **pdl)
     return out
 
