@@ -463,11 +463,10 @@ class LLMEngine:
                     decodes = sum(c.num_tokens == 1 for c in chunks)   # decodes and prompt tails: graph rows
                     self.scheduler.pacer.record(sum(c.num_tokens for c in chunks) - decodes, decodes, read - started)
             self._tokens_read_at = read
-        else:
+        else:   # prefill chunks that sample nothing
             if launched is not None:
                 launched()
-            if chunks is not None:
-                self._write_behind(chunks)
+            self._write_behind(chunks)
         if chunks is None:   # a request that ended before this step ran has had its output
             return [self._output(r) for r in live if r.pending_ids or r.finished]
         return [self._output(c.request) for c in chunks if c.request.pending_ids or c.request.finished]
