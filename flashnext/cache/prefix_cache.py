@@ -126,6 +126,7 @@ class PrefixCache:
         self._read_of: dict[object, bytes] = {}
         self._reader: ThreadPoolExecutor | None = None
         self._copies_ahead: dict[bytes, _CopyAhead] = {}   # entries copy_down_one walked and has not finished
+        self.entries_changed = 0   # bumped whenever a device entry comes or goes (copy_down_one's memo)
         self._nothing_to_copy: tuple | None = None   # copy_down_one's state when it last found nothing to copy
 
     # ---- lookup and resume ----
@@ -312,6 +313,7 @@ class PrefixCache:
             self.snapshot_bytes += snap.nbytes
         self.lru[key] = (node, tail)
         self.lru.move_to_end(key)
+        self.entries_changed += created
         if not inside_prefill:
             self.inside_prefill.discard(key)   # an end now, whatever it was
         elif created:
@@ -358,6 +360,7 @@ class PrefixCache:
             node.snapshots[snap.tail] = device_snap
             self.snapshot_bytes += device_snap.nbytes
             self.lru[snap_key] = (node, snap.tail)
+            self.entries_changed += 1
         for pinned_node in pinned:
             pinned_node.pins -= 1
         if pinned:
@@ -381,7 +384,7 @@ class PrefixCache:
             return False
         # the write-behind asks at every decode step: once nothing fits (a full host tier), nothing is walked again
         # until the host tier or the device entries change
-        state = (host.used_bytes, host.capacity, len(self.lru), next(reversed(self.lru), None))
+        state = (self.entries_changed, host.changes, host.capacity)
         if state == self._nothing_to_copy:
             return False
         room = host.capacity - host.used_bytes
@@ -452,6 +455,7 @@ class PrefixCache:
         if copy is not None and copy.pieces and never_resumed and self.lower is not None:
             self.lower.drop_loose()   # the blocks its unfinished idle copy put down, which nothing will name now
         node, tail = self.lru.pop(key)
+        self.entries_changed += 1
         snap = node.snapshots.pop(tail)
         self.snapshot_bytes -= snap.nbytes
         if self.lower is not None and key not in self.lower and not never_resumed:

@@ -118,6 +118,8 @@ class TierIndex:
         # them first (all of them: a store frees a batch of blocks with its last one).
         self.loose: dict[bytes, None] = {}
         self.mirror = None      # several ranks: parallel/mirror.SnapshotMirror; None on one device
+        # Bumped whenever an entry or a block comes or goes: PrefixCache.copy_down_one's memo of a tier it found full.
+        self.changes = 0
 
     # A tier whose entries take long to read (the disk: ~10 s for a 58K-token Flash-Next conversation on the H200
     # machine) is read on a thread of its own while the scheduler runs the other requests (PrefixCache.lookup).
@@ -172,6 +174,7 @@ class TierIndex:
                 if self.mirror is not None:
                     self.mirror.store_block(self, h, device_blocks[i] if device_blocks is not None else None)
                 self.block_refs[h], self.block_bytes[h] = 0, nbytes
+                self.changes += 1
                 self.bytes += nbytes
                 self.loose[h] = None
         for h in hashes:
@@ -186,6 +189,7 @@ class TierIndex:
         return True
 
     def _index(self, key: bytes, meta: SnapshotMeta) -> None:
+        self.changes += 1
         self.snaps[key] = meta
         self.by_last_block.setdefault(meta.blocks[-1] if meta.blocks else ROOT_HASH, {})[meta.tail] = key
         self.bytes += meta.nbytes
@@ -267,6 +271,7 @@ class TierIndex:
 
     def remove(self, key: bytes) -> None:
         """Forget an entry here, with the blocks no other entry names."""
+        self.changes += 1
         meta = self.snaps.pop(key)
         self.held_above.discard(key)
         last = meta.blocks[-1] if meta.blocks else ROOT_HASH
@@ -285,6 +290,7 @@ class TierIndex:
 
     def _drop_unnamed(self, h: bytes) -> None:
         """Drop a block no entry names."""
+        self.changes += 1
         del self.block_refs[h]
         self.bytes -= self.block_bytes.pop(h)
         self.store.drop_block(h)

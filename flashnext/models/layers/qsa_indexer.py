@@ -11,6 +11,7 @@ A pooled key never changes once its block is complete, so the pooled keys live i
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from flashnext.models.context import ForwardContext, Segment
@@ -50,6 +51,14 @@ class QSAIndexer(nn.Module):
         proj = self.index_qk_proj
         y = decode_linear(x, proj.weight) if type(proj) is nn.Linear else proj(x)
         return torch.split(y, [self.num_heads * self.head_dim, self.head_dim], dim=-1)
+
+    def _raw_keys(self, x: torch.Tensor) -> torch.Tensor:
+        """The raw key columns of index_qk_proj alone (a 16-bit projection: its last rows; the queries, 4 of its 5
+        heads on Flash-Next, are not needed where nothing is scored)."""
+        proj = self.index_qk_proj
+        if type(proj) is nn.Linear:
+            return F.linear(x, proj.weight[-self.head_dim:])
+        return self._project(x)[1]
 
     def _lists(self, scores: torch.Tensor, pos: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
         """ops/qsa_token_lists.py with this indexer's top-k (all blocks while there are fewer)."""
@@ -117,7 +126,7 @@ class QSAIndexer(nn.Module):
         a short prompt's way."""
         num_blocks = seg.total_len // self.ratio
         if num_blocks <= self.block_topk:
-            self._append_block_keys(self._project(x)[1], ctx, seg)
+            self._append_block_keys(self._raw_keys(x), ctx, seg)
             return None
         q = self._queries(x, cos, sin, ctx, seg)
         chosen = torch.zeros(seg.length, num_blocks, dtype=torch.bool, device=x.device)
