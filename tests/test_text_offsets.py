@@ -31,3 +31,26 @@ def test_each_offset_points_at_the_character_its_byte_belongs_to():
         offsets, text = offsets_and_text(data)
         assert offsets == expected, (data, offsets, text)
         assert all(0 <= o < len(text) for o in offsets)
+
+
+class TableTokenizer:
+    """Token id → bytes from a table (multi-byte tokens, as a byte-level BPE's are)."""
+
+    def __init__(self, table: dict[int, bytes]):
+        self.table = table
+
+    def decode(self, ids, skip_special_tokens=True):
+        return b"".join(self.table[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def test_multi_byte_tokens_and_offsets_asked_a_chunk_at_a_time():
+    """A token that completes a character another token began points at that character; asked token by token (as
+    a stream asks, chunk by chunk) the offsets are those of the whole reply."""
+    table = {1: b"\xe4\xbd", 2: b"\xa0x", 3: b"\xe5", 4: b"\xa5\xbd!", 5: b"\xff", 6: b"ab"}
+    ids = [6, 1, 2, 3, 4, 5, 5, 6]
+    text = b"".join(table[i] for i in ids).decode("utf-8", errors="replace")
+    assert text == "ab你x好!\ufffd\ufffdab"
+    whole = TextOffsets(TableTokenizer(table), [], skip_special_tokens=True).of(ids)
+    assert whole == [0, 2, 2, 4, 4, 6, 7, 8]
+    stream = TextOffsets(TableTokenizer(table), [], skip_special_tokens=True)
+    assert [o for i in ids for o in stream.of([i])] == whole
