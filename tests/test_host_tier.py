@@ -294,3 +294,31 @@ def test_releases_count_blocks_given_up_not_admissions_undone():
     assert kv.releases == 0 and kv.num_free == 2
     kv.release(blocks)
     assert kv.releases == 1 and kv.num_free == 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: copies down are asynchronous only there")
+def test_copies_down_wait_for_the_device_hold_their_source_and_are_waited_for():
+    """On a GPU the host tier's copies down run on a stream of their own (cache/host_copies.py), not waited for. What
+    they copy is what the device's stream queued before them (here behind ~30 ms of sleep); the device memory they
+    read is not handed out again before they have read it (a tensor allocated over the freed source and filled at
+    once must not leak into the copy); a load of blocks or of a snapshot waits for them."""
+    store = HostStore(64 << 20)
+    rows, width = 4, 1 << 20                            # 16 MB of blocks
+    names = hashes(rows, salt=9)
+    source = torch.zeros(rows, width, device="cuda")
+    torch.cuda._sleep(50_000_000)
+    source.fill_(7.0)
+    store.store_blocks(names, {"k": source})
+    del source
+    over = torch.full((rows, width), 3.0, device="cuda")
+    assert store.copying()                              # still behind the sleep: nothing waited for it
+    runs = store.load_blocks(names)
+    assert sum(run_rows(r) for r in runs) == rows and all(bool((r["k"] == 7.0).all()) for r in runs)
+    state = {"s": torch.zeros(width, device="cuda")}
+    torch.cuda._sleep(50_000_000)
+    state["s"].fill_(5.0)
+    store.store_snapshot(b"snap", (state, None), None)
+    loaded, _ = store.load_snapshot(b"snap")
+    assert bool((loaded["s"] == 5.0).all()) and over.sum().item() == 3.0 * rows * width
+    store.flush()
+    assert not store.copying()
