@@ -4,8 +4,8 @@ waits. Agent turns of a few hundred new tokens had reached their first token aft
 equal to 1, other) and per constexpr choice made from a length, so a prompt length of a new class compiles on the
 request's path unless the argument is unspecialised (tests/test_triton_specialization.py).
 
-The engine warms up as the server does, then runs follow-up turns of assorted lengths on a cached conversation (the
-prefix cache on, as in `bench agentic`) and, after each, prints its first-token time and every kernel whose compiled
+The engine warms up as the server does, then runs follow-up turns of assorted lengths on cached conversations (one
+short, below the indexer's top-k blocks, and one from 3,500 tokens; the prefix cache on, as in `bench agentic`) and, after each, prints its first-token time and every kernel whose compiled
 variants grew, with how many. Run on a fresh Triton cache to see compiles (the on-disk cache turns a compile into
 a load): TRITON_CACHE_DIR=$(mktemp -d) python3 scripts/gpu_compiles.py [--model mem:flash-next --quantize int4]
 """
@@ -39,7 +39,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="mem:flash-next")
     ap.add_argument("--quantize", default="int4")
-    ap.add_argument("--depth", type=int, default=3500, help="the conversation's tokens before the first follow-up")
+    ap.add_argument("--depth", type=int, action="append", default=[],
+                    help="a conversation's tokens before its first follow-up (repeatable: one conversation each; "
+                         "default 300, below the indexer's top-k blocks, and 3500)")
     ap.add_argument("--new", type=int, action="append", default=[],
                     help="new tokens of each follow-up turn (repeatable; default a spread of classes)")
     args = ap.parse_args()
@@ -50,13 +52,21 @@ def main() -> int:
     vocab = engine.config.vocab_size
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    conv = [rng.randrange(100, vocab - 100) for _ in range(args.depth)]
     print(f"{'new tokens':>10} {'context':>8} {'first token ms':>14}  kernels compiled again (variants added)")
-    for new in args.new or [233, 568, 727, 1241, 2344, 3976, 5007, 12563, 100, 517, 1000, 5003]:
+    turns = []
+    for depth in args.depth or [300, 3500]:
+        # short conversations stay short: a few turns below ~2K tokens (the indexer's dense prefill), then the next
+        default = [100, 233, 517, 61] if depth < 2000 else [233, 568, 727, 1241, 2344, 3976, 5007, 12563, 100, 517,
+                                                              1000, 5003]
+        turns += [(depth, new) for new in args.new or default]
+    conv = []
+    for i, (depth, new) in enumerate(turns):
+        if i == 0 or depth != turns[i - 1][0]:
+            conv = [rng.randrange(100, vocab - 100) for _ in range(depth)]
         conv = conv + [rng.randrange(100, vocab - 100) for _ in range(new)]
         sync()
         start = time.perf_counter()
-        request = engine.add_request(f"turn-{len(conv)}", conv, params, history_len=len(conv) - 5)
+        request = engine.add_request(f"turn-{i}", conv, params, history_len=len(conv) - 5)
         first = None
         while engine.has_work():
             engine.step()
