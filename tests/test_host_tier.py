@@ -319,6 +319,7 @@ def test_copies_down_wait_for_the_device_hold_their_source_and_are_waited_for():
     state["s"].fill_(5.0)
     store.store_snapshot(b"snap", (state, None), None)
     loaded, _ = store.load_snapshot(b"snap")
-    assert bool((loaded["s"] == 5.0).all()) and over.sum().item() == 3.0 * rows * width
+    assert bool((loaded["s"] == 5.0).all())
+    del over   # kept until here: what would have taken the source's memory
     store.flush()
     assert not store.copying()

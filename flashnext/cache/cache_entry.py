@@ -165,10 +165,11 @@ def copy_tensors(tensors: dict[str, torch.Tensor], device, pin: bool = False,
     for (name, t), start in zip(tensors.items(), starts):
         out[name] = flat[start: start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         out[name].copy_(t, non_blocking=True)
-    for t in tensors.values() if wait else ():
-        if t.is_cuda:   # the copies ran on t's device's current stream: the host may read them after this
-            torch.cuda.current_stream(t.device).synchronize()
-            break
+    if wait:
+        for t in tensors.values():
+            if t.is_cuda:   # the copies ran on t's device's current stream: the host may read them after this
+                torch.cuda.current_stream(t.device).synchronize()
+                break
     return out
 
 

@@ -3,7 +3,8 @@ engine thread goes on launching steps while a piece of a conversation crosses PC
 steps, PrefixCache.copy_down_one, relies on it — a synchronous copy would wait for the step queued ahead first).
 
 Each owner's copies (a stored batch of blocks, a snapshot) end with an event; whoever reads the host buffers (a
-restore, a move to disk) or gives them back for reuse waits for it first — by then, mostly long passed. The device
+restore, a move to disk) waits for it first — by then, mostly long passed —, and a buffer given back to the arena is
+handed out again only once it has passed (PinnedArena.give_back), without a host wait. The device
 tensors a copy reads stay allocated until it has read them (record_stream), and the bytes in flight are bounded:
 the gathered blocks are device memory beside a step's activations (the memory plan's slack is 1 GiB). The bound is
 checked before a copy, after its piece was gathered (the peak is the bound plus a piece); snapshots count toward it
@@ -24,8 +25,7 @@ class HostCopies:
     def __init__(self, limit_bytes: int = IN_FLIGHT_BYTES):
         self.stream: torch.cuda.Stream | None = None    # made at the first copy, on the device of its tensors
         self.limit = limit_bytes
-        self.done: dict[object, torch.cuda.Event] = {}    # owner → the event behind its last copy, until passed
-        self.in_flight: deque[tuple[torch.cuda.Event, int, object]] = deque()
+        self.in_flight: deque[tuple[torch.cuda.Event, int, object]] = deque()   # (event, bytes, owner), oldest first
         self.in_flight_bytes = 0
 
     def copy(self, owner, tensors: dict[str, torch.Tensor], into: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -43,7 +43,6 @@ class HostCopies:
             t.record_stream(self.stream)
         event = torch.cuda.Event()
         event.record(self.stream)
-        self.done[owner] = event
         self.in_flight.append((event, nbytes, owner))
         self.in_flight_bytes += nbytes
         return out
@@ -53,9 +52,14 @@ class HostCopies:
         self._retire(None)
         return bool(self.in_flight)
 
+    def pending(self, owner) -> torch.cuda.Event | None:
+        """The event behind the last copy of `owner` still in flight, or None (a few entries: the bytes are bounded)."""
+        self._retire(None)
+        return next((event for event, _, o in reversed(self.in_flight) if o == owner), None)
+
     def wait(self, owner) -> None:
         """Until the copies of `owner` are done (at once when they are, or it made none)."""
-        event = self.done.pop(owner, None)
+        event = self.pending(owner)
         if event is not None:
             event.synchronize()
 
@@ -68,12 +72,10 @@ class HostCopies:
         """Forget the copies that have passed; with `fit_bytes`, also wait for the oldest until at most that many
         bytes are in flight."""
         while self.in_flight:
-            event, nbytes, owner = self.in_flight[0]
+            event, nbytes, _ = self.in_flight[0]
             if not event.query():
                 if fit_bytes is None or self.in_flight_bytes <= fit_bytes:
                     return
                 event.synchronize()
             self.in_flight.popleft()
             self.in_flight_bytes -= nbytes
-            if self.done.get(owner) is event:
-                del self.done[owner]

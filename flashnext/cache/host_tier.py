@@ -86,7 +86,7 @@ class HostStore(TierStore):
         return out
 
     def _written(self, owner) -> None:
-        """Before the host buffers of `owner` are read or given back: its copies down are done."""
+        """Before the host buffers of `owner` are read: its copies down are done."""
         if self.copies is not None:
             self.copies.wait(owner)
 
@@ -99,9 +99,9 @@ class HostStore(TierStore):
             self.copies.wait_all()
 
     def _release(self, owner) -> None:
-        self._written(owner)
+        copying = self.copies.pending(owner) if self.copies is not None else None   # the arena waits for it
         for buf in self.buffers.pop(owner, ()):
-            self.arena.give_back(buf)
+            self.arena.give_back(buf, copying)
 
     def load_blocks(self, hashes: list[bytes]) -> list[BlockData]:
         runs = row_runs([self.rows[h] for h in hashes])

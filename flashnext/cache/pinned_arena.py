@@ -9,8 +9,9 @@ Why not torch.empty(pin_memory=True) per entry: each new allocation is a cudaHos
 spot — on the H200's host ~58 ms for each of the three entry buffers of a 32K-token Flash-Next turn (a snapshot
 is 116 MB), inside the engine step that moves the entry down: the turn waited ~180 ms for its first token. Registering a slab in place costs
 ~0.1 s per GiB once; a recycled buffer costs nothing. A buffer given back may still be the source of an
-asynchronous host→device copy: it is handed out again only once an event recorded at give-back has passed (one
-not yet passed is left for later, not waited for).
+asynchronous host→device copy, or the target of a device→host one still crossing: it is handed out again only once
+an event recorded at give-back (and the copy's own) has passed (one not yet passed is left for later, not waited
+for).
 
 `reserve` page-locks every slab the capacity allows at once (the host tier does at startup on a GPU; estimated ~4 s
 for 40 GB from the ~0.1 s a GiB above, the startup log says): slabs registered as the tier grew cost an estimated
@@ -41,7 +42,7 @@ class PinnedArena:
         self.slabs: list[torch.Tensor] = []
         self.current = -1                 # the slab buffers are carved from (-1: none yet)
         self.used = 0                     # bytes of it handed out
-        self.free: dict[int, list[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
+        self.free: dict[int, list[tuple[torch.Tensor, tuple[torch.cuda.Event, ...]]]] = {}
         self.misses = 0                   # requests it could not serve (the caller allocates on its own)
 
     @property
@@ -62,7 +63,7 @@ class PinnedArena:
             return None
         free = self.free.get(size, [])
         for i, (buf, done) in enumerate(free):
-            if done is None or done.query():
+            if all(event.query() for event in done):
                 del free[i]
                 return buf[:nbytes]
         if self.current < 0 or self.used + size > self.slab_bytes:   # the next slab (reserved, or new)
@@ -77,8 +78,9 @@ class PinnedArena:
         self.used += size
         return buf[:nbytes]
 
-    def give_back(self, buf: torch.Tensor) -> None:
-        """Return a buffer from `take` (any slice of it that starts where it starts) for reuse."""
+    def give_back(self, buf: torch.Tensor, written: torch.cuda.Event | None = None) -> None:
+        """Return a buffer from `take` (any slice of it that starts where it starts) for reuse; `written`: the event
+        behind a copy into it still in flight (host_copies.py), which must pass first too."""
         start = buf.data_ptr()
         for slab in self.slabs:
             offset = start - slab.data_ptr()
@@ -87,8 +89,9 @@ class PinnedArena:
         else:
             return   # not ours: an allocation of the caller's, freed with its tensors
         size = size_class(buf.numel())
-        done = None
+        done = () if written is None else (written,)
         if self.pin and torch.cuda.is_available():
-            done = torch.cuda.Event()
-            done.record()
+            read = torch.cuda.Event()
+            read.record()
+            done += (read,)
         self.free.setdefault(size, []).append((slab[offset: offset + size], done))

@@ -107,6 +107,7 @@ class PrefixCache:
         self.kv = kv
         self.states = states
         self.block_size = kv.block_size
+        self.block_bytes = tensor_bytes(read_block(kv, 0))   # a KV block's bytes in every pool tensor
         self.snapshot_budget = snapshot_budget_bytes
         self.lower = lower
         self.write_through = write_through
@@ -320,7 +321,7 @@ class PrefixCache:
             self.inside_prefill.add(key)
         if turn_end and self.write_through:
             for tier in self.tiers():
-                self._write_down(tier, node, key, snap)
+                self._write_down(tier, key, snap, *_path_lists(node))
         while self.snapshot_bytes > self.snapshot_budget and self.lru:
             self._evict(self._over_budget_victim())
 
@@ -388,7 +389,6 @@ class PrefixCache:
         if state == self._nothing_to_copy:
             return False
         room = host.capacity - host.used_bytes
-        block_bytes = tensor_bytes(read_block(self.kv, 0))
         ends = [key for key in self.lru if key not in self.inside_prefill]
         for key in ends + [key for key in self.lru if key in self.inside_prefill]:
             if key in host:
@@ -402,11 +402,11 @@ class PrefixCache:
             copy = self._copies_ahead.get(key)
             if copy is None:
                 copy = self._copies_ahead[key] = _CopyAhead(*_path_lists(node))
-            size = sum(h not in host.block_refs for h in copy.hashes) * block_bytes + snap.nbytes
+            size = sum(h not in host.block_refs for h in copy.hashes) * self.block_bytes + snap.nbytes
             if size > room:
                 continue     # a smaller one may fit
             start = time.perf_counter()
-            done = self._put(host, key, snap, copy.hashes, copy.blocks, max_pieces=1)
+            done = self._write_down(host, key, snap, copy.hashes, copy.blocks, max_pieces=1)
             copy.seconds += time.perf_counter() - start
             copy.pieces += 1
             if done:
@@ -460,7 +460,7 @@ class PrefixCache:
         self.snapshot_bytes -= snap.nbytes
         if self.lower is not None and key not in self.lower and not never_resumed:
             start = time.perf_counter()
-            self._write_down(self.lower, node, key, snap)
+            self._write_down(self.lower, key, snap, *_path_lists(node))
             # on a request's path (making room for it): what an idle copy ahead of it saves
             log.info("evicted an entry of %d tokens: written down to the %s tier in %.3f s", snap.num_tokens,
                      self.lower.name, time.perf_counter() - start)
@@ -471,12 +471,9 @@ class PrefixCache:
             self.mirror.drop(snap)
         self._prune(node)
 
-    def _write_down(self, tier: TierIndex, node: Node, key: bytes, snap: Snapshot) -> bool:
-        return self._put(tier, key, snap, *_path_lists(node))
-
-    def _put(self, tier: TierIndex, key: bytes, snap: Snapshot, hashes: list[bytes], blocks: list[int],
-             max_pieces: int | None = None) -> bool:
-        """TierIndex.put of a device entry: its path's block hashes and device blocks."""
+    def _write_down(self, tier: TierIndex, key: bytes, snap: Snapshot, hashes: list[bytes], blocks: list[int],
+                    max_pieces: int | None = None) -> bool:
+        """TierIndex.put of a device entry: its path's block hashes and device blocks (_path_lists)."""
         return tier.put(hashes, lambda rows: read_blocks(self.kv, [blocks[i] for i in rows]), key, snap, blocks,
                         max_pieces)
 
@@ -518,7 +515,7 @@ class PrefixCache:
                 continue
             if tier is None:
                 node, tail = self.lru[key]
-                self._write_down(disk, node, key, node.snapshots[tail])
+                self._write_down(disk, key, node.snapshots[tail], *_path_lists(node))
                 written += 1
             elif (entry := tier.load(key)) is not None:
                 runs, snap = entry
@@ -531,7 +528,7 @@ class PrefixCache:
         """Of `entries` (least recently used first; a key held by two tiers counts at its newest place), the newest
         whose files the disk's budget holds, newest first and skipping any that would overflow it, each KV block
         counted once however many entries share it; returned least recently used first."""
-        block = disk.store.stored_bytes(tensor_bytes(read_block(self.kv, 0)))
+        block = disk.store.stored_bytes(self.block_bytes)
         counted, keys, chosen, total = set(), set(), [], disk.store.dead_bytes   # dead rows count against it too
         for tier, key in reversed(entries):
             if key in keys:

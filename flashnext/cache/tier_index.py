@@ -174,9 +174,9 @@ class TierIndex:
                 if self.mirror is not None:
                     self.mirror.store_block(self, h, device_blocks[i] if device_blocks is not None else None)
                 self.block_refs[h], self.block_bytes[h] = 0, nbytes
-                self.changes += 1
                 self.bytes += nbytes
                 self.loose[h] = None
+            self.changes += 1
         for h in hashes:
             self.block_refs[h] += 1
             self.loose.pop(h, None)
