@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 
 from flashnext.engine.outputs import TokenLogprob
-from flashnext.tokenizer.detokenizer import IncrementalDetokenizer
+from flashnext.tokenizer.detokenizer import REPLACEMENT, IncrementalDetokenizer
 
 _FLOOR = -9999.0  # JSON has no -inf; OpenAI clients expect a number
-_REPLACEMENT = "\ufffd"
 
 
 def _finite(value: float) -> float:
@@ -55,7 +54,7 @@ class TextOffsets:
             added = self._detokenizer.push([token_id])
             # A character held back (bytes a later token might complete) that this token proves invalid comes out
             # as U+FFFD ahead of this token's own text: it is the earlier token's.
-            offsets.append(self._length + (1 if held and added.startswith(_REPLACEMENT) else 0))
+            offsets.append(self._length + (1 if held and added.startswith(REPLACEMENT) else 0))
             self._length += len(added)
         return offsets
 

@@ -7,7 +7,7 @@ prove it really is invalid). Every other character of the window is final, so th
 everything returned (ending with flush()) equals decode(all generated ids).
 """
 
-_REPLACEMENT = "\ufffd"
+REPLACEMENT = "\ufffd"
 # Prompt tokens kept as left context, for decoders whose output depends on the previous token.
 _PROMPT_CONTEXT = 5
 
@@ -18,7 +18,7 @@ class IncrementalDetokenizer:
         self._skip_special = skip_special_tokens
         context = list(prompt_ids[-_PROMPT_CONTEXT:])
         # A prompt that ends mid-character would glue its bytes onto ours; start without context then.
-        if context and self._decode(context).endswith(_REPLACEMENT):
+        if context and self._decode(context).endswith(REPLACEMENT):
             context = []
         self._ids: list[int] = context
         self._read_offset = len(context)
@@ -29,7 +29,7 @@ class IncrementalDetokenizer:
         """Append generated tokens; return the text they complete (possibly "")."""
         self._ids.extend(token_ids)
         window = self._decode(self._ids)
-        complete = not window.endswith(_REPLACEMENT)
+        complete = not window.endswith(REPLACEMENT)
         self.holding = not complete
         stable = len(window) if complete else len(window) - 1
         new_text = window[self._sent:stable] if stable > self._sent else ""

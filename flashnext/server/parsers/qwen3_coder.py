@@ -74,7 +74,6 @@ class Qwen3CoderCallScanner:
         self._received: list[str] = []  # the call as handed in, for the second reading
         self._received_start = 0  # where the call starts in _received[0]
         self._open_at = 0  # in the call: where the latest `<parameter=` starts (the open value's, at the end)
-        self._arguments_before: dict = {}  # the arguments before it
         self._text = ""  # what may still be looked at; what came before it is consumed
         self._offset = 0  # where _text starts in the call
         self._pos = 0  # in _text: where the element now expected starts
@@ -92,8 +91,6 @@ class Qwen3CoderCallScanner:
         return len(self._text)
 
     def scan(self, more: str, final: bool, start: int = 0) -> ScanVerdict:
-        if start and (self._text or self._received):  # only a call's first piece is handed in with its start
-            more, start = more[start:], 0
         if not self._recovering and len(more) > start:
             if not self._received:
                 self._received_start = start
@@ -116,7 +113,8 @@ class Qwen3CoderCallScanner:
     def _read_open_value_again(self) -> ScanVerdict:
         """The second reading, from the `<parameter=` of the value left open to the end."""
         again = Qwen3CoderCallScanner(self._tools, recovering=True)
-        again._function, again._arguments = self._function, self._arguments_before
+        # nothing enters _arguments while a value is open: they are the arguments before it
+        again._function, again._arguments = self._function, dict(self._arguments)
         again._expect = _Expect.PARAMETER_OR_END
         text = self._received[0] if len(self._received) == 1 else "".join(self._received)
         verdict = again.scan(text, final=True, start=self._received_start + self._open_at)
@@ -124,7 +122,7 @@ class Qwen3CoderCallScanner:
 
     def _runs_to_end(self, text: str, pos: int) -> bool:
         """Whether the value starting at pos runs to the end of the text, which is the generation's end."""
-        if self._shared is None or self._recovering:
+        if self._shared is None:   # the second reading (and a scanner without a generation's shared state)
             return False
         ends = self._shared.get(ValueEnds)
         if ends is None or not ends.covers(text, pos):
@@ -165,7 +163,6 @@ class Qwen3CoderCallScanner:
                     return ScannedCall(name=self._function, arguments=self._arguments, end=end)
                 if literal == PARAMETER_OPEN:
                     self._open_at = self._offset + end - len(PARAMETER_OPEN)
-                    self._arguments_before = dict(self._arguments)
                 self._pos = end
                 self._expect = _Expect.PARAMETER_NAME if literal == PARAMETER_OPEN else _Expect.TOOL_CALL_CLOSE
             elif self._expect is _Expect.PARAMETER_NAME:
