@@ -84,7 +84,7 @@ def qsa_prefill_scores_triton(q: torch.Tensor, keys: torch.Tensor, complete_befo
     keys = keys.to(q.dtype).contiguous()
     # rows padded to a multiple of 16 blocks: the row stride, which this kernel and the token lists' read the scores
     # by, is then of one divisibility class whatever the context (Triton compiles per class: docs/architecture.md)
-    width = -(-nblk // 16) * 16
+    width = triton.cdiv(nblk, 16) * 16
     out = torch.empty(length, width, dtype=torch.float32, device=q.device)[:, :nblk]
     if length and nblk:
         block_t, block_b = (64, 64) if q.is_cuda else (16, 16)

@@ -77,21 +77,24 @@ def qsa_token_lists(scores: torch.Tensor, pos: torch.Tensor, k: int, ratio: int,
     return qsa_token_lists_triton(scores, pos.contiguous(), k, ratio, limit)
 
 
-def compile_for_lengths(device: torch.device, k: int, ratio: int, max_blocks: int) -> None:
-    """Run the list kernels once in every class of block count a request can meet — each power of two up to
-    `max_blocks`, as token lists (`ratio` tokens a block) and as block lists (qsa_top_blocks) — so that none compiles
-    on a request's way: the kernels take their tile (CHUNK, and past it the slices' size) from the count's power of
-    two. On the H200 (scripts/gpu_compiles.py, session 17) agent turns of 233 and 568 new tokens after the server's
-    warm-up each compiled a variant of the list kernel and waited 0.74 / 0.83 s for their first token, against
-    0.27 s for 727 new tokens. A no-op off CUDA (the reference runs there)."""
+def compile_for_lengths(device: torch.device, k: int, ratio: int, max_blocks: int, max_mask_blocks: int) -> None:
+    """Run the list kernels once in every class of block count a request can meet — each power of two above k (fewer
+    blocks than k are all chosen: the callers take dense attention) up to `max_blocks` as token lists (`ratio` tokens
+    a block), and up to `max_mask_blocks` (the indexer's mask path, short prompts) as block lists (qsa_top_blocks) —
+    so that none compiles on a request's way: the kernels take their tile (CHUNK, and past it the slices' size) from
+    the count's power of two. On the H200 (scripts/gpu_compiles.py, session 17) agent turns of 233 and 568 new tokens
+    after the server's warm-up each added a variant of the list kernel (compiled, or loaded from Triton's cache) and
+    waited 0.74 / 0.83 s for their first token, against 0.27 s for 727 new tokens. A no-op off CUDA (the reference
+    runs there)."""
     if torch.device(device).type != "cuda":
         return
     from flashnext.ops.qsa_token_lists_triton import fits
 
-    n = 1 << max(k - 1, 0).bit_length()
+    n = 1 << k.bit_length()          # the power of two that holds k + 1 blocks
     while fits(n, k) and n // 2 < max_blocks:
         scores = torch.randn(1, n, device=device)
         last = torch.full((1,), n * ratio - 1, dtype=torch.long, device=device)
         qsa_token_lists(scores, last, k, ratio, n * ratio)
-        qsa_top_blocks(scores, k)
+        if n // 2 < max_mask_blocks:
+            qsa_top_blocks(scores, k)
         n *= 2

@@ -11,6 +11,7 @@ A pooled key never changes once its block is complete, so the pooled keys live i
 """
 
 import torch
+import triton
 import torch.nn.functional as F
 from torch import nn
 
@@ -130,14 +131,12 @@ class QSAIndexer(nn.Module):
             return None
         q = self._queries(x, cos, sin, ctx, seg)
         chosen = torch.zeros(seg.length, num_blocks, dtype=torch.bool, device=x.device)
-        if num_blocks:
-            k = min(self.block_topk, num_blocks)
-            start = 0
-            for pos, scores in self._scored_blocks(q, ctx, seg):
-                top = qsa_top_blocks(scores, k)
-                # with fewer than k complete blocks some chosen ones are at -inf: those stay unchosen
-                chosen[start: start + len(pos)].scatter_(1, top, scores.gather(1, top) > float("-inf"))
-                start += len(pos)
+        start = 0
+        for pos, scores in self._scored_blocks(q, ctx, seg):
+            top = qsa_top_blocks(scores, self.block_topk)
+            # with fewer than k complete blocks before a query some chosen ones are at -inf: those stay unchosen
+            chosen[start: start + len(pos)].scatter_(1, top, scores.gather(1, top) > float("-inf"))
+            start += len(pos)
         return chosen
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: DecodeBatch):
@@ -170,4 +169,5 @@ def compile_selection_kernels(cfg: ModelConfig, device: torch.device, max_len: i
     indexer."""
     if cfg.indexer_budget:
         ratio = cfg.indexer_compress_ratio
-        compile_for_lengths(device, cfg.indexer_budget // ratio, ratio, -(-max_len // ratio))
+        compile_for_lengths(device, cfg.indexer_budget // ratio, ratio, triton.cdiv(max_len, ratio),
+                            SPARSE_PREFILL_BUDGETS * cfg.indexer_budget // ratio)
