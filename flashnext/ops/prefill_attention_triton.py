@@ -85,6 +85,9 @@ def default_config(head_dim: int, device: torch.device, selective: bool = False)
     64 × 32 tiles, 4 warps, 2 stages: each step also reads the selection's bytes, a plain load. The H200 sweep of
     scripts/gpu_prefill_attention.py (session 16): dense 8K queries 1.64 ms at 128 × 64 × 3 (its best), QSA 8K
     queries from 0 / 2K after 8K 5.89 / 3.39 ms at 64 × 32 (their best) against 6.59 / 3.73 at 128 × 64 × 3.
+    Since the selection's row stride is unspecialised (stride_ct, session 16, against recompiles) the same sweep gave
+    6.99 / 4.13 ms at 64 × 32 and 6.53 / 3.79 at 128 × 64 × 3, now the best (session 17, 89a835b, one run): padding
+    the selection's rows to 16 blocks, as the QSA scores are, would let the stride be specialised again (not done).
     Smaller heads (tiny test models) keep 64 × 64."""
     if device.type != "cuda":
         return PrefillConfig(16, 16, 4, 1)
