@@ -47,9 +47,6 @@ class _Section(Enum):
     TOOL_CALL = "tool_call"  # after `<tool_call>`, until the scanner decides
 
 
-FEED_PIECE = 4096
-
-
 class ChatOutputParser:
     """Feed the generated text as it is decoded; get back deltas. `parse` does the same for a whole text.
 
@@ -96,13 +93,12 @@ class ChatOutputParser:
         return len(self._pending) - self._pending_at + (self._scanner.held_chars if self._scanner is not None else 0)
 
     def feed(self, delta_text: str) -> list[Delta]:
-        """Text is advanced in pieces of FEED_PIECE characters, as a stream brings it: a rejected call hands back the
-        text after it to be scanned again, and from one large piece that was a copy of the rest of it at every
-        rejection (960K characters of "<tool_call>\n" in one feed took 3 s, on the server's event loop)."""
+        """A rejected call hands back the text after it to be scanned again, by offset: a scanner takes its first
+        piece without copying it (960K characters of "<tool_call>\n" in one feed had taken 3 s, on the server's event
+        loop, when each rejection copied the rest)."""
         assert not self._finished, "feed after finish"
         self._used = True
-        for at in range(0, len(delta_text), FEED_PIECE):
-            self._advance(delta_text[at:at + FEED_PIECE], final=False)
+        self._advance(delta_text, final=False)
         return self._take()
 
     def finish(self, truncated: bool = False) -> list[Delta]:

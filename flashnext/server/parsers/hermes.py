@@ -34,7 +34,10 @@ class HermesCallScanner:
         return len(self._text)
 
     def scan(self, more: str, final: bool, start: int = 0) -> ScanVerdict:
-        self._text += more[start:]
+        if self._text:
+            self._text += more
+        else:  # not copied: a call's first piece is the rest of the text chat_output holds (a rejection hands it back)
+            self._text, self._pos, self._offset = more, start, self._offset - start
         verdict = self._scan(self._text)
         if verdict is not None:
             return replace(verdict, end=verdict.end + self._offset)
