@@ -11,7 +11,6 @@ A pooled key never changes once its block is complete, so the pooled keys live i
 """
 
 import torch
-import triton
 import torch.nn.functional as F
 from torch import nn
 
@@ -169,5 +168,5 @@ def compile_selection_kernels(cfg: ModelConfig, device: torch.device, max_len: i
     indexer."""
     if cfg.indexer_budget:
         ratio = cfg.indexer_compress_ratio
-        compile_for_lengths(device, cfg.indexer_budget // ratio, ratio, triton.cdiv(max_len, ratio),
+        compile_for_lengths(device, cfg.indexer_budget // ratio, ratio, -(-max_len // ratio),
                             SPARSE_PREFILL_BUDGETS * cfg.indexer_budget // ratio)
