@@ -9,7 +9,7 @@ import pytest
 triton = pytest.importorskip("triton", reason="triton is not importable: no Triton kernels to check")
 
 UNSPECIALISED = {
-    "prefill_attention_triton._prefill_attention_kernel": {"T", "context_len", "n_chosen", "stride_ct"},
+    "prefill_attention_triton._prefill_attention_kernel": {"T", "context_len", "n_chosen"},
     "moe_int4_triton._gate_up_kernel": {"n_pairs"},
     "moe_int4_triton._down_kernel": {"n_pairs"},
     "qsa_scores_triton._qsa_prefill_scores_kernel": {"T", "NBLK"},
@@ -40,8 +40,8 @@ def test_length_arguments_are_unspecialised(where):
 
 def test_prefill_attention_tiles_follow_the_selection():
     """Head dim 256 on a GPU: 128 x 64 tiles in 3 stages dense, 64 x 32 in 2 with a QSA selection (the H200 sweep,
-    BENCHMARKS.md session 16; session 17 measured 128 x 64 faster with a selection too since stride_ct is unspecialised,
-    not yet acted on); the CPU interpreter's small tiles either way."""
+    BENCHMARKS.md session 16, with the selection's row stride specialised); the CPU interpreter's small tiles either
+    way."""
     import torch
 
     from flashnext.ops.prefill_attention_triton import PrefillConfig, default_config

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["T", "context_len", "n_chosen", "stride_ct"])
+@triton.jit(do_not_specialize=["T", "context_len", "n_chosen"])
 def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, blocks_ptr, chosen_ptr, out_ptr,
                               T, context_len, n_chosen, stride_qt, stride_qh, stride_ot, stride_oh, stride_ct, scale,
                               GROUP: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
@@ -85,9 +85,9 @@ def default_config(head_dim: int, device: torch.device, selective: bool = False)
     64 × 32 tiles, 4 warps, 2 stages: each step also reads the selection's bytes, a plain load. The H200 sweep of
     scripts/gpu_prefill_attention.py (session 16): dense 8K queries 1.64 ms at 128 × 64 × 3 (its best), QSA 8K
     queries from 0 / 2K after 8K 5.89 / 3.39 ms at 64 × 32 (their best) against 6.59 / 3.73 at 128 × 64 × 3.
-    Since the selection's row stride is unspecialised (stride_ct, session 16, against recompiles) the same sweep gave
-    6.99 / 4.13 ms at 64 × 32 and 6.53 / 3.79 at 128 × 64 × 3, now the best (session 17, 89a835b, one run): padding
-    the selection's rows to 16 blocks, as the QSA scores are, would let the stride be specialised again (not done).
+    With the selection's row stride unspecialised (stride_ct, session 16, against recompiles) the same sweep gave
+    6.99 / 4.13 ms at 64 × 32 and 6.53 / 3.79 at 128 × 64 × 3 (session 17, 89a835b, one run); the indexer's rows are
+    now views of rows padded to SELECTION_ROW_ALIGN blocks, and the stride is specialised again.
     Smaller heads (tiny test models) keep 64 × 64."""
     if device.type != "cuda":
         return PrefillConfig(16, 16, 4, 1)
@@ -109,8 +109,8 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     if length == 0:
         return out
     cfg = config or default_config(head_dim, q.device, chosen is not None)
-    if chosen is not None:
-        chosen = chosen.contiguous().view(torch.uint8)
+    if chosen is not None:   # rows may be a view of wider ones (SELECTION_ROW_ALIGN): the kernel takes their stride
+        chosen = (chosen if chosen.stride(-1) == 1 else chosen.contiguous()).view(torch.uint8)
     selection = chosen if chosen is not None else blocks   # a pointer never read without a selection
     grid = (triton.cdiv(length, cfg.block_m), heads)
     _prefill_attention_kernel[grid](
