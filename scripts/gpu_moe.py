@@ -14,8 +14,9 @@ each call) and, for decode, do_bench_cudagraph over 8 layers' distinct weights (
 runs it; rows are sorted by the smaller of the two. The decode checks also ask for the same bits run to
 run, alone and in a batch, and replayed in a CUDA graph (the kernels add their partials with arrival
 counters). Exits non-zero on a mismatch.
-Run: python3 scripts/gpu_moe.py [--quick] [flash-next|qwen3-next]   (--quick: default configs only, no sweeps;
-     a model name: only its shapes)
+Run: python3 scripts/gpu_moe.py [--quick] [--prefill] [flash-next|qwen3-next]   (--quick: default configs only, no
+     sweeps; --prefill: only the prefill sizes PREFILL_PARTS_M, FLASHNEXT_MOE_PREFILL=dequant taken apart into its
+     steps beside the grouped kernels; a model name: only its shapes)
 """
 import sys
 
@@ -25,6 +26,9 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from flashnext.ops.moe_int4 import DECODE_MAX_M, moe_int4_reference
 from flashnext.ops.moe_int4_decode_triton import DEFAULT, DecodeConfig, moe_int4_decode
+from flashnext.ops.gated_elementwise import silu_mul
+from flashnext.ops.int4_dequant_triton import dequantize_triton
+from flashnext.ops.moe_combine import combine_choices
 from flashnext.ops.moe_int4_dequant import moe_int4_dequant
 from flashnext.ops.moe_int4_triton import PREFILL, SMALL, MoeConfig, moe_int4_triton
 from flashnext.weights.int4_layout import Int4Weight
@@ -38,6 +42,8 @@ DECODE_M, PREFILL_M = (1, 2, 4, 8), 4096
 # (DecodeGraphs.extend): the grouped kernels with small-M configs, timed in a graph over LAYERS layers.
 MID_M = (16, 32, 64, 128)
 LAYERS = 8
+# prefill chunks: a 4K chunk, a 10K prompt in one chunk, the 16,384-token step of GPUs of 72 GiB or more
+PREFILL_PARTS_M = (4096, 10000, 16384)
 # (block_n, down_block_n, block_k, split_k, split_down, warps, stages); split 0 = by the shapes (~4 programs
 # per SM at M = 1)
 DECODE_SWEEP = [DEFAULT] + [DecodeConfig(*c) for c in [
@@ -169,6 +175,44 @@ def bench(name, h, i, quick):
               f"({totals[winner] * 1e6:.1f} µs; default {_cfg(DEFAULT)}: {totals[_cfg(DEFAULT)] * 1e6:.1f} µs)")
 
 
+def prefill_parts(name, h, i):
+    """The dequant path's steps one by one (do_bench medians, L2 flushed) beside the grouped kernels and the whole
+    path, at prefill chunk sizes; TFLOP/s counts the routed experts' three matmuls (2·M·k·3·H·I)."""
+    wgu, wd = random_experts(2 * i, h, seed=0), random_experts(h, i, seed=1)
+    print(f"\n{name}: prefill MoE per layer, ms (TFLOP/s of the whole)")
+    for m in PREFILL_PARTS_M:
+        x, ids, w = routing(m, h, seed=m)
+        flop = 2 * m * TOP_K * 3 * h * i
+        sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
+        ends = torch.searchsorted(sorted_ids, torch.arange(E, device="cuda", dtype=sorted_ids.dtype),
+                                  right=True).to(torch.int32)
+        rows = x.index_select(0, order // TOP_K)
+        gu16, d16 = dequantize_triton(wgu, x.dtype), dequantize_triton(wd, x.dtype)
+        gu16_k = gu16.transpose(-1, -2).contiguous().transpose(-1, -2)   # K-contiguous (column-major) weights
+        gate_up = torch._grouped_mm(rows, gu16, offs=ends)
+        hmid = silu_mul(*gate_up.chunk(2, dim=-1))
+        y = torch._grouped_mm(hmid, d16, offs=ends)
+        position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device="cuda")).view(m, TOP_K)
+        parts = {
+            "grouped kernels (PREFILL)": lambda: moe_int4_triton(x, ids, w, wgu, wd, PREFILL),
+            "dequant path, whole": lambda: moe_int4_dequant(x, ids, w, wgu, wd),
+            "  sort + ends + gather rows": lambda: (torch.sort(ids.reshape(-1), stable=True),
+                                                  torch.searchsorted(sorted_ids, ends.long(), right=True),
+                                                  x.index_select(0, order // TOP_K)),
+            "  dequantise gate|up": lambda: dequantize_triton(wgu, x.dtype),
+            "  dequantise down": lambda: dequantize_triton(wd, x.dtype),
+            "  grouped_mm gate|up": lambda: torch._grouped_mm(rows, gu16, offs=ends),
+            "  grouped_mm gate|up, K-major weights": lambda: torch._grouped_mm(rows, gu16_k, offs=ends),
+            "  silu_mul": lambda: silu_mul(*gate_up.chunk(2, dim=-1)),
+            "  grouped_mm down": lambda: torch._grouped_mm(hmid, d16, offs=ends),
+            "  combine": lambda: combine_choices(y, position, w, x.dtype),
+        }
+        for label, fn in parts.items():
+            t = do_bench(fn, warmup=5, rep=30) * 1e-3
+            print(f"  M={m:5d} {label:40} {t * 1e3:8.3f} ms {flop / t / 1e12:7.0f}")
+        del gu16, d16, gu16_k, gate_up, hmid, y
+
+
 def _cfg(c) -> str:
     if c is None:
         return "(cuBLAS grouped)"
@@ -184,7 +228,10 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     ok = all([check(name, h, i) for name, (h, i) in shapes.items()])
     for name, (h, i) in shapes.items():
-        bench(name, h, i, quick)
+        if "--prefill" in sys.argv:
+            prefill_parts(name, h, i)
+        else:
+            bench(name, h, i, quick)
     print("\nall checks passed" if ok else "\nMISMATCH: see the check lines above")
     return 0 if ok else 1
 

@@ -3,6 +3,9 @@ generated token) at each --chunk size (the engine's max_num_batched_tokens), tim
 
 Run: python3 scripts/gpu_prefill.py --model mem:flash-next --quantize int4 --tokens 10000 --tokens 90000 --chunk 8192
 
+--variant NAME=VALUE[,NAME=VALUE] (repeatable) times each prompt again under switches read at call time (e.g.
+FLASHNEXT_MOE_PREFILL=dequant), on the same model; the profile is of the default.
+
 --host also profiles the host: where it waits for the GPU (each sync's source line, by CPU time) and the wall
 time against the GPU's busy time, which shows how much of the prefill is the host's.
 """
@@ -15,8 +18,8 @@ import torch
 
 from flashnext.engine.llm import LLM
 from flashnext.engine.sampling_params import SamplingParams
-from gpu_common import sync
-from gpu_decode import profile_kernels
+from gpu_common import environment, sync
+from gpu_decode import label, profile_kernels
 
 
 # The runtime's calls that wait for the GPU (their CPU time is the wait); they carry no Python stack, so each is
@@ -76,7 +79,10 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, action="append", default=[])
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--host", action="store_true", help="also profile the host's waits for the GPU")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
+                    help="also time each prompt under these environment switches (those read at call time)")
     args = ap.parse_args()
+    variants = [{}] + [dict(pair.split("=", 1) for pair in v.split(",")) for v in args.variant]
     chunks = args.chunk or [2048]
     lengths = args.tokens or [10000]
     llm = LLM(args.model, quantize=args.quantize, max_num_seqs=2, enable_prefix_caching=False, kv_cache_gb=16.0,
@@ -92,14 +98,16 @@ def main() -> int:
     for tokens in lengths:
         for chunk in chunks:
             llm.engine.scheduler.token_budget = chunk
-            # warm-up: compiles and autotunes (fla) the kernels; three chunks reach the long-context attention path
-            llm.generate([prompt(min(tokens, 3 * chunk))], params)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            llm.generate([prompt(tokens)], params)
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            print(f"{chunk:6} {tokens:7} {dt:8.2f} {tokens / dt:8.0f}")
+            for variant in variants:
+                with environment(variant):
+                    # warm-up: compiles and autotunes (fla) the kernels; three chunks reach the long-context path
+                    llm.generate([prompt(min(tokens, 3 * chunk))], params)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    llm.generate([prompt(tokens)], params)
+                    torch.cuda.synchronize()
+                    dt = time.perf_counter() - t0
+                print(f"{chunk:6} {tokens:7} {dt:8.2f} {tokens / dt:8.0f}  {label(variant)}")
             if not args.no_profile:
                 profile_kernels(lambda: llm.generate([prompt(tokens)], params), runs=1, top=25)
             if args.host:

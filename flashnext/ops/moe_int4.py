@@ -24,8 +24,13 @@ from flashnext.weights.int4_layout import Int4Weight, dequantize
 # "grouped" (the grouped kernels at every M), "reference" (the torch reference on CUDA too; debugging).
 _BACKEND = os.environ.get("FLASHNEXT_MOE_INT4", "auto")
 # FLASHNEXT_MOE_PREFILL=dequant: from DEQUANT_MIN_M tokens, dequantised experts and torch's grouped GEMM instead of
-# the grouped kernels (ops/moe_int4_dequant.py; off until measured on the GPU).
-_PREFILL = os.environ.get("FLASHNEXT_MOE_PREFILL", "triton")
+# the grouped kernels (ops/moe_int4_dequant.py; off until measured on the GPU). Read at each call (prefill sizes
+# only), so a script can time both on one model.
+def prefill_dequant(x) -> bool:
+    from flashnext.ops.moe_int4_dequant import DEQUANT_MIN_M
+
+    return (_BACKEND == "auto" and x.shape[0] >= DEQUANT_MIN_M
+            and os.environ.get("FLASHNEXT_MOE_PREFILL", "triton") == "dequant")
 # The decode kernels re-read an expert per token that chose it, and still beat the grouped kernels up to here: on
 # the H200 (scripts/gpu_moe.py, Flash-Next, per layer in a graph, session 14, c076246) 191 / 370 / 726 µs at M = 16 /
 # 32 / 64 against 392 / 588 / 805 for the grouped kernels' small-M tiles (moe_int4_triton.SMALL); at 128, 1,435
@@ -131,6 +136,10 @@ def moe_int4(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weigh
             from flashnext.ops.moe_int4_decode_triton import moe_int4_decode
 
             return moe_int4_decode(x, topk_ids, topk_weights, w_gate_up, w_down, shared=shared, cached=cached)
+        if prefill_dequant(x):
+            from flashnext.ops.moe_int4_dequant import moe_int4_dequant
+
+            return moe_int4_dequant(x, topk_ids, topk_weights, w_gate_up, w_down)
         return routed_pairs(x, topk_ids, topk_weights, w_gate_up, w_down).sum(1).to(x.dtype)
     if cached is None:
         return moe_int4_reference(x, topk_ids, topk_weights, w_gate_up, w_down, shared)
@@ -192,11 +201,10 @@ def routed_pairs(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4W
     only, so a caller may compute the terms in several calls (an expert cache's rounds) and sum once: the same
     result as one call with the Triton kernels (H200: scripts/gpu_expert_cache.py); not checked with
     FLASHNEXT_MOE_PREFILL=dequant, whose grouped GEMM sees other group sizes per call."""
-    if _PREFILL == "dequant" and _BACKEND == "auto":
-        from flashnext.ops.moe_int4_dequant import DEQUANT_MIN_M, moe_int4_dequant_pairs
+    if prefill_dequant(x):
+        from flashnext.ops.moe_int4_dequant import moe_int4_dequant_pairs
 
-        if x.shape[0] >= DEQUANT_MIN_M:
-            return moe_int4_dequant_pairs(x, topk_ids, topk_weights, w_gate_up, w_down)
+        return moe_int4_dequant_pairs(x, topk_ids, topk_weights, w_gate_up, w_down)
     from flashnext.ops.moe_int4_triton import moe_int4_triton_pairs
 
     return moe_int4_triton_pairs(x, topk_ids, topk_weights, w_gate_up, w_down)
