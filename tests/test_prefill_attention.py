@@ -79,21 +79,6 @@ def test_triton_matches_reference(context, length, page, ratio):
     assert err < 1e-5, err
 
 
-def test_triton_reads_a_selection_whose_rows_are_a_view_of_wider_rows():
-    """The QSA indexer hands over a view of rows padded to SELECTION_ROW_ALIGN blocks (the kernel specialises the
-    row stride): the padding is never read as a selection."""
-    from flashnext.ops.prefill_attention import SELECTION_ROW_ALIGN
-    from flashnext.ops.prefill_attention_triton import prefill_attention_triton
-
-    case = make_case(context=9, length=31, heads=4, kv_heads=2, dim=16, page=8, ratio=4, seed=3)
-    nblk = case["chosen"].shape[1]
-    wide = torch.ones(31, -(-nblk // SELECTION_ROW_ALIGN) * SELECTION_ROW_ALIGN, dtype=torch.bool, device=DEVICE)
-    wide[:, :nblk] = case["chosen"]
-    want = prefill_attention_reference(**case)
-    got = prefill_attention_triton(**{**case, "chosen": wide[:, :nblk]})
-    assert wide.shape[1] > nblk and ((got - want).abs().max() / want.abs().max()).item() < 1e-5
-
-
 def test_triton_half_precision_within_rounding():
     from flashnext.ops.prefill_attention_triton import prefill_attention_triton
 

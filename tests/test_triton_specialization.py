@@ -9,7 +9,7 @@ import pytest
 triton = pytest.importorskip("triton", reason="triton is not importable: no Triton kernels to check")
 
 UNSPECIALISED = {
-    "prefill_attention_triton._prefill_attention_kernel": {"T", "context_len", "n_chosen"},
+    "prefill_attention_triton._prefill_attention_kernel": {"T", "context_len", "n_chosen", "stride_ct"},
     "moe_int4_triton._gate_up_kernel": {"n_pairs"},
     "moe_int4_triton._down_kernel": {"n_pairs"},
     "qsa_scores_triton._qsa_prefill_scores_kernel": {"T", "NBLK"},
@@ -38,15 +38,12 @@ def test_length_arguments_are_unspecialised(where):
         assert {p.name for p in kernel.params if p.do_not_specialize} == UNSPECIALISED[where]
 
 
-def test_prefill_attention_tiles_follow_the_selection():
-    """Head dim 256 on a GPU: 128 x 64 tiles in 3 stages dense, 64 x 32 in 2 with a QSA selection (the H200 sweep,
-    BENCHMARKS.md session 16, with the selection's row stride specialised); the CPU interpreter's small tiles either
-    way."""
+def test_prefill_attention_tiles():
+    """Head dim 256 on a GPU: 128 x 64 tiles in 3 stages, with a QSA selection or without (the H200 sweeps,
+    BENCHMARKS.md sessions 16 and 18); the CPU interpreter's small tiles either way."""
     import torch
 
     from flashnext.ops.prefill_attention_triton import PrefillConfig, default_config
 
-    cuda = torch.device("cuda")
-    assert default_config(256, cuda) == PrefillConfig(128, 64, 8, 3)
-    assert default_config(256, cuda, selective=True) == PrefillConfig(64, 32, 4, 2)
-    assert default_config(256, torch.device("cpu"), selective=True) == PrefillConfig(16, 16, 4, 1)
+    assert default_config(256, torch.device("cuda")) == PrefillConfig(128, 64, 8, 3)
+    assert default_config(256, torch.device("cpu")) == PrefillConfig(16, 16, 4, 1)

@@ -25,9 +25,6 @@ import torch
 import torch.nn.functional as F
 
 QUERY_BLOCK = 1024
-# A selection's rows may be a view of wider rows (a multiple of this many blocks, as the QSA indexer makes them): the
-# Triton kernel specialises the row stride, and one multiple of 16 is one compiled variant for every prompt length.
-SELECTION_ROW_ALIGN = 16
 
 
 def selection_mask(chosen: torch.Tensor, query_pos: torch.Tensor, total: int, ratio: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["T", "context_len", "n_chosen"])
+@triton.jit(do_not_specialize=["T", "context_len", "n_chosen", "stride_ct"])
 def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, blocks_ptr, chosen_ptr, out_ptr,
                               T, context_len, n_chosen, stride_qt, stride_qh, stride_ot, stride_oh, stride_ct, scale,
                               GROUP: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
@@ -78,21 +78,21 @@ class PrefillConfig:
     num_stages: int
 
 
-def default_config(head_dim: int, device: torch.device, selective: bool = False) -> PrefillConfig:
-    """Head dim 256 (Flash-Next, Qwen3-Next), dense: 128 × 64 tiles, 8 warps, 3 stages. With 2 stages Triton
-    issues a K/V tile's copies at the end of the step before the one that waits for them (their latency exposed
-    each step); 3 stages (~200 KB of shared memory) issue them a step earlier. With a QSA selection (`selective`)
-    64 × 32 tiles, 4 warps, 2 stages: each step also reads the selection's bytes, a plain load. The H200 sweep of
-    scripts/gpu_prefill_attention.py (session 16): dense 8K queries 1.64 ms at 128 × 64 × 3 (its best), QSA 8K
-    queries from 0 / 2K after 8K 5.89 / 3.39 ms at 64 × 32 (their best) against 6.59 / 3.73 at 128 × 64 × 3.
-    With the selection's row stride unspecialised (stride_ct, session 16, against recompiles) the same sweep gave
-    6.99 / 4.13 ms at 64 × 32 and 6.53 / 3.79 at 128 × 64 × 3 (session 17, 89a835b, one run); the indexer's rows are
-    now views of rows padded to SELECTION_ROW_ALIGN blocks, and the stride is specialised again.
+def default_config(head_dim: int, device: torch.device) -> PrefillConfig:
+    """Head dim 256 (Flash-Next, Qwen3-Next): 128 × 64 tiles, 8 warps, 3 stages, with or without a QSA selection
+    (each step then also reads the selection's bytes, a plain load). With 2 stages Triton issues a K/V tile's
+    copies at the end of the step before the one that waits for them (their latency exposed each step); 3 stages
+    (~200 KB of shared memory) issue them a step earlier. The H200 (scripts/gpu_prefill_attention.py): dense 8K
+    queries 1.64 ms at 128 × 64 × 3, its best (session 16); QSA 8K queries from 0 / 2K after 8K 6.55 / 3.75 ms at
+    128 × 64 × 3 against 7.04 / 4.07 at 64 × 32 × 4 × 2 (session 18, 64d5a88). Session 16 had measured 5.89 / 3.39 at
+    64 × 32 and chose it; since its last changes to the kernel (lengths and the selection's row stride passed
+    unspecialised, against recompiles) 64 × 32 has been slower, and giving the stride back its specialisation
+    (rows padded to 16 blocks: 4.07 / 7.04 ms, session 18) did not restore it — the cause is not known.
     Smaller heads (tiny test models) keep 64 × 64."""
     if device.type != "cuda":
         return PrefillConfig(16, 16, 4, 1)
     if head_dim > 128:
-        return PrefillConfig(64, 32, 4, 2) if selective else PrefillConfig(128, 64, 8, 3)
+        return PrefillConfig(128, 64, 8, 3)
     return PrefillConfig(64, 64, 4, 3)
 
 
@@ -108,9 +108,9 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     out = torch.empty(length, heads, head_dim, dtype=q.dtype, device=q.device)
     if length == 0:
         return out
-    cfg = config or default_config(head_dim, q.device, chosen is not None)
-    if chosen is not None:   # rows may be a view of wider ones (SELECTION_ROW_ALIGN): the kernel takes their stride
-        chosen = (chosen if chosen.stride(-1) == 1 else chosen.contiguous()).view(torch.uint8)
+    cfg = config or default_config(head_dim, q.device)
+    if chosen is not None:
+        chosen = chosen.contiguous().view(torch.uint8)
     selection = chosen if chosen is not None else blocks   # a pointer never read without a selection
     grid = (triton.cdiv(length, cfg.block_m), heads)
     _prefill_attention_kernel[grid](

@@ -19,7 +19,7 @@ from flashnext.models.decode_batch import DecodeBatch
 from flashnext.models.layers.norms import ZeroCenteredRMSNorm
 from flashnext.ops.decode_linear import decode_linear
 from flashnext.ops.norm_rope import norm_rope
-from flashnext.ops.prefill_attention import QUERY_BLOCK, SELECTION_ROW_ALIGN
+from flashnext.ops.prefill_attention import QUERY_BLOCK
 from flashnext.ops.qsa_key_append import qsa_key_append
 from flashnext.ops.qsa_scores import qsa_block_scores, qsa_prefill_scores
 from flashnext.ops.qsa_token_lists import compile_for_lengths, qsa_token_lists, qsa_top_blocks
@@ -129,9 +129,7 @@ class QSAIndexer(nn.Module):
             self._append_block_keys(self._raw_keys(x), ctx, seg)
             return None
         q = self._queries(x, cos, sin, ctx, seg)
-        # a view of rows padded to SELECTION_ROW_ALIGN blocks (ops/prefill_attention.py)
-        width = -(-num_blocks // SELECTION_ROW_ALIGN) * SELECTION_ROW_ALIGN
-        chosen = torch.zeros(seg.length, width, dtype=torch.bool, device=x.device)[:, :num_blocks]
+        chosen = torch.zeros(seg.length, num_blocks, dtype=torch.bool, device=x.device)
         start = 0
         for pos, scores in self._scored_blocks(q, ctx, seg):
             top = qsa_top_blocks(scores, self.block_topk)
