@@ -8,6 +8,7 @@ non-zero on a mismatch. Speed: `flashnext bench experts --model mem:flash-next -
 Also: the pools' row-copy kernel and the in-step admission program (ops/expert_claims.py) against their
 references, with their times.
 Run: python3 scripts/gpu_expert_cache.py"""
+import os
 import random
 import sys
 import time
@@ -17,6 +18,10 @@ import torch
 from flashnext.cache.expert_cache import install_expert_cache
 from flashnext.engine.loading import load_model
 from flashnext.models.session import Session
+
+# all-resident prefill through the grouped kernels, as a cache's (ops.moe_int4.prefill_dequant: prompts of ~100 rows an
+# expert would take dequantised experts, other roundings)
+os.environ.setdefault("FLASHNEXT_MOE_PREFILL", "triton")
 
 
 def greedy(model, n=24):

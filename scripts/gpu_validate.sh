@@ -56,10 +56,10 @@ if [[ $parts == *" variants "* ]]; then   # the switches that are off until meas
   part decode_branches env FLASHNEXT_DECODE_BRANCHES=1 python3 scripts/gpu_decode.py --fp32-only
   part decode_step_branches env FLASHNEXT_DECODE_BRANCHES=1 python3 scripts/gpu_decode.py --skip-exactness \
     --model mem:flash-next --quantize int4
-  # the routed experts through dequantised weights and torch's grouped GEMM instead (docs/int4.md; the dense
-  # INT4 GEMMs do so by default): does the whole prefill gain? (scripts/gpu_moe.py times the MoE alone)
-  part prefill_dequant env FLASHNEXT_MOE_PREFILL=dequant python3 scripts/gpu_prefill.py \
-    --model mem:flash-next --quantize int4 --tokens 10000 --chunk 8192
+  # the routed experts' prefill through the grouped kernels against dequantised weights and torch's grouped GEMM
+  # (docs/int4.md; the default from ~100 rows an expert; scripts/gpu_moe.py --prefill times the MoE alone)
+  part prefill_moe_kernels python3 scripts/gpu_prefill.py --model mem:flash-next --quantize int4 --tokens 10000 \
+    --chunk 16384 --no-profile --variant FLASHNEXT_MOE_PREFILL=triton
 fi
 if [[ $parts == *" bench "* ]]; then
   for m in flash-next qwen3-next-80b; do

@@ -107,6 +107,27 @@ def test_dequant_grouped_gemm_equals_reference(m, k, h, i, g_up, g_down, asym, a
     assert rel_err(got, moe_int4_reference(x, ids, weights, w_gate_up, w_down)) < 1e-5
 
 
+def test_prefill_takes_dequantised_experts_from_a_hundred_rows_an_expert(monkeypatch):
+    """FLASHNEXT_MOE_PREFILL: auto from DEQUANT_MIN_ROWS_PER_EXPERT (token, choice) rows an expert on average (512
+    experts, top-10: 5,120 tokens), triton never, dequant past the decode kernels' sizes; never at decode sizes."""
+    from flashnext.ops import moe_int4 as ops
+
+    monkeypatch.delenv("FLASHNEXT_MOE_PREFILL", raising=False)
+    assert not ops.prefill_dequant(5119, 10, 512) and ops.prefill_dequant(5120, 10, 512)
+    assert not ops.prefill_dequant(ops.DECODE_MAX_M, 10, 1)
+    monkeypatch.setenv("FLASHNEXT_MOE_PREFILL", "triton")
+    assert not ops.prefill_dequant(100_000, 10, 512)
+    monkeypatch.setenv("FLASHNEXT_MOE_PREFILL", "dequant")
+    assert ops.prefill_dequant(ops.DECODE_MAX_M + 1, 10, 512) and not ops.prefill_dequant(ops.DECODE_MAX_M, 10, 512)
+
+
+def test_dequant_scratch_is_the_larger_dequantised_stack():
+    from flashnext.ops.moe_int4_dequant import dequant_scratch_bytes
+
+    w_gate_up, w_down = random_int4(6, 2 * 48, 64, 32), random_int4(6, 64, 48, 16)
+    assert dequant_scratch_bytes(w_gate_up, w_down, torch.bfloat16) == 6 * 2 * 48 * 64 * 2
+
+
 def test_dequant_grouped_gemm_fp16():
     """16-bit activations: each weight, the GEMMs' outputs and h rounded to fp16."""
     from flashnext.ops.moe_int4_dequant import moe_int4_dequant

@@ -215,13 +215,27 @@ class LLMEngine:
 
     def _chunk_activation_bytes(self) -> int:
         """The largest tensors one prefill chunk of max_num_batched_tokens holds at once, per token: the routed
-        experts' fp32 outputs before their sum (top-k × hidden × 4) and gate·up rows (top-k × intermediate),
-        the hyper-connection streams (hc × hidden) and their mix, doubled for torch's temporaries around them
-        (the 1 GiB beside it covers logits, sampling and the allocator's slack)."""
+        experts' fp32 outputs before their sum (top-k × hidden × 4; or their 16-bit rows and the gathered inputs on
+        the dequantised path) and gate·up rows (top-k × intermediate), the hyper-connection streams (hc × hidden)
+        and their mix, doubled for torch's temporaries around them (the 1 GiB beside it covers logits, sampling
+        and the allocator's slack); plus the dequantised experts' scratch where a step takes that path."""
         cfg, item = self.config, self.dtype.itemsize
         per_token = cfg.num_experts_per_tok * (cfg.hidden_size * 4 + cfg.moe_intermediate_size * item)
         per_token += 2 * cfg.hc_hidden_size * item
-        return 2 * per_token * self.args.max_num_batched_tokens
+        return 2 * per_token * self.args.max_num_batched_tokens + self._moe_dequant_scratch_bytes()
+
+    def _moe_dequant_scratch_bytes(self) -> int:
+        """A layer's experts dequantised to 16 bits, where a full prefill step of resident INT4 experts takes that
+        path (ops.moe_int4.prefill_dequant; Flash-Next: 3.4 GB)."""
+        from flashnext.models.layers.int4_experts import Int4Experts
+        from flashnext.ops.moe_int4 import prefill_dequant
+        from flashnext.ops.moe_int4_dequant import dequant_scratch_bytes
+
+        layers = [m for m in self.loaded.model.modules() if isinstance(m, Int4Experts) and m.expert_cache is None]
+        if self.device.type != "cuda" or not layers or not prefill_dequant(
+                self.args.max_num_batched_tokens, self.config.num_experts_per_tok, layers[0].num_experts):
+            return 0
+        return max(dequant_scratch_bytes(m.weight_int4("gate_up"), m.weight_int4("down"), self.dtype) for m in layers)
 
     def _snapshot_budget(self, block_size: int, slot_bytes: int) -> int:
         """Device bytes for prefix-cache snapshots: --prefix-cache-gb, by default room for SNAPSHOTS_PER_SEQUENCE

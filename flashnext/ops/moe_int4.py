@@ -23,19 +23,29 @@ from flashnext.weights.int4_layout import Int4Weight, dequantize
 # FLASHNEXT_MOE_INT4: "auto" (default: decode kernels up to DECODE_MAX_M tokens, grouped kernels above),
 # "grouped" (the grouped kernels at every M), "reference" (the torch reference on CUDA too; debugging).
 _BACKEND = os.environ.get("FLASHNEXT_MOE_INT4", "auto")
-# FLASHNEXT_MOE_PREFILL=dequant: from DEQUANT_MIN_M tokens, dequantised experts and torch's grouped GEMM instead of
-# the grouped kernels (ops/moe_int4_dequant.py; off until measured on the GPU). Read at each call (prefill sizes
-# only), so a script can time both on one model.
-def prefill_dequant(x) -> bool:
-    from flashnext.ops.moe_int4_dequant import DEQUANT_MIN_M
-
-    return (_BACKEND == "auto" and x.shape[0] >= DEQUANT_MIN_M
-            and os.environ.get("FLASHNEXT_MOE_PREFILL", "triton") == "dequant")
 # The decode kernels re-read an expert per token that chose it, and still beat the grouped kernels up to here: on
 # the H200 (scripts/gpu_moe.py, Flash-Next, per layer in a graph, session 14, c076246) 191 / 370 / 726 µs at M = 16 /
 # 32 / 64 against 392 / 588 / 805 for the grouped kernels' small-M tiles (moe_int4_triton.SMALL); at 128, 1,435
 # against 1,000.
 DECODE_MAX_M = 64
+
+# Prefill-sized MoE of resident experts (FLASHNEXT_MOE_PREFILL): "auto" (default) dequantises a layer's experts and
+# runs torch's grouped GEMM (ops/moe_int4_dequant.py) from DEQUANT_MIN_ROWS_PER_EXPERT (token, choice) rows an
+# expert on average, the grouped kernels below; "triton" the grouped kernels always; "dequant" the dequantised path
+# above DECODE_MAX_M. Read at each call (prefill sizes only), so a script can time both on one model. H200,
+# Flash-Next (512 experts, top-10), per layer (scripts/gpu_moe.py --prefill, session 18): 3.57 / 4.22 / 6.23 ms at
+# 4,096 / 10,000 / 16,384 tokens against the kernels' 3.27 / 5.93 / 9.12 — the dequantisation's fixed ~1.6 ms
+# against the kernels' ~2.2x slower GEMM; even at ~5,300 tokens, ~100 rows an expert.
+DEQUANT_MIN_ROWS_PER_EXPERT = 100
+
+
+def prefill_dequant(rows: int, top_k: int, num_experts: int) -> bool:
+    """Whether `moe_int4` runs `rows` tokens of resident experts through dequantised weights (CUDA, past the decode
+    kernels' DECODE_MAX_M)."""
+    mode = os.environ.get("FLASHNEXT_MOE_PREFILL", "auto")
+    if _BACKEND != "auto" or mode == "triton" or rows <= DECODE_MAX_M:
+        return False
+    return mode == "dequant" or rows * top_k >= DEQUANT_MIN_ROWS_PER_EXPERT * num_experts
 
 
 @dataclass(frozen=True)
@@ -123,8 +133,8 @@ def runs_shared_expert(x) -> bool:
 def moe_int4(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weight,
              shared: SharedExpert | None = None, cached: CachedExperts | None = None) -> torch.Tensor:
     """CUDA: M <= DECODE_MAX_M -> the decode GEMV kernels (moe_int4_decode_triton; they run `shared` as one more
-    expert), larger M -> the grouped kernels (moe_int4_triton), or with FLASHNEXT_MOE_PREFILL=dequant from
-    DEQUANT_MIN_M on the grouped GEMM over dequantised experts (moe_int4_dequant); elsewhere the reference.
+    expert), larger M -> the grouped kernels (moe_int4_triton), or where `prefill_dequant` says so the grouped GEMM
+    over dequantised experts (moe_int4_dequant); elsewhere the reference.
     `shared` only where runs_shared_expert(x); `cached` (the stacks are an expert cache's pool) where
     runs_cached_experts(x)."""
     if shared is not None and not runs_shared_expert(x):
@@ -136,7 +146,7 @@ def moe_int4(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weigh
             from flashnext.ops.moe_int4_decode_triton import moe_int4_decode
 
             return moe_int4_decode(x, topk_ids, topk_weights, w_gate_up, w_down, shared=shared, cached=cached)
-        if prefill_dequant(x):
+        if prefill_dequant(x.shape[0], topk_ids.shape[1], w_gate_up.qweight.shape[0]):
             from flashnext.ops.moe_int4_dequant import moe_int4_dequant
 
             return moe_int4_dequant(x, topk_ids, topk_weights, w_gate_up, w_down)
@@ -199,12 +209,9 @@ def routed_pairs(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4W
     """The grouped kernels' (CUDA, any M) terms before their sum over the k choices: [M, k, H] fp32, each
     topk_weights[m, j] * down_e(silu(gate_e(x[m])) * up_e(x[m])). A (token, choice)'s term depends on its own row
     only, so a caller may compute the terms in several calls (an expert cache's rounds) and sum once: the same
-    result as one call with the Triton kernels (H200: scripts/gpu_expert_cache.py); not checked with
-    FLASHNEXT_MOE_PREFILL=dequant, whose grouped GEMM sees other group sizes per call."""
-    if prefill_dequant(x):
-        from flashnext.ops.moe_int4_dequant import moe_int4_dequant_pairs
-
-        return moe_int4_dequant_pairs(x, topk_ids, topk_weights, w_gate_up, w_down)
+    result as one call with the Triton kernels (H200: scripts/gpu_expert_cache.py). An expert cache's prefill takes
+    these, never the dequantised path (its scratch, a whole layer's experts in 16 bits, is what a cache is short of):
+    its results equal an all-resident model's with FLASHNEXT_MOE_PREFILL=triton."""
     from flashnext.ops.moe_int4_triton import moe_int4_triton_pairs
 
     return moe_int4_triton_pairs(x, topk_ids, topk_weights, w_gate_up, w_down)

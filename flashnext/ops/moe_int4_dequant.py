@@ -1,4 +1,5 @@
-"""Prefill-sized routed experts through dequantised weights and a grouped bf16 GEMM (FLASHNEXT_MOE_PREFILL=dequant).
+"""Prefill-sized routed experts through dequantised weights and a grouped bf16 GEMM (ops.moe_int4.prefill_dequant says
+when: by default from ~100 rows an expert).
 
 At prefill sizes the INT4 MoE kernels (ops/moe_int4_triton.py) run at ~145–200 TFLOP/s on the H200, the largest
 item of a Flash-Next prefill (44% of a 10K prompt's GPU time, BENCHMARKS.md session 16). Here each layer's stacked
@@ -21,28 +22,10 @@ from flashnext.ops.int4_dequant_triton import dequantize_triton
 from flashnext.ops.moe_combine import combine_choices
 from flashnext.weights.int4_layout import Int4Weight
 
-# tokens; a placeholder until measured: the scratch costs ~4 B per weight (written, read back) against the grouped
-# kernels' 0.5 B per weight and expert block, so the break-even is many rows per expert, not a token count alone
-DEQUANT_MIN_M = 256
-
 
 def moe_int4_dequant(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: Int4Weight,
                      w_down: Int4Weight) -> torch.Tensor:
     """Same contract as ops.moe_int4.moe_int4_reference."""
-    rows, position = _expert_rows(x, topk_ids, w_gate_up, w_down)
-    return combine_choices(rows, position, topk_weights, x.dtype)
-
-
-def moe_int4_dequant_pairs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                           w_gate_up: Int4Weight, w_down: Int4Weight) -> torch.Tensor:
-    """The weighted terms [M, k, H] fp32 that moe_int4_dequant sums over k (ops.moe_int4.routed_pairs)."""
-    rows, position = _expert_rows(x, topk_ids, w_gate_up, w_down)
-    return rows[position].float() * topk_weights[..., None].float()
-
-
-def _expert_rows(x: torch.Tensor, topk_ids: torch.Tensor, w_gate_up: Int4Weight,
-                 w_down: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the experts' outputs [M·k, H] in x's dtype, rows in expert order; position [M, k]: each (token, choice)'s row)."""
     m, top_k = topk_ids.shape
     num_experts = w_gate_up.qweight.shape[0]
     sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)
@@ -51,9 +34,9 @@ def _expert_rows(x: torch.Tensor, topk_ids: torch.Tensor, w_gate_up: Int4Weight,
     ends = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
     gate_up = torch._grouped_mm(x.index_select(0, order // top_k), dequantize_triton(w_gate_up, x.dtype), offs=ends)
     gate, up = gate_up.chunk(2, dim=-1)
-    rows = torch._grouped_mm(silu_mul(gate, up), dequantize_triton(w_down, x.dtype), offs=ends)
+    rows = torch._grouped_mm(silu_mul(gate, up), dequantize_triton(w_down, x.dtype), offs=ends)   # in expert order
     position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
-    return rows, position.view(m, top_k)
+    return combine_choices(rows, position.view(m, top_k), topk_weights, x.dtype)
 
 
 def dequant_scratch_bytes(w_gate_up: Int4Weight, w_down: Int4Weight, dtype: torch.dtype) -> int:
