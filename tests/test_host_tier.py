@@ -299,14 +299,17 @@ def test_releases_count_blocks_given_up_not_admissions_undone():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: copies down are asynchronous only there")
 def test_copies_down_wait_for_the_device_hold_their_source_and_are_waited_for():
     """On a GPU the host tier's copies down run on a stream of their own (cache/host_copies.py), not waited for. What
-    they copy is what the device's stream queued before them (here behind ~30 ms of sleep); the device memory they
+    they copy is what the device's stream queued before them (here behind ~0.5 s of sleep); the device memory they
     read is not handed out again before they have read it (a tensor allocated over the freed source and filled at
     once must not leak into the copy); a load of blocks or of a snapshot waits for them."""
     store = HostStore(64 << 20)
     rows, width = 4, 1 << 20                            # 16 MB of blocks
     names = hashes(rows, salt=9)
+    # the page-locked buffers exist before the timed part (their allocation took longer than a short sleep, H200)
+    store.store_blocks(hashes(rows, salt=10), {"k": torch.zeros(rows, width, device="cuda")})
+    store.flush()
     source = torch.zeros(rows, width, device="cuda")
-    torch.cuda._sleep(50_000_000)
+    torch.cuda._sleep(1_000_000_000)                    # ~0.5 s of the device's stream: far past the host's calls
     source.fill_(7.0)
     store.store_blocks(names, {"k": source})
     del source
