@@ -3,9 +3,8 @@
 applied to the fp32 partial or to the weight tile before the dot (scale_in_tile), checked against the torch
 reference and timed against bf16 cuBLAS on the dequantised weight (dense) or the matmul FLOPs (MoE), and the dense
 dequantise-then-cuBLAS path (the default from 256 rows). Prints the best config per shape.
-Run: python3 scripts/gpu_prefill_gemm.py [--m 8192] [--dense-only-m 512 ...] [--moe-swap-only-m 10000 ...]   (the
-second: no sweep, the GEMM kernel's default tiles against dequantise-then-cuBLAS at that M: where the dequantised path
-starts to pay; the third: the MoE kernels' transposed tiles only)"""
+Run: python3 scripts/gpu_prefill_gemm.py [--m 8192] [--dense-only-m 512 ...]   (the second: no sweep, the GEMM
+kernel's default tiles against dequantise-then-cuBLAS at that M: where the dequantised path starts to pay)"""
 import argparse
 import itertools
 import sys
@@ -27,10 +26,6 @@ TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 
          (64, 256, 64, 8, 3), (128, 64, 64, 4, 4), (256, 128, 64, 8, 3)]
 MOE_TILES = [(64, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 128, 128, 8, 3), (128, 64, 64, 4, 4),
              (64, 256, 64, 8, 3), (32, 128, 64, 4, 4), (64, 64, 128, 4, 4), (64, 64, 64, 4, 5)]
-# the transposed tiles (swap_ab): BLOCK_N is the MMA's M side (64 a warp group), BLOCK_M (rows) its narrow N side
-MOE_SWAP_TILES = [(64, 128, 64, 4, 3), (64, 128, 128, 4, 3), (128, 128, 64, 8, 3), (32, 128, 128, 4, 4),
-                  (64, 64, 128, 4, 4), (64, 256, 64, 8, 3), (128, 64, 64, 4, 4), (32, 64, 128, 4, 4),
-                  (16, 128, 128, 4, 4), (64, 128, 64, 8, 4), (128, 128, 128, 8, 2), (64, 128, 64, 4, 5)]
 
 
 class WrongResult(Exception):
@@ -78,8 +73,7 @@ def dense(m, sweep=True):
             print(f"        {t:8.1f} us  {cfg}")
 
 
-def moe(m, swap_only=False):
-    """The grouped kernels over MOE_TILES (unless swap_only) and MOE_SWAP_TILES, scale on the partial or in the tile."""
+def moe(m):
     h, i = 2560, 640
     print(f"\nMoE grouped INT4, M={m} tokens, top-10 of 512, H={h} I={i}, bf16")
     wgu, wd = random_experts(2 * i, h, seed=0), random_experts(h, i, seed=1)
@@ -87,10 +81,8 @@ def moe(m, swap_only=False):
     ref = moe_int4_reference(x.float(), ids, w, wgu, wd)
     flops = 2 * m * 10 * 3 * h * i
     times = {}
-    tiles = [(t, False) for t in ([] if swap_only else MOE_TILES)] + [(t, True) for t in MOE_SWAP_TILES]
-    configs = [PREFILL] + [MoeConfig(bm, bn, bk, warps, stages, in_tile, swap)
-                           for ((bm, bn, bk, warps, stages), swap), in_tile in itertools.product(tiles, (False, True))]
-    for cfg in dict.fromkeys(configs):
+    for (bm, bn, bk, warps, stages), in_tile in itertools.product(MOE_TILES, (False, True)):
+        cfg = MoeConfig(bm, bn, bk, warps, stages, in_tile)
         try:
             got = moe_int4_triton(x, ids, w, wgu, wd, cfg)
             expect(rel(got, ref) < 2e-2, f"{cfg}: err {rel(got, ref):.2e}")
@@ -108,14 +100,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, action="append", default=[])
     ap.add_argument("--dense-only-m", type=int, action="append", default=[])
-    ap.add_argument("--moe-swap-only-m", type=int, action="append", default=[],
-                    help="only the MoE kernels' transposed tiles (swap_ab) at this M, beside the default's time")
     args = ap.parse_args()
     for m in args.dense_only_m:
         dense(m, sweep=False)
-    for m in args.moe_swap_only_m:
-        moe(m, swap_only=True)
-    for m in args.m or ([] if args.dense_only_m or args.moe_swap_only_m else [8192]):
+    for m in args.m or ([] if args.dense_only_m else [8192]):
         dense(m)
         moe(m)
     return 0

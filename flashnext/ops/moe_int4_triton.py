@@ -37,7 +37,6 @@ class MoeConfig:
     num_warps: int = 4
     num_stages: int = 2
     scale_in_tile: bool = False   # see _dequant_dot
-    swap_ab: bool = False         # see _dequant_dot
 
 
 # Up to SMALL_MAX_M tokens (past the decode kernels' ops.moe_int4.DECODE_MAX_M: the chained steps of a short chunk):
@@ -67,15 +66,12 @@ def _int4_tile(qweight_ptr, k0, offs_n, n_ok, N, BLOCK_K: tl.constexpr, BLOCK_N:
 @triton.jit
 def _dequant_dot(acc, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, N,
                  HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PRECISION: tl.constexpr, SCALE_IN_TILE: tl.constexpr, SWAP_AB: tl.constexpr):
+                 PRECISION: tl.constexpr, SCALE_IN_TILE: tl.constexpr):
     """acc + a @ W[k0:k0+BLOCK_K, offs_n] for one expert, the tile inside one quantisation group.
 
     Default: the exact integers (q - zero) go into the dot and the fp32 partial is scaled. SCALE_IN_TILE: the
     tile is scaled (rounded to a's dtype) and the dot accumulates straight into acc, which lets Hopper chain its
-    asynchronous MMAs across K tiles instead of waiting for each partial (scripts/gpu_prefill_gemm.py times both).
-    SWAP_AB: acc is the transposed tile [BLOCK_N, BLOCK_M] += W^T a^T, so the weights dequantised in registers are
-    the dot's left operand, which Hopper's MMA reads from registers (the right one it reads from shared memory: the
-    unswapped form stores every dequantised tile there first), and the rows (tokens) are its narrow side."""
+    asynchronous MMAs across K tiles instead of waiting for each partial (scripts/gpu_prefill_gemm.py times both)."""
     group = k0 // group_size
     q = _int4_tile(qweight_ptr, k0, offs_n, n_ok, N, BLOCK_K, BLOCK_N)
     if HAS_ZEROS:
@@ -85,12 +81,7 @@ def _dequant_dot(acc, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, off
     scale = tl.load(scales_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.float32)
     if SCALE_IN_TILE:
         w = ((q - zero[None, :]).to(tl.float32) * scale[None, :]).to(a.dtype)
-        if SWAP_AB:
-            return tl.dot(tl.trans(w), tl.trans(a), acc, input_precision=PRECISION)
         return tl.dot(a, w, acc, input_precision=PRECISION)
-    if SWAP_AB:
-        partial = tl.dot(tl.trans((q - zero[None, :]).to(a.dtype)), tl.trans(a), input_precision=PRECISION)
-        return acc + partial * scale[:, None]
     partial = tl.dot(a, (q - zero[None, :]).to(a.dtype), input_precision=PRECISION)
     return acc + partial * scale[None, :]
 
@@ -119,8 +110,7 @@ def _block_rows(start, sorted_ids_ptr, order_ptr, n_pairs, BLOCK_M: tl.constexpr
 def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr,
                     qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, n_pairs, H, I, group_size,
                     TOP_K: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, PRECISION: tl.constexpr,
-                    SCALE_IN_TILE: tl.constexpr, SWAP_AB: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    SCALE_IN_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     start = tl.load(block_start_ptr + tl.program_id(0))
     if start < 0:  # a spare entry of the block table
         return
@@ -134,32 +124,25 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr,
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
-    if SWAP_AB:   # transposed tiles: [BLOCK_N, BLOCK_M]
-        gate = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    else:
-        gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, H, BLOCK_K):
         cols = _columns(perm_ptr, k0, offs_k, HAS_PERM)
         a = tl.load(x_ptr + token[:, None] * H + cols[None, :], mask=ok[:, None], other=0)
         gate = _dequant_dot(gate, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, N,
-                            HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, SCALE_IN_TILE, SWAP_AB)
+                            HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, SCALE_IN_TILE)
         up = _dequant_dot(up, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, I + offs_n, n_ok, N,
-                          HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, SCALE_IN_TILE, SWAP_AB)
-    h = (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty)
-    if SWAP_AB:
-        tl.store(h_ptr + rows[None, :] * I + offs_n[:, None], h, mask=ok[None, :] & n_ok[:, None])
-    else:
-        tl.store(h_ptr + rows[:, None] * I + offs_n[None, :], h, mask=ok[:, None] & n_ok[None, :])
+                          HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, SCALE_IN_TILE)
+    h = gate * tl.sigmoid(gate) * up
+    tl.store(h_ptr + rows[:, None] * I + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=ok[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["n_pairs"])
 def _down_kernel(h_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, order_ptr, block_start_ptr,
                  qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, n_pairs, H, I, group_size,
                  HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, PRECISION: tl.constexpr,
-                 SCALE_IN_TILE: tl.constexpr, SWAP_AB: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 SCALE_IN_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     start = tl.load(block_start_ptr + tl.program_id(0))
     if start < 0:  # a spare entry of the block table
         return
@@ -171,20 +154,14 @@ def _down_kernel(h_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, order_ptr, bloc
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
-    if SWAP_AB:   # the transposed tile: [BLOCK_N, BLOCK_M]
-        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, I, BLOCK_K):
         cols = _columns(perm_ptr, k0, offs_k, HAS_PERM)
         a = tl.load(h_ptr + rows[:, None] * I + cols[None, :], mask=ok[:, None], other=0)
         acc = _dequant_dot(acc, a, qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, H,
-                           HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, SCALE_IN_TILE, SWAP_AB)
+                           HAS_ZEROS, BLOCK_K, BLOCK_N, PRECISION, SCALE_IN_TILE)
     weight = tl.load(topk_weights_ptr + pair, mask=ok, other=0).to(tl.float32)
-    if SWAP_AB:
-        tl.store(y_ptr + pair[None, :] * H + offs_n[:, None], acc * weight[None, :], mask=ok[None, :] & n_ok[:, None])
-    else:
-        tl.store(y_ptr + pair[:, None] * H + offs_n[None, :], acc * weight[:, None], mask=ok[:, None] & n_ok[None, :])
+    tl.store(y_ptr + pair[:, None] * H + offs_n[None, :], acc * weight[:, None], mask=ok[:, None] & n_ok[None, :])
 
 
 def _decode_blocks(sorted_ids: torch.Tensor) -> torch.Tensor:
@@ -254,7 +231,7 @@ def moe_int4_triton_pairs(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_do
     h = torch.empty(n_pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(n_pairs, hidden, dtype=torch.float32, device=x.device)
     common = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, PRECISION=precision,
-                  SCALE_IN_TILE=config.scale_in_tile, SWAP_AB=config.swap_ab,
+                  SCALE_IN_TILE=config.scale_in_tile,
                   num_warps=config.num_warps, num_stages=config.num_stages)
 
     def optional(w):  # zeros and perm, or a dummy pointer never read (HAS_ZEROS/HAS_PERM are constexprs)
