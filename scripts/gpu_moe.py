@@ -16,7 +16,7 @@ run, alone and in a batch, and replayed in a CUDA graph (the kernels add their p
 counters). Exits non-zero on a mismatch.
 Run: python3 scripts/gpu_moe.py [--quick] [--prefill] [flash-next|qwen3-next]   (--quick: default configs only, no
      sweeps; --prefill: only the prefill sizes PREFILL_PARTS_M, FLASHNEXT_MOE_PREFILL=dequant taken apart into its
-     steps beside the grouped kernels; a model name: only its shapes)
+     steps beside the grouped kernels and the transposed-tile kernels' SWAPPED_SWEEP; a model name: only its shapes)
 """
 import sys
 
@@ -30,6 +30,7 @@ from flashnext.ops.gated_elementwise import silu_mul
 from flashnext.ops.int4_dequant_triton import dequantize_triton
 from flashnext.ops.moe_combine import combine_choices
 from flashnext.ops.moe_int4_dequant import moe_int4_dequant
+from flashnext.ops.moe_int4_swapped_triton import SwappedConfig, moe_int4_swapped, runs_swapped
 from flashnext.ops.moe_int4_triton import PREFILL, SMALL, MoeConfig, moe_int4_triton
 from flashnext.weights.int4_layout import Int4Weight
 from gpu_common import rel
@@ -54,6 +55,10 @@ MID_SWEEP = [SMALL, PREFILL] + [MoeConfig(bm, bn, bk, w, st, tile) for bm, bn, b
     (16, 64, 128, 4, 3, False), (16, 64, 64, 4, 4, False), (16, 128, 128, 8, 3, False), (16, 32, 128, 4, 3, False),
     (16, 128, 64, 8, 4, False), (16, 256, 64, 8, 4, False), (16, 128, 32, 4, 4, False), (16, 128, 64, 4, 3, False),
     (16, 128, 64, 4, 5, False)]]
+# the transposed-tile kernels (block_m rows: the MMA's N side; block_n: its M side, 64 a warp group)
+SWAPPED_SWEEP = [SwappedConfig(bm, bn, w, st) for bm, bn, w, st in [
+    (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (32, 128, 4, 4), (64, 64, 4, 4), (128, 64, 4, 3),
+    (64, 256, 8, 3), (128, 256, 8, 3), (32, 64, 4, 4), (128, 128, 4, 3)]]
 PREFILL_SWEEP = [PREFILL] + [MoeConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in
                              [(64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 128, 128, 8, 3), (128, 64, 64, 4, 4),
                               (32, 128, 64, 4, 4), (128, 128, 128, 8, 2)]]
@@ -91,7 +96,8 @@ def check(name, h, i) -> bool:
             x, ids, w = routing(m, h, seed=m)
             ref = moe_int4_reference(x.float(), ids, w, wgu, wd)
             kernels = [("grouped", moe_int4_triton)] + (
-                [("decode", moe_int4_decode)] if m <= DECODE_MAX_M else [("dequant", moe_int4_dequant)])
+                [("decode", moe_int4_decode)] if m <= DECODE_MAX_M else [("dequant", moe_int4_dequant)] +
+                ([("swapped", moe_int4_swapped)] if runs_swapped(wgu, wd, x.device) else []))
             for label, fn in kernels:
                 e16 = rel(fn(x, ids, w, wgu, wd), ref)
                 e32 = rel(fn(x.float(), ids, w, wgu, wd), ref)
@@ -175,11 +181,12 @@ def bench(name, h, i, quick):
               f"({totals[winner] * 1e6:.1f} µs; default {_cfg(DEFAULT)}: {totals[_cfg(DEFAULT)] * 1e6:.1f} µs)")
 
 
-def prefill_parts(name, h, i):
+def prefill_parts(name, h, i) -> bool:
     """The dequant path's steps one by one (do_bench medians, L2 flushed) beside the grouped kernels and the whole
     path, at prefill chunk sizes; TFLOP/s counts the routed experts' three matmuls (2·M·k·3·H·I)."""
     wgu, wd = random_experts(2 * i, h, seed=0), random_experts(h, i, seed=1)
     print(f"\n{name}: prefill MoE per layer, ms (TFLOP/s of the whole)")
+    ok = True
     for m in PREFILL_PARTS_M:
         x, ids, w = routing(m, h, seed=m)
         flop = 2 * m * TOP_K * 3 * h * i
@@ -195,6 +202,7 @@ def prefill_parts(name, h, i):
         position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device="cuda")).view(m, TOP_K)
         parts = {
             "grouped kernels (PREFILL)": lambda: moe_int4_triton(x, ids, w, wgu, wd, PREFILL),
+            **{f"swapped kernels {_cfg(c)}": (lambda c=c: moe_int4_swapped(x, ids, w, wgu, wd, c)) for c in SWAPPED_SWEEP},
             "dequant path, whole": lambda: moe_int4_dequant(x, ids, w, wgu, wd),
             "  sort + ends + gather rows": lambda: (torch.sort(ids.reshape(-1), stable=True),
                                                   torch.searchsorted(sorted_ids, ends.long(), right=True),
@@ -207,15 +215,25 @@ def prefill_parts(name, h, i):
             "  grouped_mm down": lambda: torch._grouped_mm(hmid, d16, offs=ends),
             "  combine": lambda: combine_choices(y, position, w, x.dtype),
         }
+        err = rel(moe_int4_swapped(x, ids, w, wgu, wd), moe_int4_dequant(x, ids, w, wgu, wd))
+        print(f"  M={m:5d} swapped kernels against the dequant path: {err:.2e} {'ok' if err < 2e-2 else 'MISMATCH'}")
+        ok &= err < 2e-2
         for label, fn in parts.items():
-            t = do_bench(fn, warmup=5, rep=30) * 1e-3
+            try:
+                t = do_bench(fn, warmup=5, rep=30) * 1e-3
+            except Exception as exc:   # a sweep's config past the shared memory or registers
+                print(f"  M={m:5d} {label:40} failed: {type(exc).__name__} {str(exc)[:80]}")
+                continue
             print(f"  M={m:5d} {label:40} {t * 1e3:8.3f} ms {flop / t / 1e12:7.0f}")
         del gu16, d16, gu16_k, gate_up, hmid, y
+    return ok
 
 
 def _cfg(c) -> str:
     if c is None:
         return "(cuBLAS grouped)"
+    if isinstance(c, SwappedConfig):
+        return f"m{c.block_m} n{c.block_n} w{c.num_warps} s{c.num_stages}"
     if isinstance(c, DecodeConfig):
         return (f"n{c.block_n}/{c.down_block_n or c.block_n} k{c.block_k} s{c.split_k}/{c.split_down} w{c.num_warps} "
                 f"st{c.num_stages}")
@@ -229,7 +247,7 @@ def main() -> int:
     ok = all([check(name, h, i) for name, (h, i) in shapes.items()])
     for name, (h, i) in shapes.items():
         if "--prefill" in sys.argv:
-            prefill_parts(name, h, i)
+            ok &= prefill_parts(name, h, i)
         else:
             bench(name, h, i, quick)
     print("\nall checks passed" if ok else "\nMISMATCH: see the check lines above")

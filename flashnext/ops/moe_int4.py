@@ -32,7 +32,7 @@ DECODE_MAX_M = 64
 # Prefill-sized MoE of resident experts (FLASHNEXT_MOE_PREFILL): "auto" (default) dequantises a layer's experts and
 # runs torch's grouped GEMM (ops/moe_int4_dequant.py) from DEQUANT_MIN_ROWS_PER_EXPERT (token, choice) rows an
 # expert on average, the grouped kernels below; "triton" the grouped kernels always; "dequant" the dequantised path
-# above DECODE_MAX_M. Read at each call (prefill sizes only), so a script can time both on one model. H200,
+# above DECODE_MAX_M; "swapped" the transposed-tile kernels (ops/moe_int4_swapped_triton.py) above DECODE_MAX_M. Read at each call (prefill sizes only), so a script can time both on one model. H200,
 # Flash-Next (512 experts, top-10), per layer (scripts/gpu_moe.py --prefill, session 18): 3.57 / 4.22 / 6.23 ms at
 # 4,096 / 10,000 / 16,384 tokens against the kernels' 3.27 / 5.93 / 9.12 — the dequantisation's fixed ~1.6 ms
 # against the kernels' ~2.2x slower GEMM; even at ~5,300 tokens, ~100 rows an expert.
@@ -46,6 +46,16 @@ def prefill_dequant(rows: int, top_k: int, num_experts: int) -> bool:
     if _BACKEND != "auto" or mode == "triton" or rows <= DECODE_MAX_M:
         return False
     return mode == "dequant" or rows * top_k >= DEQUANT_MIN_ROWS_PER_EXPERT * num_experts
+
+
+def prefill_swapped(rows: int, w_gate_up: Int4Weight, w_down: Int4Weight, device: torch.device) -> bool:
+    """Whether `moe_int4` runs `rows` tokens of resident experts through the transposed-tile kernels
+    (ops/moe_int4_swapped_triton.py): FLASHNEXT_MOE_PREFILL=swapped, past DECODE_MAX_M, experts they suit."""
+    if os.environ.get("FLASHNEXT_MOE_PREFILL", "auto") != "swapped" or _BACKEND != "auto" or rows <= DECODE_MAX_M:
+        return False
+    from flashnext.ops.moe_int4_swapped_triton import runs_swapped
+
+    return runs_swapped(w_gate_up, w_down, device)
 
 
 @dataclass(frozen=True)
@@ -146,6 +156,10 @@ def moe_int4(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weigh
             from flashnext.ops.moe_int4_decode_triton import moe_int4_decode
 
             return moe_int4_decode(x, topk_ids, topk_weights, w_gate_up, w_down, shared=shared, cached=cached)
+        if prefill_swapped(x.shape[0], w_gate_up, w_down, x.device):
+            from flashnext.ops.moe_int4_swapped_triton import moe_int4_swapped
+
+            return moe_int4_swapped(x, topk_ids, topk_weights, w_gate_up, w_down)
         if prefill_dequant(x.shape[0], topk_ids.shape[1], w_gate_up.qweight.shape[0]):
             from flashnext.ops.moe_int4_dequant import moe_int4_dequant
 
