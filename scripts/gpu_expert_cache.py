@@ -19,8 +19,8 @@ from flashnext.cache.expert_cache import install_expert_cache
 from flashnext.engine.loading import load_model
 from flashnext.models.session import Session
 
-# all-resident prefill through the grouped kernels, as a cache's (ops.moe_int4.prefill_dequant: prompts of ~100 rows an
-# expert would take dequantised experts, other roundings)
+# all-resident prefill through the grouped kernels, as a cache's (ops.moe_int4.prefill_path: longer prompts would take
+# the transposed-tile kernels or dequantised experts, other summation orders and roundings)
 os.environ.setdefault("FLASHNEXT_MOE_PREFILL", "triton")
 
 

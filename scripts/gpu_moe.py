@@ -16,7 +16,9 @@ run, alone and in a batch, and replayed in a CUDA graph (the kernels add their p
 counters). Exits non-zero on a mismatch.
 Run: python3 scripts/gpu_moe.py [--quick] [--prefill] [flash-next|qwen3-next]   (--quick: default configs only, no
      sweeps; --prefill: only the prefill sizes PREFILL_PARTS_M, FLASHNEXT_MOE_PREFILL=dequant taken apart into its
-     steps beside the grouped kernels and the transposed-tile kernels' SWAPPED_SWEEP; a model name: only its shapes)
+     steps beside the grouped kernels and the transposed-tile kernels' SWAPPED_SWEEP; --swapped-sizes: the
+     transposed-tile kernels' SIZES_SWEEP against the grouped kernels' tiles and the dequant path from 128 to 16,384
+     tokens, one line a size; a model name: only its shapes)
 """
 import sys
 
@@ -59,6 +61,12 @@ MID_SWEEP = [SMALL, PREFILL] + [MoeConfig(bm, bn, bk, w, st, tile) for bm, bn, b
 SWAPPED_SWEEP = [SwappedConfig(bm, bn, w, st) for bm, bn, w, st in [
     (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (32, 128, 4, 4), (64, 64, 4, 4), (128, 64, 4, 3),
     (64, 256, 8, 3), (128, 256, 8, 3), (32, 64, 4, 4), (128, 128, 4, 3)]]
+# every prefill size the engine meets: chained steps' chunks, a decode step's prefill budget, a turn's new tokens, a
+# whole 10K prompt, the 16,384-token step
+SIZES_M = (128, 256, 512, 1024, 2048, 4096, 6144, 8192, 10000, 16384)
+SIZES_SWEEP = [SwappedConfig(bm, bn, w, st) for bm, bn, w, st in [
+    (16, 64, 4, 3), (16, 128, 4, 3), (32, 64, 4, 4), (32, 128, 4, 3), (64, 64, 4, 4), (64, 64, 4, 3),
+    (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3)]]
 PREFILL_SWEEP = [PREFILL] + [MoeConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in
                              [(64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 128, 128, 8, 3), (128, 64, 64, 4, 4),
                               (32, 128, 64, 4, 4), (128, 128, 128, 8, 2)]]
@@ -229,6 +237,27 @@ def prefill_parts(name, h, i) -> bool:
     return ok
 
 
+def swapped_sizes(name, h, i):
+    """One line a prefill size: ms per layer of the grouped kernels (their default tiles for the size), the dequant
+    path and each SIZES_SWEEP config of the transposed-tile kernels (do_bench medians, L2 flushed), and the fastest."""
+    wgu, wd = random_experts(2 * i, h, seed=0), random_experts(h, i, seed=1)
+    labels = ["grouped", "dequant"] + [_cfg(c) for c in SIZES_SWEEP]
+    print(f"\n{name}: prefill MoE per layer by size, ms")
+    print("      M " + " ".join(f"{label:>16}" for label in labels) + "  fastest")
+    for m in SIZES_M:
+        x, ids, w = routing(m, h, seed=m)
+        fns = [lambda: moe_int4_triton(x, ids, w, wgu, wd), lambda: moe_int4_dequant(x, ids, w, wgu, wd)] + [
+            (lambda c=c: moe_int4_swapped(x, ids, w, wgu, wd, c)) for c in SIZES_SWEEP]
+        times = []
+        for fn in fns:
+            try:
+                times.append(do_bench(fn, warmup=5, rep=30))
+            except Exception:   # a config past the shared memory or registers
+                times.append(float("inf"))
+        best = min(range(len(times)), key=times.__getitem__)
+        print(f"  {m:5d} " + " ".join(f"{t:16.3f}" for t in times) + f"  {labels[best]}")
+
+
 def _cfg(c) -> str:
     if c is None:
         return "(cuBLAS grouped)"
@@ -246,7 +275,9 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     ok = all([check(name, h, i) for name, (h, i) in shapes.items()])
     for name, (h, i) in shapes.items():
-        if "--prefill" in sys.argv:
+        if "--swapped-sizes" in sys.argv:
+            swapped_sizes(name, h, i)
+        elif "--prefill" in sys.argv:
             ok &= prefill_parts(name, h, i)
         else:
             bench(name, h, i, quick)

@@ -107,18 +107,32 @@ def test_dequant_grouped_gemm_equals_reference(m, k, h, i, g_up, g_down, asym, a
     assert rel_err(got, moe_int4_reference(x, ids, weights, w_gate_up, w_down)) < 1e-5
 
 
-def test_prefill_takes_dequantised_experts_from_a_hundred_rows_an_expert(monkeypatch):
-    """FLASHNEXT_MOE_PREFILL: auto from DEQUANT_MIN_ROWS_PER_EXPERT (token, choice) rows an expert on average (512
-    experts, top-10: 5,120 tokens), triton never, dequant past the decode kernels' sizes; never at decode sizes."""
+def test_prefill_path_by_rows_an_expert(monkeypatch):
+    """FLASHNEXT_MOE_PREFILL=auto: the grouped kernels below SWAPPED_MIN_ROWS_PER_EXPERT (token, choice) rows an expert
+    on average (512 experts, top-10: 3,277 tokens), the transposed tiles below DEQUANT_MIN_ROWS_PER_EXPERT (9,984
+    tokens) where the experts suit them (else the grouped kernels), dequantised experts from there; the decode kernels
+    at decode sizes whatever the mode; triton / swapped / dequant force their path past them."""
     from flashnext.ops import moe_int4 as ops
 
+    cuda = torch.device("cuda")
+    _, _, _, gate_up, down = case(5, 8, 2, 256, 128, 128, 128)          # groups of 128: the transposed tiles suit
+    _, _, _, gate_up_ao, down_ao = case(5, 8, 2, 256, 128, 128, 128, act_order=True)
+
+    def path(rows, experts=(gate_up, down)):
+        return ops.prefill_path(rows, 10, 512, *experts, cuda)
+
     monkeypatch.delenv("FLASHNEXT_MOE_PREFILL", raising=False)
-    assert not ops.prefill_dequant(5119, 10, 512) and ops.prefill_dequant(5120, 10, 512)
-    assert not ops.prefill_dequant(ops.DECODE_MAX_M, 10, 1)
+    assert path(ops.DECODE_MAX_M) == "decode" and path(ops.DECODE_MAX_M + 1) == "grouped"
+    assert path(3276) == "grouped" and path(3277) == "swapped"
+    assert path(9983) == "swapped" and path(9984) == "dequant"
+    assert path(5000, (gate_up_ao, down_ao)) == "grouped"
     monkeypatch.setenv("FLASHNEXT_MOE_PREFILL", "triton")
-    assert not ops.prefill_dequant(100_000, 10, 512)
+    assert path(100_000) == "grouped" and path(ops.DECODE_MAX_M) == "decode"
     monkeypatch.setenv("FLASHNEXT_MOE_PREFILL", "dequant")
-    assert ops.prefill_dequant(ops.DECODE_MAX_M + 1, 10, 512) and not ops.prefill_dequant(ops.DECODE_MAX_M, 10, 512)
+    assert path(ops.DECODE_MAX_M + 1) == "dequant" and path(ops.DECODE_MAX_M) == "decode"
+    monkeypatch.setenv("FLASHNEXT_MOE_PREFILL", "swapped")
+    assert path(ops.DECODE_MAX_M + 1) == "swapped" and path(100_000) == "swapped"
+    assert path(100_000, (gate_up_ao, down_ao)) == "grouped"
 
 
 def test_dequant_scratch_is_the_larger_dequantised_stack():

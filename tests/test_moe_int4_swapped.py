@@ -27,6 +27,7 @@ CASES = [
     (40, 2, 96, 32, 32, 32, False, 16, 32),
     (17, 3, 64, 64, 64, 32, False, 32, 64),
     (5, 2, 64, 32, 64, 32, True, 16, 32),
+    (300, 4, 128, 64, 128, 64, True, 128, 64),    # the default tiles (SwappedConfig()), experts over two blocks
 ]
 
 

@@ -226,14 +226,15 @@ class LLMEngine:
 
     def _moe_dequant_scratch_bytes(self) -> int:
         """A layer's experts dequantised to 16 bits, where a full prefill step of resident INT4 experts takes that
-        path (ops.moe_int4.prefill_dequant; Flash-Next: 3.4 GB)."""
+        path (ops.moe_int4.prefill_path; Flash-Next: 3.4 GB)."""
         from flashnext.models.layers.int4_experts import Int4Experts
-        from flashnext.ops.moe_int4 import prefill_dequant
+        from flashnext.ops.moe_int4 import prefill_path
         from flashnext.ops.moe_int4_dequant import dequant_scratch_bytes
 
         layers = [m for m in self.loaded.model.modules() if isinstance(m, Int4Experts) and m.expert_cache is None]
-        if self.device.type != "cuda" or not layers or not prefill_dequant(
-                self.args.max_num_batched_tokens, self.config.num_experts_per_tok, layers[0].num_experts):
+        if self.device.type != "cuda" or not layers or prefill_path(
+                self.args.max_num_batched_tokens, self.config.num_experts_per_tok, layers[0].num_experts,
+                layers[0].weight_int4("gate_up"), layers[0].weight_int4("down"), self.device) != "dequant":
             return 0
         return max(dequant_scratch_bytes(m.weight_int4("gate_up"), m.weight_int4("down"), self.dtype) for m in layers)
 

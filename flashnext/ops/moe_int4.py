@@ -29,33 +29,41 @@ _BACKEND = os.environ.get("FLASHNEXT_MOE_INT4", "auto")
 # against 1,000.
 DECODE_MAX_M = 64
 
-# Prefill-sized MoE of resident experts (FLASHNEXT_MOE_PREFILL): "auto" (default) dequantises a layer's experts and
-# runs torch's grouped GEMM (ops/moe_int4_dequant.py) from DEQUANT_MIN_ROWS_PER_EXPERT (token, choice) rows an
-# expert on average, the grouped kernels below; "triton" the grouped kernels always; "dequant" the dequantised path
-# above DECODE_MAX_M; "swapped" the transposed-tile kernels (ops/moe_int4_swapped_triton.py) above DECODE_MAX_M. Read at each call (prefill sizes only), so a script can time both on one model. H200,
-# Flash-Next (512 experts, top-10), per layer (scripts/gpu_moe.py --prefill, session 18): 3.57 / 4.22 / 6.23 ms at
-# 4,096 / 10,000 / 16,384 tokens against the kernels' 3.27 / 5.93 / 9.12 — the dequantisation's fixed ~1.6 ms
-# against the kernels' ~2.2x slower GEMM; even at ~5,300 tokens, ~100 rows an expert.
-DEQUANT_MIN_ROWS_PER_EXPERT = 100
+# Prefill-sized MoE of resident experts (FLASHNEXT_MOE_PREFILL, read at each call — prefill sizes only — so a script
+# can time every path on one model): "auto" (default) by the average (token, choice) rows an expert gets — the
+# grouped kernels below SWAPPED_MIN_ROWS_PER_EXPERT, the transposed-tile kernels (ops/moe_int4_swapped_triton.py,
+# for experts they suit; else the grouped kernels) up to DEQUANT_MIN_ROWS_PER_EXPERT, the grouped GEMM over
+# dequantised experts (ops/moe_int4_dequant.py) from there; "triton", "swapped", "dequant": that path at every
+# size past DECODE_MAX_M. H200, Flash-Next (512 experts, top-10), ms per layer (scripts/gpu_moe.py --prefill,
+# session 19):
+#     tokens (rows an expert)   grouped kernels   transposed tiles (their DEFAULT)   dequantised
+#     4,096 (80)                3.26              2.11                               3.55
+#     10,000 (195)              5.92              4.33                               4.26
+#     16,384 (320)              9.42              7.55 (6.58 at 128 × 128, 8 warps)  6.37
+# Below 4,096 tokens the transposed tiles are not measured: up to 128 rows an expert they run one 128-row block an
+# expert whatever its rows, so their 4,096-token time bounds theirs down to SWAPPED_MIN_ROWS_PER_EXPERT (3,277
+# tokens), where the grouped kernels' 64-row blocks are still ~1.5 an expert (inferred; `gpu_moe.py --swapped-sizes`
+# sweeps 128–16,384 tokens).
+SWAPPED_MIN_ROWS_PER_EXPERT = 64
+DEQUANT_MIN_ROWS_PER_EXPERT = 195
 
 
-def prefill_dequant(rows: int, top_k: int, num_experts: int) -> bool:
-    """Whether `moe_int4` runs `rows` tokens of resident experts through dequantised weights (CUDA, past the decode
-    kernels' DECODE_MAX_M)."""
+def prefill_path(rows: int, top_k: int, num_experts: int, w_gate_up: Int4Weight, w_down: Int4Weight,
+                 device: torch.device) -> str:
+    """Which kernels `moe_int4` runs `rows` tokens of resident experts through on CUDA: "decode" (up to
+    DECODE_MAX_M), "grouped" (also at every size past it with FLASHNEXT_MOE_INT4=grouped), "swapped" or "dequant"."""
     mode = os.environ.get("FLASHNEXT_MOE_PREFILL", "auto")
-    if _BACKEND != "auto" or mode == "triton" or rows <= DECODE_MAX_M:
-        return False
-    return mode == "dequant" or rows * top_k >= DEQUANT_MIN_ROWS_PER_EXPERT * num_experts
+    if rows <= DECODE_MAX_M and _BACKEND != "grouped":
+        return "decode"
+    if _BACKEND != "auto" or mode == "triton":
+        return "grouped"
+    if mode == "dequant" or (mode == "auto" and rows * top_k >= DEQUANT_MIN_ROWS_PER_EXPERT * num_experts):
+        return "dequant"
+    if mode == "swapped" or (mode == "auto" and rows * top_k >= SWAPPED_MIN_ROWS_PER_EXPERT * num_experts):
+        from flashnext.ops.moe_int4_swapped_triton import runs_swapped
 
-
-def prefill_swapped(rows: int, w_gate_up: Int4Weight, w_down: Int4Weight, device: torch.device) -> bool:
-    """Whether `moe_int4` runs `rows` tokens of resident experts through the transposed-tile kernels
-    (ops/moe_int4_swapped_triton.py): FLASHNEXT_MOE_PREFILL=swapped, past DECODE_MAX_M, experts they suit."""
-    if os.environ.get("FLASHNEXT_MOE_PREFILL", "auto") != "swapped" or _BACKEND != "auto" or rows <= DECODE_MAX_M:
-        return False
-    from flashnext.ops.moe_int4_swapped_triton import runs_swapped
-
-    return runs_swapped(w_gate_up, w_down, device)
+        return "swapped" if runs_swapped(w_gate_up, w_down, device) else "grouped"
+    return "grouped"
 
 
 @dataclass(frozen=True)
@@ -143,8 +151,9 @@ def runs_shared_expert(x) -> bool:
 def moe_int4(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weight,
              shared: SharedExpert | None = None, cached: CachedExperts | None = None) -> torch.Tensor:
     """CUDA: M <= DECODE_MAX_M -> the decode GEMV kernels (moe_int4_decode_triton; they run `shared` as one more
-    expert), larger M -> the grouped kernels (moe_int4_triton), or where `prefill_dequant` says so the grouped GEMM
-    over dequantised experts (moe_int4_dequant); elsewhere the reference.
+    expert), larger M -> as `prefill_path` says: the grouped kernels (moe_int4_triton), the transposed-tile kernels
+    (moe_int4_swapped_triton) or the grouped GEMM over dequantised experts (moe_int4_dequant); elsewhere the
+    reference.
     `shared` only where runs_shared_expert(x); `cached` (the stacks are an expert cache's pool) where
     runs_cached_experts(x)."""
     if shared is not None and not runs_shared_expert(x):
@@ -152,15 +161,16 @@ def moe_int4(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weigh
     if cached is not None and not runs_cached_experts(x):
         raise ValueError(f"the grouped INT4 MoE kernels do not read an expert cache's pool ({x.shape[0]} rows)")
     if x.is_cuda and _BACKEND != "reference":
-        if x.shape[0] <= DECODE_MAX_M and _BACKEND != "grouped":
+        path = prefill_path(x.shape[0], topk_ids.shape[1], w_gate_up.qweight.shape[0], w_gate_up, w_down, x.device)
+        if path == "decode":
             from flashnext.ops.moe_int4_decode_triton import moe_int4_decode
 
             return moe_int4_decode(x, topk_ids, topk_weights, w_gate_up, w_down, shared=shared, cached=cached)
-        if prefill_swapped(x.shape[0], w_gate_up, w_down, x.device):
+        if path == "swapped":
             from flashnext.ops.moe_int4_swapped_triton import moe_int4_swapped
 
             return moe_int4_swapped(x, topk_ids, topk_weights, w_gate_up, w_down)
-        if prefill_dequant(x.shape[0], topk_ids.shape[1], w_gate_up.qweight.shape[0]):
+        if path == "dequant":
             from flashnext.ops.moe_int4_dequant import moe_int4_dequant
 
             return moe_int4_dequant(x, topk_ids, topk_weights, w_gate_up, w_down)

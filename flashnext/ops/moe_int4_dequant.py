@@ -1,5 +1,5 @@
-"""Prefill-sized routed experts through dequantised weights and a grouped bf16 GEMM (ops.moe_int4.prefill_dequant says
-when: by default from ~100 rows an expert).
+"""Prefill-sized routed experts through dequantised weights and a grouped bf16 GEMM (ops.moe_int4.prefill_path says
+when: by default from ~195 rows an expert).
 
 At prefill sizes the INT4 MoE kernels (ops/moe_int4_triton.py) run at ~145–200 TFLOP/s on the H200, the largest
 item of a Flash-Next prefill (44% of a 10K prompt's GPU time, BENCHMARKS.md session 16). Here each layer's stacked
