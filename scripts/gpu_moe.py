@@ -64,9 +64,10 @@ SWAPPED_SWEEP = [SwappedConfig(bm, bn, w, st) for bm, bn, w, st in [
 # every prefill size the engine meets: chained steps' chunks, a decode step's prefill budget, a turn's new tokens, a
 # whole 10K prompt, the 16,384-token step
 SIZES_M = (128, 256, 512, 1024, 2048, 4096, 6144, 8192, 10000, 16384)
-SIZES_SWEEP = [SwappedConfig(bm, bn, w, st) for bm, bn, w, st in [
-    (16, 64, 4, 3), (16, 128, 4, 3), (32, 64, 4, 4), (32, 128, 4, 3), (64, 64, 4, 4), (64, 64, 4, 3),
-    (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3)]]
+SIZES_SWEEP = [SwappedConfig(bm, bn, w, st, magic) for bm, bn, w, st, magic in [
+    (16, 64, 4, 3, False), (16, 128, 4, 3, False), (32, 64, 4, 4, False), (32, 128, 4, 3, False),
+    (64, 64, 4, 4, False), (64, 128, 4, 3, False), (64, 128, 4, 3, True), (128, 64, 4, 3, False),
+    (128, 64, 4, 3, True), (128, 64, 8, 3, False), (128, 128, 8, 3, False), (128, 128, 8, 3, True)]]
 PREFILL_SWEEP = [PREFILL] + [MoeConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in
                              [(64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 128, 128, 8, 3), (128, 64, 64, 4, 4),
                               (32, 128, 64, 4, 4), (128, 128, 128, 8, 2)]]
@@ -239,11 +240,21 @@ def prefill_parts(name, h, i) -> bool:
 
 def swapped_sizes(name, h, i):
     """One line a prefill size: ms per layer of the grouped kernels (their default tiles for the size), the dequant
-    path and each SIZES_SWEEP config of the transposed-tile kernels (do_bench medians, L2 flushed), and the fastest."""
+    path and each SIZES_SWEEP config of the transposed-tile kernels (do_bench medians, L2 flushed), and the fastest;
+    first each config against the dequant path (bf16), sym and asym. → whether every config matched."""
+    ok = True
+    for asym in (False, True):
+        wgu, wd = random_experts(2 * i, h, asym, seed=0), random_experts(h, i, asym, seed=1)
+        x, ids, w = routing(777, h, seed=7)
+        want = moe_int4_dequant(x, ids, w, wgu, wd)
+        errs = [rel(moe_int4_swapped(x, ids, w, wgu, wd, c), want) for c in SIZES_SWEEP]
+        ok &= all(e < 2e-2 for e in errs)
+        print(f"  check {name} {'asym' if asym else 'sym '} M=777 against the dequant path: worst {max(errs):.2e} "
+              f"{'ok' if all(e < 2e-2 for e in errs) else 'MISMATCH ' + str([_cfg(c) for c, e in zip(SIZES_SWEEP, errs) if e >= 2e-2])}")
     wgu, wd = random_experts(2 * i, h, seed=0), random_experts(h, i, seed=1)
     labels = ["grouped", "dequant"] + [_cfg(c) for c in SIZES_SWEEP]
     print(f"\n{name}: prefill MoE per layer by size, ms")
-    print("      M " + " ".join(f"{label:>16}" for label in labels) + "  fastest")
+    print("      M " + " ".join(f"{label:>21}" for label in labels) + "  fastest")
     for m in SIZES_M:
         x, ids, w = routing(m, h, seed=m)
         fns = [lambda: moe_int4_triton(x, ids, w, wgu, wd), lambda: moe_int4_dequant(x, ids, w, wgu, wd)] + [
@@ -255,14 +266,15 @@ def swapped_sizes(name, h, i):
             except Exception:   # a config past the shared memory or registers
                 times.append(float("inf"))
         best = min(range(len(times)), key=times.__getitem__)
-        print(f"  {m:5d} " + " ".join(f"{t:16.3f}" for t in times) + f"  {labels[best]}")
+        print(f"  {m:5d} " + " ".join(f"{t:21.3f}" for t in times) + f"  {labels[best]}")
+    return ok
 
 
 def _cfg(c) -> str:
     if c is None:
         return "(cuBLAS grouped)"
     if isinstance(c, SwappedConfig):
-        return f"m{c.block_m} n{c.block_n} w{c.num_warps} s{c.num_stages}"
+        return f"m{c.block_m} n{c.block_n} w{c.num_warps} s{c.num_stages}{' magic' if c.magic else ''}"
     if isinstance(c, DecodeConfig):
         return (f"n{c.block_n}/{c.down_block_n or c.block_n} k{c.block_k} s{c.split_k}/{c.split_down} w{c.num_warps} "
                 f"st{c.num_stages}")
@@ -276,7 +288,7 @@ def main() -> int:
     ok = all([check(name, h, i) for name, (h, i) in shapes.items()])
     for name, (h, i) in shapes.items():
         if "--swapped-sizes" in sys.argv:
-            swapped_sizes(name, h, i)
+            ok &= swapped_sizes(name, h, i)
         elif "--prefill" in sys.argv:
             ok &= prefill_parts(name, h, i)
         else:

@@ -41,6 +41,20 @@ def test_swapped_equals_reference(m, k, h, i, g_up, g_down, asym, block_m, block
     assert rel_err(got, moe_int4_reference(x, ids, weights, w_gate_up, w_down)) < 1e-5
 
 
+@pytest.mark.parametrize("asym,dtype", [(True, torch.float32), (False, torch.float32), (True, torch.float16)])
+def test_magic_dequantisation_is_bit_equal(asym, dtype):
+    """SwappedConfig.magic: q − zero from the nibbles' bits as fp32 is the same exact integer as the conversion, so
+    every weight, and so the result, is the same bits."""
+    from flashnext.ops.moe_int4_swapped_triton import SwappedConfig, moe_int4_swapped
+
+    x, ids, weights, w_gate_up, w_down = case(40, 8, 3, 64, 48, 32, 16, asym)
+    x = x.to(dtype)
+    plain = moe_int4_swapped(x, ids, weights, w_gate_up, w_down, SwappedConfig(block_m=16, block_n=32))
+    magic = moe_int4_swapped(x, ids, weights, w_gate_up, w_down, SwappedConfig(block_m=16, block_n=32, magic=True))
+    assert torch.equal(plain, magic)
+    assert rel_err(magic, moe_int4_reference(x.float(), ids, weights, w_gate_up, w_down)) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
 def test_act_order_and_small_groups_on_a_gpu_are_not_taken():
     from flashnext.ops.moe_int4_swapped_triton import runs_swapped
 

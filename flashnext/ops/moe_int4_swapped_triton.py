@@ -40,6 +40,7 @@ class SwappedConfig:
     block_n: int = 64     # output columns a program: the MMA's M side (64 a warp group)
     num_warps: int = 4
     num_stages: int = 3
+    magic: bool = False   # nibbles to fp32 by their bits (`_nibble_tile`); off until measured on the GPU
 
 
 # H200, Flash-Next (512 experts, top-10), per layer (scripts/gpu_moe.py --prefill, session 19, ten configs): 128 × 64
@@ -70,17 +71,30 @@ def swizzle_columns(x: torch.Tensor, tile: int) -> torch.Tensor:
     return x.view(m, k // tile, tile // 8, 8).transpose(-1, -2).reshape(m, k)
 
 
+# 2**23 as an fp32: OR-ed into a nibble q, the bits read as an fp32 are 2**23 + q exactly (the mantissa's unit is 1)
+_MAGIC_BITS = tl.constexpr(0x4B000000)
+_MAGIC = tl.constexpr(8388608.0)
+
+
 @triton.jit
-def _nibble_tile(packed, j: tl.constexpr, zero, scale, dtype: tl.constexpr):
-    """Sub-tile j of a packed tile [BLOCK_N, SUB] of words: the weights of rows 8i+j, scaled, in `dtype`."""
+def _nibble_tile(packed, j: tl.constexpr, zero, scale, dtype: tl.constexpr, MAGIC: tl.constexpr):
+    """Sub-tile j of a packed tile [BLOCK_N, SUB] of words: the weights of rows 8i+j, scaled, in `dtype`. MAGIC: q − zero
+    as (2**23 + q) − (2**23 + zero) in fp32 — the same exact integer, without an int→float conversion, which Hopper
+    issues at a quarter of the fp32 rate (the weights here feed the MMA from registers, so their dequantisation is on its
+    path); `zero` is then 2**23 + zero, in fp32 (`_packed_tile`)."""
     q = (packed >> (4 * j)) & 0xF
-    return ((q - zero[:, None]).to(tl.float32) * scale[:, None]).to(dtype)
+    if MAGIC:
+        centred = (q | _MAGIC_BITS).to(tl.float32, bitcast=True) - zero[:, None]
+    else:
+        centred = (q - zero[:, None]).to(tl.float32)
+    return (centred * scale[:, None]).to(dtype)
 
 
 @triton.jit
 def _packed_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, N,
-                 HAS_ZEROS: tl.constexpr, SUB: tl.constexpr):
-    """The words of rows k0 .. k0+8·SUB of columns offs_n ([BLOCK_N, SUB]), their zero points and scales."""
+                 HAS_ZEROS: tl.constexpr, SUB: tl.constexpr, MAGIC: tl.constexpr):
+    """The words of rows k0 .. k0+8·SUB of columns offs_n ([BLOCK_N, SUB]), their zero points (as `_nibble_tile` takes
+    them) and scales."""
     words = k0 // 8 + tl.arange(0, SUB)
     packed = tl.load(qweight_ptr + words[None, :] * N + offs_n[:, None], mask=n_ok[:, None], other=0)
     group = k0 // group_size
@@ -88,6 +102,8 @@ def _packed_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_o
         zero = tl.load(zeros_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.int32)
     else:
         zero = tl.full(offs_n.shape, 8, tl.int32)
+    if MAGIC:
+        zero = zero.to(tl.float32) + _MAGIC
     scale = tl.load(scales_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.float32)
     return packed, zero, scale
 
@@ -95,7 +111,7 @@ def _packed_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_o
 @triton.jit(do_not_specialize=["n_pairs"])
 def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr, qweight_ptr, scales_ptr, zeros_ptr,
                     n_pairs, H, I, group_size, TOP_K: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                    PRECISION: tl.constexpr, SUB: tl.constexpr, DOWN_SUB: tl.constexpr,
+                    PRECISION: tl.constexpr, SUB: tl.constexpr, DOWN_SUB: tl.constexpr, MAGIC: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start = tl.load(block_start_ptr + tl.program_id(0))
     if start < 0:  # a spare entry of the block table
@@ -113,14 +129,14 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr, qw
     up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for k0 in range(0, H, 8 * SUB):
         packed_g, zero_g, scale_g = _packed_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, N,
-                                                 HAS_ZEROS, SUB)
+                                                 HAS_ZEROS, SUB, MAGIC)
         packed_u, zero_u, scale_u = _packed_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, I + offs_n, n_ok,
-                                                 N, HAS_ZEROS, SUB)
+                                                 N, HAS_ZEROS, SUB, MAGIC)
         for j in tl.static_range(8):
             # swizzled columns: sub-tile j of this packed tile is SUB contiguous columns
             a = tl.load(x_ptr + token[None, :] * H + (k0 + j * SUB + offs_s)[:, None], mask=ok[None, :], other=0)
-            gate = tl.dot(_nibble_tile(packed_g, j, zero_g, scale_g, a.dtype), a, gate, input_precision=PRECISION)
-            up = tl.dot(_nibble_tile(packed_u, j, zero_u, scale_u, a.dtype), a, up, input_precision=PRECISION)
+            gate = tl.dot(_nibble_tile(packed_g, j, zero_g, scale_g, a.dtype, MAGIC), a, gate, input_precision=PRECISION)
+            up = tl.dot(_nibble_tile(packed_u, j, zero_u, scale_u, a.dtype, MAGIC), a, up, input_precision=PRECISION)
     h = (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty)
     # h's columns in the down kernel's order: within each block of 8·DOWN_SUB, column 8i+j at j·DOWN_SUB + i
     tile = 8 * DOWN_SUB
@@ -131,7 +147,7 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr, qw
 @triton.jit(do_not_specialize=["n_pairs"])
 def _down_kernel(h_ptr, y_ptr, sorted_ids_ptr, order_ptr, block_start_ptr, qweight_ptr, scales_ptr, zeros_ptr,
                  n_pairs, H, I, group_size, HAS_ZEROS: tl.constexpr, PRECISION: tl.constexpr, SUB: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 MAGIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start = tl.load(block_start_ptr + tl.program_id(0))
     if start < 0:  # a spare entry of the block table
         return
@@ -145,10 +161,10 @@ def _down_kernel(h_ptr, y_ptr, sorted_ids_ptr, order_ptr, block_start_ptr, qweig
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for k0 in range(0, I, 8 * SUB):
         packed, zero, scale = _packed_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, H,
-                                           HAS_ZEROS, SUB)
+                                           HAS_ZEROS, SUB, MAGIC)
         for j in tl.static_range(8):
             a = tl.load(h_ptr + rows[None, :] * I + (k0 + j * SUB + offs_s)[:, None], mask=ok[None, :], other=0)
-            acc = tl.dot(_nibble_tile(packed, j, zero, scale, a.dtype), a, acc, input_precision=PRECISION)
+            acc = tl.dot(_nibble_tile(packed, j, zero, scale, a.dtype, MAGIC), a, acc, input_precision=PRECISION)
     tl.store(y_ptr + rows[None, :] * H + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
              mask=ok[None, :] & n_ok[:, None])
 
@@ -167,7 +183,7 @@ def moe_int4_swapped(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: I
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     h = torch.empty(n_pairs, inter, dtype=x.dtype, device=x.device)
     rows = torch.empty(n_pairs, hidden, dtype=x.dtype, device=x.device)
-    common = dict(PRECISION=precision, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+    common = dict(PRECISION=precision, MAGIC=config.magic, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                   num_warps=config.num_warps, num_stages=config.num_stages)
     tile_up, tile_down = tile_k(w_gate_up.group_size), tile_k(w_down.group_size)
     _gate_up_kernel[(block_start.numel(), triton.cdiv(inter, config.block_n))](
