@@ -42,7 +42,9 @@ def _add_synth(sub):
 
     p = sub.add_parser("synth", help="write a synthetic HF checkpoint (random weights) of a preset")
     _flag(p, "--preset", "tiny-flash-next", choices=sorted(PRESETS), help="which model shape")
-    _flag(p, "--dtype", "bf16", choices=["bf16", "int4", "fp8"], help="weight format")
+    _flag(p, "--dtype", "bf16", choices=["bf16", "int4", "int4-ct", "fp8"],
+          help="weight format: bf16, int4 (AutoRound, auto_gptq packing), int4-ct (compressed-tensors pack-quantized "
+               "W4A16, llm-compressor's format) or fp8 (block-FP8)")
     _flag(p, "--out", help="output folder", required=_env_default("--out", None) is None)
     _flag(p, "--layers", None, int, help="override the number of layers")
     _flag(p, "--seed", 0, int, help="random seed")

@@ -123,14 +123,19 @@ def test_engine_refuses_unknown_quantization():
         load_model("tiny-qwen3-next", "cpu", torch.float32, quantize="int8")
 
 
+# AutoRound (auto_gptq packing, fp16 scales) and compressed-tensors pack-quantized (the model's dtype, bf16, in scales)
+SCALES = {"int4": torch.float16, "int4-ct": torch.bfloat16}
+
+
+@pytest.mark.parametrize("kind", sorted(SCALES))
 @pytest.mark.parametrize("preset", PRESETS)
-def test_int4_checkpoint_keeps_dense_projections_packed(preset, tmp_path):
-    folder = synthesize(preset, tmp_path / "ckpt", dtype="int4", seed=3)
+def test_int4_checkpoint_keeps_dense_projections_packed(preset, kind, tmp_path):
+    folder = synthesize(preset, tmp_path / "ckpt", dtype=kind, seed=3)
     loaded = load_model(str(folder), "cpu", torch.float32)
     model = loaded.model
     packed = {n: m for n, m in model.named_modules() if isinstance(m, Int4Linear)}
     assert set(packed) == set(dense_int4_targets(load_model(preset, "cpu", torch.float32).model))
-    assert all(m.scales.dtype == torch.float16 for m in packed.values())  # the checkpoint's scales, unrounded
+    assert all(m.scales.dtype == SCALES[kind] for m in packed.values())  # the checkpoint's scales, unrounded
     # The packed weights dequantise exactly to what loading used to produce (dequantise at load).
     meta = {k: (tuple(v.shape), v.dtype) for k, v in load_model(preset, "cpu", torch.float32).model.state_dict().items()}
     dense = load_checkpoint(folder, meta, dtype=torch.float32, progress=False)
@@ -142,14 +147,15 @@ def test_int4_checkpoint_keeps_dense_projections_packed(preset, tmp_path):
     assert loaded.weight_bytes < sum(t.numel() * t.element_size() for t in dense.values())
 
 
+@pytest.mark.parametrize("kind", sorted(SCALES))
 @pytest.mark.parametrize("preset", PRESETS)
-def test_int4_checkpoint_keeps_experts_packed(preset, tmp_path):
+def test_int4_checkpoint_keeps_experts_packed(preset, kind, tmp_path):
     """Routed experts of an INT4 checkpoint load as stacked Int4Experts (never a 16-bit copy), dequantise exactly
     to what loading them dense gives, and the model computes what a twin with those dense experts computes."""
     from flashnext.models.layers.int4_experts import Int4Experts
     from flashnext.models.layers.moe import Experts
 
-    folder = synthesize(preset, tmp_path / "ckpt", dtype="int4", seed=5)
+    folder = synthesize(preset, tmp_path / "ckpt", dtype=kind, seed=5)
     model = load_model(str(folder), "cpu", torch.float32).model
     experts = {n: m for n, m in model.named_modules() if isinstance(m, Int4Experts)}
     assert experts and not any(isinstance(m, Experts) for m in model.modules())
@@ -160,7 +166,7 @@ def test_int4_checkpoint_keeps_experts_packed(preset, tmp_path):
     for name, module in experts.items():
         for prefix, key in (("gate_up", "gate_up_proj"), ("down", "down_proj")):
             w = module.weight_int4(prefix)
-            assert w.scales.dtype == torch.float16                       # the checkpoint's scales, unrounded
+            assert w.scales.dtype == SCALES[kind]                        # the checkpoint's scales, unrounded
             assert torch.equal(torch.stack([dequantize(Int4Weight(w.qweight[e], w.scales[e], None if w.zeros is None
                                                                   else w.zeros[e], None, w.group_size))
                                             for e in range(w.qweight.shape[0])]), dense[f"{name}.{key}"]), name

@@ -2,8 +2,9 @@
 
 Handles single-file and sharded safetensors, the multimodal `model.language_model.` prefix, vision-tower and
 MTP tensors (skipped), per-expert or fused (possibly transposed) MoE experts, the PLE n-gram table split into
-shards, and GPTQ/AutoRound int4 and block-FP8 weights, which are dequantised on the target device — except the
-4-bit weights the caller names in `packed_int4`, which come back packed in the kernel layout (docs/int4.md).
+shards, and GPTQ/AutoRound int4, compressed-tensors pack-quantized int4/int8 and block-FP8 weights, which are
+dequantised on the target device — except the 4-bit weights the caller names in `packed_int4`, which come back
+packed in the kernel layout (docs/int4.md).
 Everything is planned from the safetensors headers first, so a missing, misshapen or unexpected tensor is
 reported before a single byte of weight data is read.
 """
@@ -23,6 +24,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from .checkpoint_keys import canonical_name
+from . import compressed_tensors
 from .fp8 import dequantize_block_fp8
 from .int4 import dequantize_gptq
 from .int4_layout import SYMMETRIC_ZERO, Int4Weight, dequantize, from_gptq
@@ -171,6 +173,8 @@ class _Planner:
                                        bits=bits, zeros_minus_one=self.quant.zeros_minus_one)
 
             return _Recipe([t.use(p) for p in parts], build)
+        if base is not None and t.has(f"{base}.{compressed_tensors.PACKED}"):
+            return self._compressed_tensors(base, shape, name in self.packed_int4 if packed is None else packed)
         if not t.has(name):
             return None
         self._check_shape(name, t.shape(name), shape)
@@ -180,6 +184,33 @@ class _Planner:
             return _Recipe([t.use(name), t.use(scale)],
                            lambda: dequantize_block_fp8(t.read(name, self.device), t.read(scale, self.device), block))
         return _Recipe([t.use(name)], lambda: t.read(name, self.device))
+
+    def _compressed_tensors(self, base: str, shape: tuple[int, ...], packed: bool) -> _Recipe:
+        """A compressed-tensors pack-quantized weight `base.weight_packed` ... (weights/compressed_tensors.py): kept
+        as an Int4Weight where `packed` and 4-bit, else dequantised."""
+        t = self.t
+        names = {part: f"{base}.{part}" for part in compressed_tensors.PARTS if t.has(f"{base}.{part}")}
+        absent = [part for part in compressed_tensors.REQUIRED if part not in names]
+        if absent:
+            raise CheckpointError(f"compressed-tensors weight {base} comes without its {', '.join(absent)}")
+        bits = compressed_tensors.bits_of(t.shape(names[compressed_tensors.PACKED]), shape) if len(shape) == 2 else 0
+        if not bits:
+            raise CheckpointError(f"tensor {base} (compressed-tensors) has the wrong shape: expected {tuple(shape)} "
+                                  f"in 4 or 8 bits, got {t.shape(names[compressed_tensors.PACKED])} packed words")
+
+        def build() -> torch.Tensor | Int4Weight:
+            parts = {part: t.read(name, self.device) for part, name in names.items()}
+            if tuple(int(v) for v in parts[compressed_tensors.SHAPE].tolist()) != tuple(shape):
+                raise CheckpointError(f"tensor {base} (compressed-tensors) has the wrong shape: expected "
+                                      f"{tuple(shape)}, its weight_shape says {parts[compressed_tensors.SHAPE].tolist()}")
+            try:
+                if packed and bits == 4:
+                    return compressed_tensors.to_int4(parts)
+                return compressed_tensors.dequantize(parts, bits)
+            except ValueError as e:
+                raise CheckpointError(f"compressed-tensors weight {base}: {e}") from None
+
+        return _Recipe([t.use(n) for n in names.values()], build)
 
     @staticmethod
     def _check_shape(name: str, got: tuple[int, ...], expected: tuple[int, ...]) -> None:
@@ -218,9 +249,10 @@ class _Planner:
         num_experts, rows, cols = shape
         projections = ["gate_proj", "up_proj"] if kind == "gate_up_proj" else ["down_proj"]
         split = [rows // len(projections)] * len(projections)
-        if not t.has(f"{prefix}.0.{projections[0]}.weight") and not t.has(f"{prefix}.0.{projections[0]}.qweight"):
+        stored = [f"{prefix}.0.{projections[0]}.{suffix}" for suffix in ("weight", "qweight", compressed_tensors.PACKED)]
+        if not any(t.has(n) for n in stored):
             return None
-        packed = name in self.packed_int4 and t.has(f"{prefix}.0.{projections[0]}.qweight")
+        packed = name in self.packed_int4 and any(t.has(n) for n in stored[1:])
         pieces, missing = [], []
         first = self.expert_share[0] if self.expert_share else 0
         for e in range(first, first + num_experts):

@@ -284,5 +284,6 @@ def _validate(cfg: ModelConfig) -> None:
                 raise ConfigError("ple_layer_ids", f"PLE on layer {i + 1} needs a linear_attention layer")
     if cfg.quantization:
         method = cfg.quantization.get("quant_method")
-        if method not in ("gptq", "auto-round", "auto_round", "fp8"):
-            raise ConfigError("quantization_config.quant_method", f"{method!r} is not supported (gptq, auto-round, fp8)")
+        if method not in ("gptq", "auto-round", "auto_round", "fp8", "compressed-tensors"):
+            raise ConfigError("quantization_config.quant_method",
+                              f"{method!r} is not supported (gptq, auto-round, fp8, compressed-tensors)")

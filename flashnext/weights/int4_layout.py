@@ -72,7 +72,20 @@ def from_gptq(
     *,
     zeros_minus_one: bool = True,
 ) -> Int4Weight:
-    """A 4-bit auto_gptq layer (qweight [K/8, N], qzeros [K/g, N/8], scales [K/g, N], g_idx [K]) → Int4Weight.
+    """A 4-bit auto_gptq layer (qweight [K/8, N], qzeros [K/g, N/8], scales [K/g, N], g_idx [K]) → Int4Weight
+    (`from_rows`; `zeros_minus_one`: the gptq v1 convention, zero points stored minus one)."""
+    num_out = qweight.shape[1]
+    zeros = unpack_int32(qzeros, 4, dim=1)[:, :num_out]
+    if zeros_minus_one:
+        # auto_gptq adds the 1 back after the 4-bit mask, so a stored 15 is a zero of 16.
+        zeros = zeros + 1
+    return from_rows(qweight, zeros, scales, g_idx, sym, source="GPTQ")
+
+
+def from_rows(qweight: torch.Tensor, zeros: torch.Tensor | None, scales: torch.Tensor, g_idx: torch.Tensor | None,
+              sym: bool, source: str) -> Int4Weight:
+    """4-bit codes already in the kernel layout's words (qweight [K/8, N]), the zero points themselves ([K/g, N],
+    unpacked; None: symmetric) and scales [K/g, N] of a `source` checkpoint → Int4Weight.
 
     Monotone `g_idx` (or none): qweight is used as is. Act-order `g_idx`: rows are sorted by group and
     repacked, and the sort order becomes `perm`. Zeros that are all 8 (symmetric, whatever `sym` says)
@@ -81,18 +94,16 @@ def from_gptq(
     num_in, num_out = qweight.shape[0] * 8, qweight.shape[1]
     num_groups = scales.shape[0]
     if scales.shape[1] != num_out or num_in % num_groups:
-        raise ValueError(f"GPTQ scales {tuple(scales.shape)} do not fit qweight {tuple(qweight.shape)}")
+        raise ValueError(f"{source} scales {tuple(scales.shape)} do not fit qweight {tuple(qweight.shape)}")
     group_size = num_in // num_groups
     _check_shape(num_out, num_in, group_size)
-    zeros = unpack_int32(qzeros, 4, dim=1)[:, :num_out]
-    if zeros_minus_one:
-        # auto_gptq adds the 1 back after the 4-bit mask, so a stored 15 is a zero of 16.
-        zeros = zeros + 1
-    if bool((zeros == SYMMETRIC_ZERO).all()):
+    if zeros is not None and tuple(zeros.shape) != tuple(scales.shape):
+        raise ValueError(f"{source} zero points {tuple(zeros.shape)} do not fit scales {tuple(scales.shape)}")
+    if zeros is not None and bool((zeros == SYMMETRIC_ZERO).all()):
         zeros = None
-    elif sym:
-        raise ValueError("GPTQ layer declared symmetric has zero points other than 8")
-    else:
+    elif zeros is not None and sym:
+        raise ValueError(f"{source} layer declared symmetric has zero points other than 8")
+    elif zeros is not None:
         zeros = zeros.to(torch.uint8).contiguous()
     perm = None
     if g_idx is not None:
@@ -100,7 +111,7 @@ def from_gptq(
         if not torch.equal(g_idx, torch.arange(num_in, device=qweight.device) // group_size):
             counts = torch.bincount(g_idx, minlength=num_groups)
             if g_idx.min() < 0 or counts.numel() != num_groups or bool((counts != group_size).any()):
-                raise ValueError(f"GPTQ g_idx does not put exactly {group_size} input rows in each of the "
+                raise ValueError(f"{source} g_idx does not put exactly {group_size} input rows in each of the "
                                  f"{num_groups} groups; this act-order layout is not supported")
             perm = torch.sort(g_idx, stable=True).indices
             q = unpack_int32(qweight, 4, dim=0)[perm]

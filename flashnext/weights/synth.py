@@ -17,12 +17,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from . import compressed_tensors
 from .checkpoint import INDEX_FILE, _EXPERT_KEY
 from .fp8 import dequantize_block_fp8, quantize_block_fp8
 from .int4 import dequantize_gptq, quantize_gptq_rtn
 from .presets import PRESETS, generation_config, get_preset, set_num_layers, special_token_ids
 
-KINDS = ("bf16", "int4", "fp8")
+# int4: AutoRound (auto_gptq packing); int4-ct: compressed-tensors pack-quantized W4A16 (llm-compressor's format)
+KINDS = ("bf16", "int4", "int4-ct", "fp8")
 SHARD_BYTES = 2 * 1024**3
 _CHUNK = 1 << 24  # elements drawn per randn call: bounds the fp32 temporary for huge tensors
 # Dense projections and routed experts are quantised; embeddings, lm_head, router, shared_expert_gate,
@@ -144,9 +146,11 @@ def _pieces(name: str, weight: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
 
 
 def _quantise(name: str, weight: torch.Tensor, kind: str, group: int) -> dict[str, torch.Tensor]:
+    base = name.removesuffix(".weight")
     if kind == "int4":
-        base = name.removesuffix(".weight")
         return {f"{base}.{k}": v for k, v in quantize_gptq_rtn(weight, group_size=group).items()}
+    if kind == "int4-ct":
+        return {f"{base}.{k}": v for k, v in compressed_tensors.quantize_rtn(weight, group_size=group).items()}
     q, scale = quantize_block_fp8(weight)
     return {name: q, name + "_scale_inv": scale}
 
@@ -156,6 +160,8 @@ def _dequantise(packed: dict[str, torch.Tensor], kind: str) -> torch.Tensor:
         qweight, qzeros, scales = (next(v for k, v in packed.items() if k.endswith(s))
                                    for s in (".qweight", ".qzeros", ".scales"))
         return dequantize_gptq(qweight, qzeros, scales)
+    if kind == "int4-ct":
+        return compressed_tensors.dequantize({k.rsplit(".", 1)[1]: v for k, v in packed.items()}, 4)
     weight, scale = packed.values()
     return dequantize_block_fp8(weight, scale)
 
@@ -232,6 +238,14 @@ class _ShardWriter:
 
 
 def _quantization_config(kind: str, group: int, kept: list[str]) -> dict:
+    if kind == "int4-ct":   # as llm-compressor writes a W4A16 (GPTQ or AWQ) export
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+                "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                              "output_activations": None,
+                                              "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                          "strategy": "group", "group_size": group,
+                                                          "dynamic": False, "actorder": None, "observer": "minmax"}}},
+                "ignore": kept, "kv_cache_scheme": None}
     if kind == "int4":
         return {"quant_method": "auto-round", "bits": 4, "group_size": group, "sym": True, "data_type": "int",
                 "packing_format": "auto_round:auto_gptq",

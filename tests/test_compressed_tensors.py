@@ -1,0 +1,161 @@
+"""compressed-tensors pack-quantized weights (weights/compressed_tensors.py) against the compressed_tensors library's
+own compressor and decompress (the format's reference), and such checkpoints loaded whole."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from flashnext.weights import compressed_tensors as ct
+from flashnext.weights.checkpoint import CheckpointError, load_checkpoint
+from flashnext.weights.int4_layout import dequantize as dequantize_int4
+from flashnext.weights.quant_config import read_quantization_config
+from flashnext.weights.synth import expected_tensors, synthesize
+
+library = pytest.importorskip("compressed_tensors", reason="compressed-tensors (a test dependency) is the format's oracle")
+from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor  # noqa: E402
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme  # noqa: E402
+
+
+def scheme(bits, sym, strategy, group):
+    return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=bits, type="int", symmetric=sym, strategy=strategy, group_size=group if strategy == "group" else None))
+
+
+def compressed(bits, sym, strategy, group=32, n=48, k=256, seed=0):
+    """A random [n, k] weight through compressed_tensors' compressor with random fp32 scales (and int8 zero points)
+    → (the stored tensors without a module prefix, the scheme)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = k // group if strategy == "group" else 1
+    half = 1 << (bits - 1)
+    state = {"weight": torch.randn(n, k, generator=g),
+             "weight_scale": torch.rand(n, groups, generator=g) * 0.1 + 0.01}
+    if not sym:
+        state["weight_zero_point"] = torch.randint(-half, half, (n, groups), generator=g, dtype=torch.int8)
+    s = scheme(bits, sym, strategy, group)
+    return dict(PackedQuantizationCompressor.compress(state, s)), s
+
+
+def decompressed(parts, s):
+    return PackedQuantizationCompressor.decompress(dict(parts), s)["weight"]
+
+
+CASES = [(4, True, "group"), (4, False, "group"), (4, True, "channel"), (4, False, "channel"), (8, True, "group"),
+         (8, False, "group")]
+
+
+@pytest.mark.parametrize("bits,sym,strategy", CASES)
+def test_dequantise_equals_the_library(bits, sym, strategy):
+    parts, s = compressed(bits, sym, strategy)
+    assert set(parts) <= set(ct.PARTS) and (ct.ZERO_POINT in parts) == (not sym)
+    assert ct.bits_of(tuple(parts[ct.PACKED].shape), (48, 256)) == bits
+    want = decompressed(parts, s)
+    assert torch.equal(ct.dequantize(parts, bits), want)
+    if bits == 4:   # the kernel layout's Int4Weight holds the same weight
+        w = ct.to_int4(parts)
+        assert (w.zeros is None) == sym and w.perm is None
+        assert w.group_size == (32 if strategy == "group" else 256)
+        assert torch.equal(dequantize_int4(w), want)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_our_writer_is_read_by_the_library(sym):
+    weight = torch.randn(40, 128, generator=torch.Generator().manual_seed(1))
+    parts = ct.quantize_rtn(weight, group_size=32, sym=sym, scale_dtype=torch.float32)
+    want = decompressed(parts, scheme(4, sym, "group", 32))
+    assert torch.equal(ct.dequantize(parts, 4), want)
+    assert ((want - weight).norm() / weight.norm()).item() < 0.15
+
+
+def test_act_order_groups_become_the_permutation():
+    """Older exports (actorder "group") store weight_g_idx: input k belongs to group g_idx[k], not k // g."""
+    parts, _ = compressed(4, False, "group", group=32, n=16, k=128, seed=2)
+    g_idx = torch.randperm(128, generator=torch.Generator().manual_seed(3)) // 32
+    parts = {**parts, ct.G_IDX: g_idx.to(torch.int32)}
+    got = ct.dequantize(parts, 4)
+    codes = torch.tensor([[(int(parts[ct.PACKED][n, k // 8]) >> (4 * (k % 8))) & 0xF for k in range(128)]
+                          for n in range(16)])
+    zeros = ct._zero_points(parts, 4, 16)
+    want = parts[ct.SCALE][:, g_idx] * (codes - zeros[:, g_idx]).float()
+    assert torch.equal(got, want)
+    w = ct.to_int4(parts)
+    assert w.perm is not None and torch.equal(dequantize_int4(w), got)
+
+
+def test_misfits_are_refused():
+    parts, _ = compressed(4, True, "group")
+    assert ct.bits_of((48, 33), (48, 256)) == 0 and ct.bits_of((47, 32), (48, 256)) == 0
+    with pytest.raises(ValueError, match="weight_packed"):
+        ct.to_int4({**parts, ct.SHAPE: torch.tensor([48, 512])})
+    asym, _ = compressed(4, False, "group")
+    with pytest.raises(ValueError, match="zero points"):
+        ct.to_int4({**parts, ct.ZERO_POINT: asym[ct.ZERO_POINT][:, :3]})
+
+
+def test_quantization_config_parsing():
+    config = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
+                                           "group_size": 64}}}, "ignore": ["lm_head"]}
+    qc = read_quantization_config({"quantization_config": config})
+    assert (qc.method, qc.bits, qc.group_size, qc.sym) == ("compressed-tensors", 4, 64, False)
+    preset = read_quantization_config({"quantization_config": {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"W4A16": ["Linear"]}}})
+    assert (preset.bits, preset.group_size, preset.sym) == (4, 128, True)
+    refused = {
+        "activation quantisation": {"config_groups": {"g": {**config["config_groups"]["group_0"],
+                                                           "input_activations": {"num_bits": 8, "type": "int"}}}},
+        "float-quantized": {"format": "float-quantized"},
+        "kv_cache_scheme": {"kv_cache_scheme": {"num_bits": 8, "type": "float"}},
+        "strategy 'block'": {"config_groups": {"g": {"weights": {"num_bits": 4, "type": "int",
+                                                                 "strategy": "block"}}}},
+        "preset scheme 'W8A8'": {"config_groups": {"W8A8": ["Linear"]}},
+    }
+    for what, change in refused.items():
+        with pytest.raises(ValueError, match=what.split("'")[0].strip() or what):
+            read_quantization_config({"quantization_config": {**config, **change}})
+
+
+PRESETS = ["tiny-qwen3-next", "tiny-flash-next"]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_checkpoint_loads_as_the_library_decompresses_it(preset, tmp_path):
+    """A synthetic W4A16 checkpoint (flashnext synth --dtype int4-ct: llm-compressor's config and tensor names, per
+    expert) dequantises to the library's decompress of every stored weight; a dense projection rewritten in 8 bits
+    (mixed precision) loads dequantised too."""
+    folder = synthesize(preset, tmp_path / "ckpt", dtype="int4-ct", seed=7)
+    config = json.loads((folder / "config.json").read_text())
+    group = config["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"]
+    prefix = "model." if preset == "tiny-qwen3-next" else "model.language_model."
+    shard = next(folder.glob("*.safetensors"))
+    raw = load_file(shard)
+    dense = prefix + "layers.3.self_attn.o_proj"
+    eight, s8 = compressed(8, False, "group", group, *raw[f"{dense}.weight_shape"].tolist(), seed=8)
+    raw.update({f"{dense}.{part}": tensor for part, tensor in eight.items()})
+    save_file(raw, str(shard), metadata={"format": "pt"})
+    expected = expected_tensors(config)
+    ours = load_checkpoint(folder, expected, dtype=torch.float32, progress=False)
+
+    def want(base, s=scheme(4, True, "group", group)):
+        """The library's decompress, in fp32 (it computes in the scales' dtype, bf16 here, where we are exact)."""
+        parts = {part: raw[f"{base}.{part}"] for part in ct.PARTS if f"{base}.{part}" in raw}
+        return decompressed({**parts, ct.SCALE: parts[ct.SCALE].float()}, s)
+
+    expert = prefix + "layers.0.mlp.experts.1"
+    gate_up = ours["model.layers.0.mlp.experts.gate_up_proj"][1]
+    assert torch.equal(gate_up, torch.cat([want(expert + ".gate_proj"), want(expert + ".up_proj")]))
+    assert torch.equal(ours["model.layers.0.mlp.experts.down_proj"][1], want(expert + ".down_proj"))
+    assert torch.equal(ours["model.layers.3.self_attn.o_proj.weight"], want(dense, s8))
+    assert raw[prefix + "layers.0.mlp.gate.weight"].dtype == torch.bfloat16   # ignored modules stay 16-bit
+
+
+def test_a_checkpoint_missing_a_part_names_it(tmp_path):
+    folder = synthesize("tiny-qwen3-next", tmp_path / "ckpt", dtype="int4-ct", seed=9)
+    shard = next(folder.glob("*.safetensors"))
+    raw = load_file(shard)
+    victim = next(k for k in raw if k.endswith(".weight_scale"))
+    del raw[victim]
+    save_file(raw, str(shard), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="without its weight_scale"):
+        load_checkpoint(folder, expected_tensors(config), dtype=torch.float32, progress=False)
