@@ -237,18 +237,20 @@ def _rank_int4(rank, world, out_path, model_name, quantize, tp, ep):
 # (--quantize int4 with tensor parallel rounds each rank's share: the tiny models' small projections get other
 # groups than unsplit, so it is not exact there; a packed checkpoint's groups are fixed.)
 @pytest.mark.parametrize("source,tp,ep", [("--quantize int4", 1, 2), ("int4 checkpoint", 1, 2),
-                                          ("int4 checkpoint", 2, 1), ("int4 checkpoint", 2, 2)])
+                                          ("int4 checkpoint", 2, 1), ("int4 checkpoint", 2, 2),
+                                          ("int4-ct checkpoint", 2, 2)])
 def test_parallel_int4(source, tp, ep, tmp_path):
     """INT4 across ranks equals one process exactly, whether the model was quantised after loading (and
-    sharding) or read packed from a GPTQ checkpoint: whole experts on their rank (each rank reading only its
+    sharding) or read packed from a GPTQ or compressed-tensors checkpoint: whole experts on their rank (each rank reading only its
     share), packed projections cut by output rows, and by whole input groups for the row-parallel ones."""
     from flashnext.parallel import spawn_ranks
     from flashnext.weights.synth import synthesize
 
     torch.set_num_threads(1)
     name, quantize = "tiny-qwen3-next", "int4"
-    if source == "int4 checkpoint":
-        name, quantize = str(synthesize("tiny-qwen3-next", tmp_path / "int4", dtype="int4")), None
+    if source.endswith("checkpoint"):
+        kind = source.split()[0]
+        name, quantize = str(synthesize("tiny-qwen3-next", tmp_path / kind, dtype=kind)), None
     want = Session(load_model(name, "cpu", torch.float32, quantize=quantize).model, 128).extend(
         _prompt(), all_logits=True)
     spawn_ranks(_rank_int4, 2, str(tmp_path / "out.pt"), name, quantize, tp, ep)
