@@ -13,6 +13,7 @@ from flashnext.weights.quant_config import read_quantization_config
 from flashnext.weights.synth import expected_tensors, synthesize
 
 library = pytest.importorskip("compressed_tensors", reason="compressed-tensors (a test dependency) is the format's oracle")
+from compressed_tensors.compressors.naive_quantized.base import NaiveQuantizationCompressor  # noqa: E402
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor  # noqa: E402
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme  # noqa: E402
 
@@ -92,6 +93,33 @@ def test_misfits_are_refused():
         ct.to_int4({**parts, ct.ZERO_POINT: asym[ct.ZERO_POINT][:, :3]})
 
 
+def unpacked(kind, sym, strategy, n=48, k=256, seed=0):
+    """A random [n, k] weight through compressed_tensors' naive compressor: fp8 ("float") or int8, scales for the
+    strategy (group 32, blocks of 16 × 64), fp32 → (the stored tensors without a module prefix, the scheme)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = {"tensor": (1,), "channel": (n, 1), "group": (n, k // 32), "block": (-(-n // 16), -(-k // 64))}[strategy]
+    state = {"weight": torch.randn(n, k, generator=g), "weight_scale": torch.rand(shape, generator=g) * 0.01 + 1e-3}
+    if not sym:
+        state["weight_zero_point"] = torch.randint(-100, 100, shape, generator=g, dtype=torch.int8)
+    s = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=8, type=kind, symmetric=sym, strategy=strategy, group_size=32 if strategy == "group" else None,
+        block_structure=[16, 64] if strategy == "block" else None))
+    return dict(NaiveQuantizationCompressor.compress(state, s)), s
+
+
+@pytest.mark.parametrize("kind,sym,strategy", [("float", True, "channel"), ("float", True, "tensor"),
+                                                ("float", True, "block"), ("float", True, "group"),
+                                                ("int", True, "channel"), ("int", False, "channel"),
+                                                ("int", False, "group")])
+def test_unpacked_dequantise_equals_the_library(kind, sym, strategy):
+    parts, s = unpacked(kind, sym, strategy)
+    weight = parts.pop("weight")
+    assert weight.dtype == (torch.float8_e4m3fn if kind == "float" else torch.int8)
+    want = NaiveQuantizationCompressor.decompress({**parts, "weight": weight}, s)["weight"]
+    got = ct.dequantize_unpacked(weight, parts, (16, 64) if strategy == "block" else None)
+    assert torch.equal(got, want)
+
+
 def test_quantization_config_parsing():
     config = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
         "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
@@ -101,14 +129,21 @@ def test_quantization_config_parsing():
     preset = read_quantization_config({"quantization_config": {
         "quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"W4A16": ["Linear"]}}})
     assert (preset.bits, preset.group_size, preset.sym) == (4, 128, True)
+    assert not qc.activations_quantised
+    fp8 = read_quantization_config({"quantization_config": {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+            "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                                               "block_structure": [64, 32]},
+            "input_activations": {"num_bits": 8, "type": "float", "dynamic": True}}}}})
+    assert (fp8.bits, fp8.weight_block, fp8.activations_quantised) == (8, (64, 32), True)
     refused = {
-        "activation quantisation": {"config_groups": {"g": {**config["config_groups"]["group_0"],
-                                                           "input_activations": {"num_bits": 8, "type": "int"}}}},
-        "float-quantized": {"format": "float-quantized"},
+        "output activation": {"config_groups": {"g": {**config["config_groups"]["group_0"],
+                                                     "output_activations": {"num_bits": 8, "type": "int"}}}},
+        "nvfp4-pack-quantized": {"format": "nvfp4-pack-quantized"},
         "kv_cache_scheme": {"kv_cache_scheme": {"num_bits": 8, "type": "float"}},
         "strategy 'block'": {"config_groups": {"g": {"weights": {"num_bits": 4, "type": "int",
                                                                  "strategy": "block"}}}},
-        "preset scheme 'W8A8'": {"config_groups": {"W8A8": ["Linear"]}},
+        "preset scheme 'NVFP4'": {"config_groups": {"NVFP4": ["Linear"]}},
     }
     for what, change in refused.items():
         with pytest.raises(ValueError, match=what.split("'")[0].strip() or what):
@@ -159,3 +194,45 @@ def test_a_checkpoint_missing_a_part_names_it(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     with pytest.raises(CheckpointError, match="without its weight_scale"):
         load_checkpoint(folder, expected_tensors(config), dtype=torch.float32, progress=False)
+
+
+def test_an_fp8_dynamic_checkpoint_loads_as_the_library_decompresses_it(tmp_path, caplog):
+    """llm-compressor's FP8 W8A8 layout (fp8 weights with a scale a row, the routed experts one tensor each) loads
+    dequantised, as the library decompresses it; a static activation scale is counted as used, not applied, and the
+    load says that activations are computed in 16 bits."""
+    folder = synthesize("tiny-qwen3-next", tmp_path / "ckpt", dtype="bf16", seed=11)
+    shard = next(folder.glob("*.safetensors"))
+    raw = load_file(shard)
+    fp8 = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=8, type="float", strategy="channel"))
+    stored = {}
+    for key in [k for k in raw if k.endswith((".o_proj.weight", ".down_proj.weight"))]:
+        weight, base = raw.pop(key).float(), key.removesuffix(".weight")
+        out = NaiveQuantizationCompressor.compress(
+            {"weight": weight, "weight_scale": weight.abs().amax(1, keepdim=True) / 448}, fp8)
+        raw.update({f"{base}.weight": out["weight"], f"{base}.weight_scale": out["weight_scale"],
+                    f"{base}.input_scale": torch.ones(1)})
+        stored[base] = NaiveQuantizationCompressor.decompress(out, fp8)["weight"]
+    save_file(raw, str(shard), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}},
+        "ignore": ["lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    with caplog.at_level("INFO", logger="flashnext.weights.checkpoint"):
+        ours = load_checkpoint(folder, expected_tensors(config), dtype=torch.float32, progress=False)
+    assert "computes them in 16 bits" in caplog.text
+    assert any(w.dtype == torch.float8_e4m3fn for w in raw.values())
+    assert torch.equal(ours["model.layers.3.self_attn.o_proj.weight"], stored["model.layers.3.self_attn.o_proj"])
+    assert torch.equal(ours["model.layers.0.mlp.experts.down_proj"][5], stored["model.layers.0.mlp.experts.5.down_proj"])
+    assert torch.equal(ours["model.layers.1.mlp.shared_expert.down_proj.weight"],
+                       stored["model.layers.1.mlp.shared_expert.down_proj"])
+    from flashnext.engine.loading import load_model
+    from flashnext.models.session import Session
+
+    model = load_model(str(folder), "cpu", torch.float32).model
+    assert torch.equal(model.get_submodule("model.layers.3.self_attn.o_proj").weight,
+                       stored["model.layers.3.self_attn.o_proj"])
+    assert torch.isfinite(Session(model, 32).extend([5, 9, 11, 200])).all()

@@ -2,7 +2,7 @@
 
 Handles single-file and sharded safetensors, the multimodal `model.language_model.` prefix, vision-tower and
 MTP tensors (skipped), per-expert or fused (possibly transposed) MoE experts, the PLE n-gram table split into
-shards, and GPTQ/AutoRound int4, compressed-tensors pack-quantized int4/int8 and block-FP8 weights, which are
+shards, and GPTQ/AutoRound int4, compressed-tensors int4/int8/fp8 and block-FP8 weights, which are
 dequantised on the target device — except the 4-bit weights the caller names in `packed_int4`, which come back
 packed in the kernel layout (docs/int4.md).
 Everything is planned from the safetensors headers first, so a missing, misshapen or unexpected tensor is
@@ -178,6 +178,8 @@ class _Planner:
         if not t.has(name):
             return None
         self._check_shape(name, t.shape(name), shape)
+        if base is not None and self.quant.method == "compressed-tensors" and t.has(f"{base}.{compressed_tensors.SCALE}"):
+            return self._compressed_tensors_unpacked(name, base)
         scale = name + "_scale_inv"
         if t.has(scale):
             block = self.quant.fp8_block
@@ -211,6 +213,22 @@ class _Planner:
                 raise CheckpointError(f"compressed-tensors weight {base}: {e}") from None
 
         return _Recipe([t.use(n) for n in names.values()], build)
+
+    def _compressed_tensors_unpacked(self, name: str, base: str) -> _Recipe:
+        """A compressed-tensors fp8 or int8 weight `name` with its scale (and zero point): dequantised; its static
+        activation scales, which flashnext does not apply, only counted as used."""
+        t = self.t
+        names = {part: f"{base}.{part}" for part in compressed_tensors.UNPACKED_PARTS if t.has(f"{base}.{part}")}
+        unread = [f"{base}.{part}" for part in compressed_tensors.ACTIVATION_PARTS if t.has(f"{base}.{part}")]
+
+        def build() -> torch.Tensor:
+            parts = {part: t.read(n, self.device) for part, n in names.items()}
+            try:
+                return compressed_tensors.dequantize_unpacked(t.read(name, self.device), parts, self.quant.weight_block)
+            except ValueError as e:
+                raise CheckpointError(f"compressed-tensors weight {base}: {e}") from None
+
+        return _Recipe([t.use(n) for n in (name, *names.values(), *unread)], build)
 
     @staticmethod
     def _check_shape(name: str, got: tuple[int, ...], expected: tuple[int, ...]) -> None:
@@ -371,6 +389,9 @@ def load_checkpoint(
     device = torch.device(device)
     tensors = _Tensors(folder)
     quant = read_quantization_config(config)
+    if quant.activations_quantised:
+        log.info("%s quantises activations too (compressed-tensors W8A8 / W4A8); flashnext computes them in 16 bits "
+                 "from the dequantised weights", folder)
     share = None
     if expert_range is not None:
         first, count = expert_range

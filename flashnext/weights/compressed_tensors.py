@@ -1,6 +1,7 @@
-"""compressed-tensors `pack-quantized` integer weights (llm-compressor's W4A16 / W8A16 exports: the AWQ and GPTQ
-releases of Qwen3-Next and Qwen3.5/3.6 MoE that vLLM serves as compressed-tensors).
+"""compressed-tensors weights (llm-compressor's exports: the W4A16 AWQ and GPTQ releases of Qwen3-Next and Qwen3.5/3.6
+MoE, their FP8-dynamic and INT8 W8A8 ones, which vLLM serves as compressed-tensors).
 
+`pack-quantized` (4- and 8-bit integers packed into int32 words):
 One quantised linear layer `X` with K inputs, N outputs, b bits (4 or 8: no value straddles a word), groups of g
 inputs (strategy "group"; "channel": g = K) stores
   X.weight_packed      int32 [N, K·b/32]   input k of row n in bits [b·(k mod 32/b), …) of word k // (32/b),
@@ -13,6 +14,13 @@ and w[n, k] = scale[n, G(k)] · (u[n, k] − uz[n, G(k)]), u and uz the stored (
 symmetric, G(k) = g_idx[k] or k // g — compressed_tensors' own decompress, which the tests hold this against.
 At 4 bits the words are the kernel layout's transposed (nibble j of word i is input 8i + j in both, and the offset
 values are its codes with zero 8): the packed form (`to_int4`) only transposes.
+
+`float-quantized` / `int-quantized` / `naive-quantized` (one fp8 or int8 value per weight, `dequantize_unpacked`):
+  X.weight             fp8 or int8 [N, K]
+  X.weight_scale       float [1] (tensor), [N, 1] (channel), [N, K/g] (group) or [ceil(N/bn), ceil(K/bk)] (block)
+  X.weight_zero_point  int8, the scale's shape: asymmetric only (not offset here)
+  X.input_scale, X.input_zero_point   static activation quantisation, which flashnext does not apply
+and w = scale · (weight − zero point), each scale over its tensor, row, group or block.
 """
 from __future__ import annotations
 
@@ -25,6 +33,9 @@ PACKED, SCALE, SHAPE, ZERO_POINT, G_IDX = "weight_packed", "weight_scale", "weig
     "weight_g_idx"
 PARTS = (PACKED, SCALE, SHAPE, ZERO_POINT, G_IDX)
 REQUIRED = (PACKED, SCALE, SHAPE)
+UNPACKED_FORMATS = ("float-quantized", "int-quantized", "naive-quantized")
+# an unpacked weight's tensors: read (the weight itself is X.weight), and those only counted as used (activations)
+UNPACKED_PARTS, ACTIVATION_PARTS = (SCALE, ZERO_POINT, G_IDX), ("input_scale", "input_zero_point")
 
 
 def bits_of(packed_shape: tuple[int, ...], shape: tuple[int, int]) -> int:
@@ -77,6 +88,33 @@ def to_int4(parts: dict[str, torch.Tensor]) -> Int4Weight:
     zeros = _zero_points(parts, 4, num_out)
     return from_rows(packed.t().contiguous(), None if zeros is None else zeros.t(), parts[SCALE].t(),
                      parts.get(G_IDX), sym=zeros is None, source="compressed-tensors")
+
+
+def dequantize_unpacked(weight: torch.Tensor, parts: dict[str, torch.Tensor],
+                        block: tuple[int, int] | None = None) -> torch.Tensor:
+    """An fp8 or int8 weight [N, K] and its UNPACKED_PARTS (named without the module prefix; `block`: the config's
+    block_structure, for the block strategy) → fp32 [N, K]."""
+    num_out, num_in = weight.shape
+    scale, zero = parts[SCALE].float(), parts.get(ZERO_POINT)
+    if G_IDX in parts:        # act-order groups: column k's scale is its group's
+        groups = parts[G_IDX].to(device=scale.device, dtype=torch.long)
+        expand = (lambda t: t.reshape(num_out, -1)[:, groups])  # noqa: E731
+    elif scale.numel() == 1:
+        expand = (lambda t: t.reshape(()))  # noqa: E731
+    else:
+        rows, cols = scale.reshape(scale.shape[0], -1).shape
+        if block is None and (num_out % rows or num_in % cols):
+            raise ValueError(f"weight_scale {tuple(scale.shape)} does not fit weight {tuple(weight.shape)}")
+        rows, cols = block or (num_out // rows, num_in // cols)
+        if (-(-num_out // rows), -(-num_in // cols)) != tuple(scale.reshape(scale.shape[0], -1).shape):
+            raise ValueError(f"weight_scale {tuple(scale.shape)} does not fit weight {tuple(weight.shape)} "
+                             f"in blocks of {rows} x {cols}")
+        expand = (lambda t: t.reshape(t.shape[0], -1).repeat_interleave(rows, 0)  # noqa: E731
+                  .repeat_interleave(cols, 1)[:num_out, :num_in])
+    w = weight.float()
+    if zero is not None:
+        w = w - expand(zero.float())
+    return w * expand(scale)
 
 
 def quantize_rtn(weight: torch.Tensor, group_size: int = 128, sym: bool = True,

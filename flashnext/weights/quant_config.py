@@ -19,6 +19,8 @@ class QuantizationConfig:
     sym: bool = True
     zeros_minus_one: bool = True  # gptq v1 zero points
     fp8_block: tuple[int, int] = (128, 128)
+    weight_block: tuple[int, int] | None = None   # compressed-tensors' block_structure (its block strategy)
+    activations_quantised: bool = False           # compressed-tensors W8A8 / W4A8: flashnext computes them in 16 bits
     asymmetric_modules: tuple[str, ...] = field(default_factory=tuple)   # extra_config's "sym": false overrides
 
     def symmetric(self, module: str) -> bool:
@@ -67,38 +69,53 @@ def read_quantization_config(config: dict) -> QuantizationConfig:
     )
 
 
-# compressed-tensors' preset schemes that a config group may name instead of spelling out (weight-only integers)
-_CT_PRESETS = {"W4A16": (4, True), "W4A16_ASYM": (4, False), "W8A16": (8, True)}
+# compressed-tensors' preset schemes that a config group may name instead of spelling out: (type, bits, symmetric)
+# (the group sizes are the presets', and only informational: the loader reads a weight's groups off its scales)
+_CT_PRESETS = {"W4A16": ("int", 4, True, 128), "W4A16_ASYM": ("int", 4, False, 128), "W8A16": ("int", 8, True, 128),
+               "W4A8": ("int", 4, True, 128), "W8A8": ("int", 8, True, None), "INT8": ("int", 8, True, None),
+               "FP8": ("float", 8, True, None), "FP8_DYNAMIC": ("float", 8, True, None),
+               "FP8_BLOCK": ("float", 8, True, None)}
+_CT_FORMATS = ("pack-quantized", "float-quantized", "int-quantized", "naive-quantized")
 
 
 def _compressed_tensors(qc: dict) -> QuantizationConfig:
-    """compressed-tensors: weight-only integer groups in the pack-quantized format (weights/compressed_tensors.py);
-    every other scheme (activation quantisation, FP8/FP4 formats, sparsity, a quantised KV cache) is refused."""
+    """compressed-tensors (weights/compressed_tensors.py): integer weights of 4 or 8 bits packed (pack-quantized) and
+    8-bit integer or fp8 weights unpacked (int-/float-/naive-quantized), whatever their activations' scheme — the
+    activations are computed in 16 bits, as vLLM does on GPUs without FP8; FP4 and MX formats, output activation
+    quantisation, sparsity and a quantised KV cache are refused."""
     def refuse(what: str) -> ValueError:
-        return ValueError(f"compressed-tensors {what} is not supported; flashnext loads its weight-only integer "
-                          "schemes (W4A16, W8A16, asymmetric or not) in the pack-quantized format")
+        return ValueError(f"compressed-tensors {what} is not supported; flashnext loads 4- and 8-bit integer weights "
+                          f"and fp8 weights ({', '.join(_CT_FORMATS)})")
 
-    formats = {qc.get("format")}
-    schemes = []
+    formats, schemes, block, activations = {qc.get("format")}, [], None, False
     for name, group in (qc.get("config_groups") or {}).items():
         if isinstance(group, list):            # a preset's name with its targets
             if name not in _CT_PRESETS:
                 raise refuse(f"preset scheme {name!r}")
-            schemes.append(_CT_PRESETS[name] + (None, 128))
+            schemes.append(_CT_PRESETS[name])
+            block = (128, 128) if name == "FP8_BLOCK" else block
+            activations |= "A16" not in name
             continue
         weights = group.get("weights") or {}
-        if group.get("input_activations") or group.get("output_activations"):
-            raise refuse(f"activation quantisation (config group {name!r})")
-        if weights.get("type", "int") != "int" or weights.get("num_bits") not in (4, 8) or weights.get("dynamic"):
-            raise refuse(f"weight scheme {weights.get('type')}{weights.get('num_bits')} (config group {name!r})")
-        if weights.get("strategy") not in ("group", "channel"):
-            raise refuse(f"weight strategy {weights.get('strategy')!r} (config group {name!r})")
+        kind, bits = weights.get("type", "int"), weights.get("num_bits")
+        if group.get("output_activations"):
+            raise refuse(f"output activation quantisation (config group {name!r})")
+        if not ((kind == "int" and bits in (4, 8)) or (kind == "float" and bits == 8)) or weights.get("dynamic"):
+            raise refuse(f"weight scheme {kind}{bits}{' dynamic' if weights.get('dynamic') else ''} "
+                         f"(config group {name!r})")
+        strategy = weights.get("strategy")
+        # integers as the pack-quantized compressor stores them (scales by row or by group along the inputs)
+        if strategy not in (("tensor", "channel", "group", "block") if kind == "float" else ("channel", "group")):
+            raise refuse(f"weight strategy {strategy!r} for {kind} weights (config group {name!r})")
+        if strategy == "block":
+            block = tuple(int(b) for b in weights.get("block_structure") or (128, 128))
         formats.add(group.get("format") or qc.get("format"))
-        schemes.append((weights["num_bits"], bool(weights.get("symmetric", True)), weights.get("strategy"),
-                        weights.get("group_size")))
+        activations |= bool(group.get("input_activations"))
+        schemes.append((kind, bits, bool(weights.get("symmetric", True)),
+                        weights.get("group_size") if strategy == "group" else None))
     formats.discard(None)
-    if formats - {"pack-quantized"}:
-        raise refuse(f"format {sorted(formats - {'pack-quantized'})}")
+    if formats - set(_CT_FORMATS):
+        raise refuse(f"format {sorted(formats - set(_CT_FORMATS))}")
     if not schemes:
         raise refuse("config without config_groups")
     if qc.get("kv_cache_scheme"):
@@ -106,7 +123,8 @@ def _compressed_tensors(qc: dict) -> QuantizationConfig:
     sparsity = qc.get("sparsity_config") or {}
     if sparsity.get("format", "dense") != "dense":
         raise refuse(f"sparsity format {sparsity.get('format')!r}")
-    group_sizes = {g for _, _, strategy, g in schemes if strategy != "channel"}
-    return QuantizationConfig(method="compressed-tensors", bits=max(bits for bits, *_ in schemes),
+    group_sizes = {g for *_, g in schemes if g}
+    return QuantizationConfig(method="compressed-tensors", bits=max(bits for _, bits, _, _ in schemes),
                               group_size=min(group_sizes) if group_sizes else None,
-                              sym=all(sym for _, sym, _, _ in schemes))
+                              sym=all(sym for _, _, sym, _ in schemes), weight_block=block,
+                              activations_quantised=activations)
