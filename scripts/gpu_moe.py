@@ -247,10 +247,16 @@ def swapped_sizes(name, h, i):
         wgu, wd = random_experts(2 * i, h, asym, seed=0), random_experts(h, i, asym, seed=1)
         x, ids, w = routing(777, h, seed=7)
         want = moe_int4_dequant(x, ids, w, wgu, wd)
-        errs = [rel(moe_int4_swapped(x, ids, w, wgu, wd, c), want) for c in SIZES_SWEEP]
-        ok &= all(e < 2e-2 for e in errs)
-        print(f"  check {name} {'asym' if asym else 'sym '} M=777 against the dequant path: worst {max(errs):.2e} "
-              f"{'ok' if all(e < 2e-2 for e in errs) else 'MISMATCH ' + str([_cfg(c) for c, e in zip(SIZES_SWEEP, errs) if e >= 2e-2])}")
+        errs = {}
+        for c in SIZES_SWEEP:
+            try:
+                errs[_cfg(c)] = rel(moe_int4_swapped(x, ids, w, wgu, wd, c), want)
+            except Exception as exc:   # a config past the shared memory or registers: timed as failed below
+                print(f"  check {name} {_cfg(c)} failed to run: {type(exc).__name__} {str(exc)[:80]}")
+        bad = [label for label, e in errs.items() if not e < 2e-2]
+        ok &= not bad
+        print(f"  check {name} {'asym' if asym else 'sym '} M=777 against the dequant path: worst "
+              f"{max(errs.values()):.2e} {'ok' if not bad else 'MISMATCH ' + str(bad)}")
     wgu, wd = random_experts(2 * i, h, seed=0), random_experts(h, i, seed=1)
     labels = ["grouped", "dequant"] + [_cfg(c) for c in SIZES_SWEEP]
     print(f"\n{name}: prefill MoE per layer by size, ms")

@@ -12,9 +12,11 @@ from flashnext.weights.int4_layout import dequantize as dequantize_int4
 from flashnext.weights.quant_config import read_quantization_config
 from flashnext.weights.synth import expected_tensors, synthesize
 
-library = pytest.importorskip("compressed_tensors", reason="compressed-tensors (a test dependency) is the format's oracle")
+library = pytest.importorskip("compressed_tensors",
+                              reason="compressed-tensors (a test dependency) is the format's oracle")
 from compressed_tensors.compressors.naive_quantized.base import NaiveQuantizationCompressor  # noqa: E402
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor  # noqa: E402
+from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32  # noqa: E402
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme  # noqa: E402
 
 
@@ -76,7 +78,7 @@ def test_act_order_groups_become_the_permutation():
     got = ct.dequantize(parts, 4)
     codes = torch.tensor([[(int(parts[ct.PACKED][n, k // 8]) >> (4 * (k % 8))) & 0xF for k in range(128)]
                           for n in range(16)])
-    zeros = ct._zero_points(parts, 4, 16)
+    zeros = unpack_from_int32(parts[ct.ZERO_POINT], 4, torch.Size((16, 4)), packed_dim=0).long() + 8   # stored offset
     want = parts[ct.SCALE][:, g_idx] * (codes - zeros[:, g_idx]).float()
     assert torch.equal(got, want)
     w = ct.to_int4(parts)
@@ -136,10 +138,17 @@ def test_quantization_config_parsing():
                                                "block_structure": [64, 32]},
             "input_activations": {"num_bits": 8, "type": "float", "dynamic": True}}}}})
     assert (fp8.bits, fp8.weight_block, fp8.activations_quantised) == (8, (64, 32), True)
+    mixed = read_quantization_config({"quantization_config": {    # each group names its format
+        "quant_method": "compressed-tensors", "format": "mixed-precision", "config_groups": {
+            "int4": {**config["config_groups"]["group_0"], "format": "pack-quantized"},
+            "fp8": {"targets": ["re:.*self_attn.*"], "format": "float-quantized",
+                    "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}}})
+    assert (mixed.bits, mixed.group_size) == (8, 64)
     refused = {
         "output activation": {"config_groups": {"g": {**config["config_groups"]["group_0"],
                                                      "output_activations": {"num_bits": 8, "type": "int"}}}},
         "nvfp4-pack-quantized": {"format": "nvfp4-pack-quantized"},
+        "transform_config": {"transform_config": {"config_groups": {"u": {"type": "hadamard"}}}},
         "kv_cache_scheme": {"kv_cache_scheme": {"num_bits": 8, "type": "float"}},
         "strategy 'block'": {"config_groups": {"g": {"weights": {"num_bits": 4, "type": "int",
                                                                  "strategy": "block"}}}},
@@ -157,7 +166,8 @@ PRESETS = ["tiny-qwen3-next", "tiny-flash-next"]
 def test_a_checkpoint_loads_as_the_library_decompresses_it(preset, tmp_path):
     """A synthetic W4A16 checkpoint (flashnext synth --dtype int4-ct: llm-compressor's config and tensor names, per
     expert) dequantises to the library's decompress of every stored weight; a dense projection rewritten in 8 bits
-    (mixed precision) loads dequantised too."""
+    (mixed precision) loads dequantised too, and layer 1's routed experts rewritten asymmetric by row (channel
+    strategy) load packed, with their zero points."""
     folder = synthesize(preset, tmp_path / "ckpt", dtype="int4-ct", seed=7)
     config = json.loads((folder / "config.json").read_text())
     group = config["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"]
@@ -167,9 +177,24 @@ def test_a_checkpoint_loads_as_the_library_decompresses_it(preset, tmp_path):
     dense = prefix + "layers.3.self_attn.o_proj"
     eight, s8 = compressed(8, False, "group", group, *raw[f"{dense}.weight_shape"].tolist(), seed=8)
     raw.update({f"{dense}.{part}": tensor for part, tensor in eight.items()})
+    experts = prefix + "layers.1.mlp.experts"
+    asym = {}
+    for key in [k for k in raw if k.startswith(experts + ".") and k.endswith(".weight_packed")]:
+        base = key.removesuffix(".weight_packed")
+        parts, s_asym = compressed(4, False, "channel", 0, *raw[f"{base}.weight_shape"].tolist(), seed=len(asym))
+        raw.update({f"{base}.{part}": tensor for part, tensor in parts.items()})
+        asym[base] = decompressed(parts, s_asym)
     save_file(raw, str(shard), metadata={"format": "pt"})
     expected = expected_tensors(config)
     ours = load_checkpoint(folder, expected, dtype=torch.float32, progress=False)
+    stacked = "model.layers.1.mlp.experts.gate_up_proj"
+    packed = load_checkpoint(folder, expected, dtype=torch.float32, progress=False, packed_int4=frozenset([stacked]))
+    w = packed[stacked]
+    assert w.zeros is not None and w.group_size == expected[stacked][0][-1]
+    for e in (0, 3):
+        one = dequantize_int4(type(w)(w.qweight[e], w.scales[e], w.zeros[e], None, w.group_size))
+        assert torch.equal(one, torch.cat([asym[f"{experts}.{e}.gate_proj"], asym[f"{experts}.{e}.up_proj"]]))
+        assert torch.equal(ours[stacked][e], one)
 
     def want(base, s=scheme(4, True, "group", group)):
         """The library's decompress, in fp32 (it computes in the scales' dtype, bf16 here, where we are exact)."""
@@ -181,7 +206,21 @@ def test_a_checkpoint_loads_as_the_library_decompresses_it(preset, tmp_path):
     assert torch.equal(gate_up, torch.cat([want(expert + ".gate_proj"), want(expert + ".up_proj")]))
     assert torch.equal(ours["model.layers.0.mlp.experts.down_proj"][1], want(expert + ".down_proj"))
     assert torch.equal(ours["model.layers.3.self_attn.o_proj.weight"], want(dense, s8))
-    assert raw[prefix + "layers.0.mlp.gate.weight"].dtype == torch.bfloat16   # ignored modules stay 16-bit
+    router = prefix + "layers.0.mlp.gate.weight"      # an ignored module: 16-bit, read as it is
+    assert raw[router].dtype == torch.bfloat16 and torch.equal(ours["model.layers.0.mlp.gate.weight"], raw[router].float())
+
+
+def test_unpacked_zero_points_are_refused_by_name(tmp_path):
+    """Exports from before compressed-tensors packed zero points store them [N, groups]: refused, not misread."""
+    folder = synthesize("tiny-qwen3-next", tmp_path / "ckpt", dtype="int4-ct", seed=10)
+    shard = next(folder.glob("*.safetensors"))
+    raw = load_file(shard)
+    base = next(k for k in raw if k.endswith(".o_proj.weight_packed")).removesuffix(".weight_packed")
+    raw[f"{base}.weight_zero_point"] = torch.zeros(raw[f"{base}.weight_scale"].shape, dtype=torch.int8)
+    save_file(raw, str(shard), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="is not packed"):
+        load_checkpoint(folder, expected_tensors(config), dtype=torch.float32, progress=False)
 
 
 def test_a_checkpoint_missing_a_part_names_it(tmp_path):
@@ -226,7 +265,8 @@ def test_an_fp8_dynamic_checkpoint_loads_as_the_library_decompresses_it(tmp_path
     assert "computes them in 16 bits" in caplog.text
     assert any(w.dtype == torch.float8_e4m3fn for w in raw.values())
     assert torch.equal(ours["model.layers.3.self_attn.o_proj.weight"], stored["model.layers.3.self_attn.o_proj"])
-    assert torch.equal(ours["model.layers.0.mlp.experts.down_proj"][5], stored["model.layers.0.mlp.experts.5.down_proj"])
+    assert torch.equal(ours["model.layers.0.mlp.experts.down_proj"][5],
+                       stored["model.layers.0.mlp.experts.5.down_proj"])
     assert torch.equal(ours["model.layers.1.mlp.shared_expert.down_proj.weight"],
                        stored["model.layers.1.mlp.shared_expert.down_proj"])
     from flashnext.engine.loading import load_model
@@ -236,3 +276,15 @@ def test_an_fp8_dynamic_checkpoint_loads_as_the_library_decompresses_it(tmp_path
     assert torch.equal(model.get_submodule("model.layers.3.self_attn.o_proj").weight,
                        stored["model.layers.3.self_attn.o_proj"])
     assert torch.isfinite(Session(model, 32).extend([5, 9, 11, 200])).all()
+
+
+def test_a_misshapen_scale_is_reported_before_reading(tmp_path):
+    folder = synthesize("tiny-qwen3-next", tmp_path / "ckpt", dtype="int4-ct", seed=12)
+    shard = next(folder.glob("*.safetensors"))
+    raw = load_file(shard)
+    victim = next(k for k in raw if k.endswith(".o_proj.weight_scale"))
+    raw[victim] = raw[victim][:-1]
+    save_file(raw, str(shard), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="weight_scale .* does not fit"):
+        load_checkpoint(folder, expected_tensors(config), dtype=torch.float32, progress=False)

@@ -110,13 +110,15 @@ def test_dequant_grouped_gemm_equals_reference(m, k, h, i, g_up, g_down, asym, a
 def test_prefill_path_by_rows_an_expert(monkeypatch):
     """FLASHNEXT_MOE_PREFILL=auto: the grouped kernels below SWAPPED_MIN_ROWS_PER_EXPERT (token, choice) rows an expert
     on average (512 experts, top-10: 3,277 tokens), the transposed tiles below DEQUANT_MIN_ROWS_PER_EXPERT (9,984
-    tokens) where the experts suit them (else the grouped kernels), dequantised experts from there; the decode kernels
-    at decode sizes whatever the mode; triton / swapped / dequant force their path past them."""
+    tokens), dequantised experts from there; experts the transposed tiles do not take (act-order, groups of 32) the
+    grouped kernels below GROUPED_MAX_ROWS_PER_EXPERT (5,120 tokens), then dequantised experts; the decode kernels
+    at decode sizes whatever the mode; triton / swapped / dequant force their path past them (swapped where it can)."""
     from flashnext.ops import moe_int4 as ops
 
     cuda = torch.device("cuda")
     _, _, _, gate_up, down = case(5, 8, 2, 256, 128, 128, 128)          # groups of 128: the transposed tiles suit
     _, _, _, gate_up_ao, down_ao = case(5, 8, 2, 256, 128, 128, 128, act_order=True)
+    _, _, _, gate_up_32, down_32 = case(5, 8, 2, 256, 128, 32, 32)
 
     def path(rows, experts=(gate_up, down)):
         return ops.prefill_path(rows, 10, 512, *experts, cuda)
@@ -125,7 +127,9 @@ def test_prefill_path_by_rows_an_expert(monkeypatch):
     assert path(ops.DECODE_MAX_M) == "decode" and path(ops.DECODE_MAX_M + 1) == "grouped"
     assert path(3276) == "grouped" and path(3277) == "swapped"
     assert path(9983) == "swapped" and path(9984) == "dequant"
-    assert path(5000, (gate_up_ao, down_ao)) == "grouped"
+    for unsuited in ((gate_up_ao, down_ao), (gate_up_32, down_32)):
+        assert path(3277, unsuited) == "grouped" and path(5119, unsuited) == "grouped"
+        assert path(5120, unsuited) == "dequant" and path(8000, unsuited) == "dequant"
     monkeypatch.setenv("FLASHNEXT_MOE_PREFILL", "triton")
     assert path(100_000) == "grouped" and path(ops.DECODE_MAX_M) == "decode"
     monkeypatch.setenv("FLASHNEXT_MOE_PREFILL", "dequant")

@@ -31,10 +31,11 @@ DECODE_MAX_M = 64
 
 # Prefill-sized MoE of resident experts (FLASHNEXT_MOE_PREFILL, read at each call — prefill sizes only — so a script
 # can time every path on one model): "auto" (default) by the average (token, choice) rows an expert gets — the
-# grouped kernels below SWAPPED_MIN_ROWS_PER_EXPERT, the transposed-tile kernels (ops/moe_int4_swapped_triton.py,
-# for experts they suit; else the grouped kernels) up to DEQUANT_MIN_ROWS_PER_EXPERT, the grouped GEMM over
-# dequantised experts (ops/moe_int4_dequant.py) from there; "triton", "swapped", "dequant": that path at every
-# size past DECODE_MAX_M. H200, Flash-Next (512 experts, top-10), ms per layer (scripts/gpu_moe.py --prefill,
+# grouped kernels below SWAPPED_MIN_ROWS_PER_EXPERT, the transposed-tile kernels (ops/moe_int4_swapped_triton.py)
+# up to DEQUANT_MIN_ROWS_PER_EXPERT, the grouped GEMM over dequantised experts (ops/moe_int4_dequant.py) from
+# there; experts the transposed tiles do not take (act-order, groups below 128) go from the grouped kernels to the
+# dequantised ones at GROUPED_MAX_ROWS_PER_EXPERT (session 18's measured crossing); "triton", "swapped", "dequant":
+# that path at every size past DECODE_MAX_M. H200, Flash-Next (512 experts, top-10), ms per layer (scripts/gpu_moe.py --prefill,
 # session 19):
 #     tokens (rows an expert)   grouped kernels   transposed tiles (their DEFAULT)   dequantised
 #     4,096 (80)                3.26              2.11                               3.55
@@ -46,6 +47,7 @@ DECODE_MAX_M = 64
 # sweeps 128–16,384 tokens).
 SWAPPED_MIN_ROWS_PER_EXPERT = 64
 DEQUANT_MIN_ROWS_PER_EXPERT = 195
+GROUPED_MAX_ROWS_PER_EXPERT = 100
 
 
 def prefill_path(rows: int, top_k: int, num_experts: int, w_gate_up: Int4Weight, w_down: Int4Weight,
@@ -57,12 +59,16 @@ def prefill_path(rows: int, top_k: int, num_experts: int, w_gate_up: Int4Weight,
         return "decode"
     if _BACKEND != "auto" or mode == "triton":
         return "grouped"
-    if mode == "dequant" or (mode == "auto" and rows * top_k >= DEQUANT_MIN_ROWS_PER_EXPERT * num_experts):
+    per_expert = rows * top_k / num_experts
+    if mode == "dequant" or (mode == "auto" and per_expert >= DEQUANT_MIN_ROWS_PER_EXPERT):
         return "dequant"
-    if mode == "swapped" or (mode == "auto" and rows * top_k >= SWAPPED_MIN_ROWS_PER_EXPERT * num_experts):
+    if mode == "swapped" or (mode == "auto" and per_expert >= SWAPPED_MIN_ROWS_PER_EXPERT):
         from flashnext.ops.moe_int4_swapped_triton import runs_swapped
 
-        return "swapped" if runs_swapped(w_gate_up, w_down, device) else "grouped"
+        if runs_swapped(w_gate_up, w_down, device):
+            return "swapped"
+    if mode == "auto" and per_expert >= GROUPED_MAX_ROWS_PER_EXPERT:
+        return "dequant"
     return "grouped"
 
 

@@ -44,8 +44,9 @@ class SwappedConfig:
 
 
 # H200, Flash-Next (512 experts, top-10), per layer (scripts/gpu_moe.py --prefill, session 19, ten configs): 128 × 64
-# tiles, 4 warps, 3 stages the fastest at 4,096 and 10,000 tokens (2.11 / 4.33 ms; 64 × 128: 2.59 / 4.65), second at
-# 16,384 (7.55 ms against 6.58 at 128 × 128 with 8 warps, where ops.moe_int4.prefill_path takes dequantised experts)
+# tiles, 4 warps, 3 stages the fastest at 4,096 and 10,000 tokens (2.11 / 4.33 ms; 64 × 128: 2.59 / 4.65), third at
+# 16,384 (7.55 ms against 6.58 at 128 × 128 with 8 warps and 7.15 at 64 × 128, where ops.moe_int4.prefill_path takes
+# dequantised experts)
 DEFAULT = SwappedConfig()
 
 
@@ -78,10 +79,10 @@ _MAGIC = tl.constexpr(8388608.0)
 
 @triton.jit
 def _nibble_tile(packed, j: tl.constexpr, zero, scale, dtype: tl.constexpr, MAGIC: tl.constexpr):
-    """Sub-tile j of a packed tile [BLOCK_N, SUB] of words: the weights of rows 8i+j, scaled, in `dtype`. MAGIC: q − zero
-    as (2**23 + q) − (2**23 + zero) in fp32 — the same exact integer, without an int→float conversion, which Hopper
-    issues at a quarter of the fp32 rate (the weights here feed the MMA from registers, so their dequantisation is on its
-    path); `zero` is then 2**23 + zero, in fp32 (`_packed_tile`)."""
+    """Sub-tile j of a packed tile [BLOCK_N, SUB] of words: the weights of rows 8i+j, scaled, in `dtype`.
+    MAGIC: q − zero as (2**23 + q) − (2**23 + zero) in fp32 — the same exact integer, without an int→float
+    conversion, which Hopper issues at a quarter of the fp32 rate (the weights here feed the MMA from registers, so
+    their dequantisation is on its path); `zero` is then 2**23 + zero, in fp32 (`_packed_tile`)."""
     q = (packed >> (4 * j)) & 0xF
     if MAGIC:
         centred = (q | _MAGIC_BITS).to(tl.float32, bitcast=True) - zero[:, None]
@@ -135,8 +136,10 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr, qw
         for j in tl.static_range(8):
             # swizzled columns: sub-tile j of this packed tile is SUB contiguous columns
             a = tl.load(x_ptr + token[None, :] * H + (k0 + j * SUB + offs_s)[:, None], mask=ok[None, :], other=0)
-            gate = tl.dot(_nibble_tile(packed_g, j, zero_g, scale_g, a.dtype, MAGIC), a, gate, input_precision=PRECISION)
-            up = tl.dot(_nibble_tile(packed_u, j, zero_u, scale_u, a.dtype, MAGIC), a, up, input_precision=PRECISION)
+            w_gate = _nibble_tile(packed_g, j, zero_g, scale_g, a.dtype, MAGIC)
+            w_up = _nibble_tile(packed_u, j, zero_u, scale_u, a.dtype, MAGIC)
+            gate = tl.dot(w_gate, a, gate, input_precision=PRECISION)
+            up = tl.dot(w_up, a, up, input_precision=PRECISION)
     h = (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty)
     # h's columns in the down kernel's order: within each block of 8·DOWN_SUB, column 8i+j at j·DOWN_SUB + i
     tile = 8 * DOWN_SUB

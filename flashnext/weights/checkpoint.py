@@ -24,7 +24,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from .checkpoint_keys import canonical_name
-from . import compressed_tensors
+from . import compressed_tensors, compressed_tensors_plan
 from .fp8 import dequantize_block_fp8
 from .int4 import dequantize_gptq
 from .int4_layout import SYMMETRIC_ZERO, Int4Weight, dequantize, from_gptq
@@ -101,6 +101,9 @@ class _Tensors:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
 
+    def dtype(self, name: str) -> torch.dtype | None:
+        return SAFETENSORS_DTYPES.get(self._slice(name).get_dtype())
+
     def nbytes(self, name: str) -> int:
         piece = self._slice(name)
         dtype = SAFETENSORS_DTYPES.get(piece.get_dtype())
@@ -144,7 +147,8 @@ class _Planner:
 
     # A 2-D weight `X.weight` stored plain, as int4 (`X.qweight` ...) or as fp8 (+ `X.weight_scale_inv`).
     def weight(self, name: str, shape: tuple[int, ...], packed: bool | None = None) -> _Recipe | None:
-        """packed: keep a 4-bit GPTQ tensor as an Int4Weight (default: when `name` is in packed_int4)."""
+        """packed: keep a 4-bit GPTQ or compressed-tensors tensor as an Int4Weight (default: when `name` is in
+        packed_int4)."""
         base = name[: -len(".weight")] if name.endswith(".weight") else None
         t = self.t
         if base is not None and t.has(base + ".qweight"):
@@ -174,12 +178,14 @@ class _Planner:
 
             return _Recipe([t.use(p) for p in parts], build)
         if base is not None and t.has(f"{base}.{compressed_tensors.PACKED}"):
-            return self._compressed_tensors(base, shape, name in self.packed_int4 if packed is None else packed)
+            keep_packed = name in self.packed_int4 if packed is None else packed
+            return self._compressed_tensors(compressed_tensors_plan.plan_packed, base, shape, keep_packed)
         if not t.has(name):
             return None
         self._check_shape(name, t.shape(name), shape)
-        if base is not None and self.quant.method == "compressed-tensors" and t.has(f"{base}.{compressed_tensors.SCALE}"):
-            return self._compressed_tensors_unpacked(name, base)
+        if (self.quant.method == "compressed-tensors" and base is not None
+                and t.has(f"{base}.{compressed_tensors.SCALE}")):
+            return self._compressed_tensors(compressed_tensors_plan.plan_unpacked, name, base, self.quant.weight_block)
         scale = name + "_scale_inv"
         if t.has(scale):
             block = self.quant.fp8_block
@@ -187,48 +193,21 @@ class _Planner:
                            lambda: dequantize_block_fp8(t.read(name, self.device), t.read(scale, self.device), block))
         return _Recipe([t.use(name)], lambda: t.read(name, self.device))
 
-    def _compressed_tensors(self, base: str, shape: tuple[int, ...], packed: bool) -> _Recipe:
-        """A compressed-tensors pack-quantized weight `base.weight_packed` ... (weights/compressed_tensors.py): kept
-        as an Int4Weight where `packed` and 4-bit, else dequantised."""
-        t = self.t
-        names = {part: f"{base}.{part}" for part in compressed_tensors.PARTS if t.has(f"{base}.{part}")}
-        absent = [part for part in compressed_tensors.REQUIRED if part not in names]
-        if absent:
-            raise CheckpointError(f"compressed-tensors weight {base} comes without its {', '.join(absent)}")
-        bits = compressed_tensors.bits_of(t.shape(names[compressed_tensors.PACKED]), shape) if len(shape) == 2 else 0
-        if not bits:
-            raise CheckpointError(f"tensor {base} (compressed-tensors) has the wrong shape: expected {tuple(shape)} "
-                                  f"in 4 or 8 bits, got {t.shape(names[compressed_tensors.PACKED])} packed words")
+    def _compressed_tensors(self, plan, *args) -> _Recipe:
+        """A compressed-tensors weight through `plan` (weights/compressed_tensors_plan.py), its problems reported as
+        CheckpointError, at planning or at reading."""
+        try:
+            sources, build = plan(self.t, *args, self.device)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
 
-        def build() -> torch.Tensor | Int4Weight:
-            parts = {part: t.read(name, self.device) for part, name in names.items()}
-            if tuple(int(v) for v in parts[compressed_tensors.SHAPE].tolist()) != tuple(shape):
-                raise CheckpointError(f"tensor {base} (compressed-tensors) has the wrong shape: expected "
-                                      f"{tuple(shape)}, its weight_shape says {parts[compressed_tensors.SHAPE].tolist()}")
+        def checked() -> torch.Tensor | Int4Weight:
             try:
-                if packed and bits == 4:
-                    return compressed_tensors.to_int4(parts)
-                return compressed_tensors.dequantize(parts, bits)
+                return build()
             except ValueError as e:
-                raise CheckpointError(f"compressed-tensors weight {base}: {e}") from None
+                raise CheckpointError(f"compressed-tensors weight {args[0]}: {e}") from None
 
-        return _Recipe([t.use(n) for n in names.values()], build)
-
-    def _compressed_tensors_unpacked(self, name: str, base: str) -> _Recipe:
-        """A compressed-tensors fp8 or int8 weight `name` with its scale (and zero point): dequantised; its static
-        activation scales, which flashnext does not apply, only counted as used."""
-        t = self.t
-        names = {part: f"{base}.{part}" for part in compressed_tensors.UNPACKED_PARTS if t.has(f"{base}.{part}")}
-        unread = [f"{base}.{part}" for part in compressed_tensors.ACTIVATION_PARTS if t.has(f"{base}.{part}")]
-
-        def build() -> torch.Tensor:
-            parts = {part: t.read(n, self.device) for part, n in names.items()}
-            try:
-                return compressed_tensors.dequantize_unpacked(t.read(name, self.device), parts, self.quant.weight_block)
-            except ValueError as e:
-                raise CheckpointError(f"compressed-tensors weight {base}: {e}") from None
-
-        return _Recipe([t.use(n) for n in (name, *names.values(), *unread)], build)
+        return _Recipe(sources, checked)
 
     @staticmethod
     def _check_shape(name: str, got: tuple[int, ...], expected: tuple[int, ...]) -> None:
@@ -267,7 +246,8 @@ class _Planner:
         num_experts, rows, cols = shape
         projections = ["gate_proj", "up_proj"] if kind == "gate_up_proj" else ["down_proj"]
         split = [rows // len(projections)] * len(projections)
-        stored = [f"{prefix}.0.{projections[0]}.{suffix}" for suffix in ("weight", "qweight", compressed_tensors.PACKED)]
+        stored = [f"{prefix}.0.{projections[0]}.{suffix}"
+                  for suffix in ("weight", "qweight", compressed_tensors.PACKED)]
         if not any(t.has(n) for n in stored):
             return None
         packed = name in self.packed_int4 and any(t.has(n) for n in stored[1:])
@@ -287,7 +267,8 @@ class _Planner:
         return self._stacked_int4(shape, pieces, split) if packed else self._stacked(shape, pieces, split)
 
     def _stacked_int4(self, shape: tuple[int, ...], pieces: list[list[_Recipe]], split: list[int]) -> _Recipe:
-        """Per-expert 4-bit GPTQ pieces → one stacked Int4Weight (qweight [E, K/8, N], gate rows then up rows, as
+        """Per-expert 4-bit pieces (GPTQ or compressed-tensors) → one stacked Int4Weight (qweight [E, K/8, N], gate
+        rows then up rows, as
         Int4Experts takes it), never dequantised. Act-order pieces (their own row permutations), pieces of
         other bit widths or group sizes fall back to the dequantised stack."""
 
@@ -300,7 +281,7 @@ class _Planner:
                     return self._stacked(shape, pieces, split).build()
                 built.append(parts)
                 weights += parts
-            # an asymmetric checkpoint where some pieces read as symmetric (all their zero points 8, so from_gptq
+            # an asymmetric checkpoint where some pieces read as symmetric (all their zero points 8, so from_rows
             # drops them): those get 8s when any piece of the layer has zero points
             zeros = next((w.zeros for w in weights if w.zeros is not None), None)
 
@@ -373,8 +354,8 @@ def load_checkpoint(
     """Read the checkpoint folder `path` into tensors keyed and shaped like `expected` ({name: (shape, dtype)}).
 
     Floating tensors come back in `dtype` (quantised ones dequantised), integer buffers in their expected dtype,
-    all on `device`. Names in `packed_int4` that the checkpoint stores as 4-bit GPTQ come back as Int4Weight
-    (the kernel layout; scales keep the checkpoint's dtype) instead. Names in `host_names` are read into CPU
+    all on `device`. Names in `packed_int4` that the checkpoint stores as 4-bit GPTQ or compressed-tensors integers
+    come back as Int4Weight (the kernel layout; scales keep the checkpoint's dtype) instead. Names in `host_names` are read into CPU
     memory whatever `device` is (routed experts that an expert cache keeps in host RAM). `expert_range`
     (first, count): of every routed expert set only these experts are read, stacked [count, ...] (expert
     parallel: one rank's share, so no rank ever holds the others'). `into` {name: tensor}: fill these tensors

@@ -113,13 +113,17 @@ def _compressed_tensors(qc: dict) -> QuantizationConfig:
         activations |= bool(group.get("input_activations"))
         schemes.append((kind, bits, bool(weights.get("symmetric", True)),
                         weights.get("group_size") if strategy == "group" else None))
+    # "mixed-precision" at the top: each group names its own format, checked above
     formats.discard(None)
+    formats.discard("mixed-precision")
     if formats - set(_CT_FORMATS):
         raise refuse(f"format {sorted(formats - set(_CT_FORMATS))}")
     if not schemes:
         raise refuse("config without config_groups")
     if qc.get("kv_cache_scheme"):
         raise refuse("kv_cache_scheme (a quantised KV cache)")
+    if qc.get("transform_config"):
+        raise refuse("transform_config (online rotations: QuIP, SpinQuant)")
     sparsity = qc.get("sparsity_config") or {}
     if sparsity.get("format", "dense") != "dense":
         raise refuse(f"sparsity format {sparsity.get('format')!r}")

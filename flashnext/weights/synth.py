@@ -265,7 +265,7 @@ def synthesize(
     tool_format: str | None = None,
     shard_bytes: int = SHARD_BYTES,
 ) -> Path:
-    """Write a random-weight checkpoint folder of kind `dtype` ("bf16", "int4" or "fp8") and return its path."""
+    """Write a random-weight checkpoint folder of kind `dtype` (KINDS) and return its path."""
     if dtype not in KINDS:
         raise ValueError(f"dtype must be one of {KINDS}, got {dtype!r}")
     config = get_preset(preset_or_config) if isinstance(preset_or_config, str) else json.loads(
