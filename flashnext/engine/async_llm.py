@@ -53,13 +53,16 @@ class AsyncLLM:
             if len(self.engine.scheduler.waiting) + sum(1 for m in self._inbox if m[0] == "add") >= self.engine.args.max_queued_requests:
                 raise EngineOverloaded(retry_after_s=1.0, message=f"{self.engine.args.max_queued_requests} requests are "
                                        "already waiting; retry later")
+        # a grammar compiles on this request's own thread, not on the engine's, where it would stall every stream
+        constraint = None if params.structured is None else await asyncio.to_thread(
+            self.engine.compile_constraint, params)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         done = threading.Event()
         result: list[BaseException | None] = [None]
         with self._lock:
             self._queues[request_id] = (loop, queue)
-            self._inbox.append(("add", request_id, prompt_token_ids, params, history_len, done, result))
+            self._inbox.append(("add", request_id, prompt_token_ids, params, history_len, constraint, done, result))
         self._wake.set()
         await asyncio.to_thread(done.wait)
         if result[0] is not None:
@@ -106,9 +109,9 @@ class AsyncLLM:
             inbox, self._inbox = self._inbox, []
         for message in inbox:
             if message[0] == "add":
-                _, request_id, prompt, params, history_len, done, result = message
+                _, request_id, prompt, params, history_len, constraint, done, result = message
                 try:
-                    self.engine.add_request(request_id, prompt, params, history_len)
+                    self.engine.add_request(request_id, prompt, params, history_len, constraint)
                 except BaseException as e:   # a rejection goes back to the caller, never kills the loop
                     result[0] = e
                 done.set()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -108,12 +109,14 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self.info = xgr.TokenizerInfo(encoded, vocab_type, vocab_size=vocab_size, stop_token_ids=stops)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+        self._lock = threading.Lock()
 
     def constraint(self, spec: StructuredOutput) -> StructuredConstraint:
         import xgrammar as xgr
 
         try:
-            compiled = self.compiler.compile_structural_tag(spec.structural_tag)
+            with self._lock:   # requests' threads compile concurrently; the compiler's cache is one
+                compiled = self.compiler.compile_structural_tag(spec.structural_tag)
         except (RuntimeError, ValueError) as exc:
             raise InvalidConstraint(_clean(exc)) from None
         return StructuredConstraint(xgr.GrammarMatcher(compiled), spec.kind)
@@ -124,9 +127,14 @@ def _backend(tokenizer_file: str, vocab_size: int, stop_token_ids: tuple[int, ..
     return GrammarBackend(tokenizer_file, vocab_size, stop_token_ids)
 
 
+_BACKEND_LOCK = threading.Lock()
+
+
 def shared_backend(tokenizer_file: str | Path, vocab_size: int, stop_token_ids) -> GrammarBackend:
-    """One backend per vocabulary, made on the first constrained request (xgrammar loads in seconds)."""
-    return _backend(str(tokenizer_file), vocab_size, tuple(sorted(stop_token_ids)))
+    """One backend per vocabulary, made on the first constrained request (xgrammar loads in seconds); requests on
+    several threads wait for that one rather than each building their own."""
+    with _BACKEND_LOCK:
+        return _backend(str(tokenizer_file), vocab_size, tuple(sorted(stop_token_ids)))
 
 
 def apply_constraints(logits: torch.Tensor, constraints: list[StructuredConstraint | None]) -> None:
