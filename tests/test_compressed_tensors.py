@@ -159,7 +159,7 @@ def test_quantization_config_parsing():
             read_quantization_config({"quantization_config": {**config, **change}})
 
 
-PRESETS = ["tiny-qwen3-next", "tiny-flash-next"]
+PRESETS = ["tiny-qwen3-next", "tiny-flash-next", "tiny-qwen3.5-moe"]
 
 
 @pytest.mark.parametrize("preset", PRESETS)
