@@ -1,6 +1,6 @@
 """AsyncLLM compiles a request's grammar on the request's thread, never on the engine thread, where the first one's
-vocabulary (seconds) and each schema (~25 ms at Qwen's 150K tokens) would stall every running stream; a schema that
-makes no grammar is still refused as the request's own error."""
+xgrammar import and vocabulary and each schema (LLMEngine.compile_constraint) would stall every running stream; a
+schema that makes no grammar is still refused as the request's own error."""
 import asyncio
 import json
 import threading

@@ -54,9 +54,9 @@ def prefill_path(rows: int, top_k: int, num_experts: int, w_gate_up: Int4Weight,
                  device: torch.device) -> str:
     """Which kernels `moe_int4` runs `rows` tokens of resident experts through on CUDA: "decode" (up to
     DECODE_MAX_M), "grouped" (also at every size past it with FLASHNEXT_MOE_INT4=grouped), "swapped" or "dequant"."""
-    mode = os.environ.get("FLASHNEXT_MOE_PREFILL", "auto")
     if rows <= DECODE_MAX_M and _BACKEND != "grouped":
         return "decode"
+    mode = os.environ.get("FLASHNEXT_MOE_PREFILL", "auto")
     if _BACKEND != "auto" or mode == "triton":
         return "grouped"
     per_expert = rows * top_k / num_experts

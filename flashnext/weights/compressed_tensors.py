@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import torch
 
+from .fp8 import expand_block_scale
 from .int4 import pack_int32, unpack_int32
-from .int4_layout import Int4Weight, from_rows
+from .int4_layout import Int4Weight, from_rows, quantize_rtn as quantize_int4_rtn
 
 PACKED, SCALE, SHAPE, ZERO_POINT, G_IDX = "weight_packed", "weight_scale", "weight_shape", "weight_zero_point", \
     "weight_g_idx"
 PARTS = (PACKED, SCALE, SHAPE, ZERO_POINT, G_IDX)
 REQUIRED = (PACKED, SCALE, SHAPE)
-UNPACKED_FORMATS = ("float-quantized", "int-quantized", "naive-quantized")
 # an unpacked weight's tensors: read (the weight itself is X.weight), and those only counted as used (activations)
 UNPACKED_PARTS, ACTIVATION_PARTS = (SCALE, ZERO_POINT, G_IDX), ("input_scale", "input_zero_point")
 
@@ -45,16 +45,6 @@ def bits_of(packed_shape: tuple[int, ...], shape: tuple[int, int]) -> int:
         return 0
     bits = 32 * packed_shape[1] // num_in
     return bits if bits in (4, 8) and packed_shape[1] * 32 == bits * num_in else 0
-
-
-def _groups(parts: dict[str, torch.Tensor], num_in: int) -> torch.Tensor:
-    """G(k) for every input k (long)."""
-    scale = parts[SCALE]
-    if G_IDX in parts:
-        return parts[G_IDX].to(device=scale.device, dtype=torch.long)
-    if num_in % scale.shape[1]:
-        raise ValueError(f"{scale.shape[1]} scale groups do not divide {num_in} inputs")
-    return torch.arange(num_in, device=scale.device) // (num_in // scale.shape[1])
 
 
 def _shape(parts: dict[str, torch.Tensor]) -> tuple[int, int]:
@@ -70,13 +60,14 @@ def _zero_points(parts: dict[str, torch.Tensor], bits: int, num_out: int) -> tor
 
 
 def dequantize(parts: dict[str, torch.Tensor], bits: int) -> torch.Tensor:
-    """A layer's tensors (named by PARTS without the module prefix) → fp32 [N, K]."""
+    """A layer's tensors (named by PARTS without the module prefix) → fp32 [N, K]: its stored values unpacked, then
+    `dequantize_unpacked` (the zero point of a symmetric layer: the storage offset 2**(bits-1))."""
     num_out, num_in = _shape(parts)
     codes = unpack_int32(parts[PACKED].to(torch.int32), bits, dim=1)[:, :num_in]
     zeros = _zero_points(parts, bits, num_out)
-    groups = _groups(parts, num_in)
-    zero = (1 << (bits - 1)) if zeros is None else zeros[:, groups]
-    return parts[SCALE].float()[:, groups] * (codes - zero).float()
+    if zeros is None:
+        zeros = torch.full(parts[SCALE].shape, 1 << (bits - 1), dtype=torch.int32, device=codes.device)
+    return dequantize_unpacked(codes, {**parts, ZERO_POINT: zeros})
 
 
 def to_int4(parts: dict[str, torch.Tensor]) -> Int4Weight:
@@ -92,8 +83,10 @@ def to_int4(parts: dict[str, torch.Tensor]) -> Int4Weight:
 
 def dequantize_unpacked(weight: torch.Tensor, parts: dict[str, torch.Tensor],
                         block: tuple[int, int] | None = None) -> torch.Tensor:
-    """An fp8 or int8 weight [N, K] and its UNPACKED_PARTS (named without the module prefix; `block`: the config's
-    block_structure, for the block strategy) → fp32 [N, K]."""
+    """Weight values [N, K] (fp8 or integers) and their UNPACKED_PARTS (named without the module prefix) → fp32 [N, K]:
+    scale · (value − zero point), the scale by tensor, row, group (or act-order group: weight_g_idx) or `block` (the
+    config's block_structure, where the scale has that shape). The shapes are checked where the checkpoint is planned
+    (compressed_tensors_plan.py)."""
     num_out, num_in = weight.shape
     scale, zero = parts[SCALE].float(), parts.get(ZERO_POINT)
     if G_IDX in parts:        # act-order groups: column k's scale is its group's
@@ -103,39 +96,26 @@ def dequantize_unpacked(weight: torch.Tensor, parts: dict[str, torch.Tensor],
         expand = (lambda t: t.reshape(()))  # noqa: E731
     else:
         rows, cols = scale.reshape(scale.shape[0], -1).shape
-        if block is None and (num_out % rows or num_in % cols):
-            raise ValueError(f"weight_scale {tuple(scale.shape)} does not fit weight {tuple(weight.shape)}")
-        rows, cols = block or (num_out // rows, num_in // cols)
-        if (-(-num_out // rows), -(-num_in // cols)) != tuple(scale.reshape(scale.shape[0], -1).shape):
-            raise ValueError(f"weight_scale {tuple(scale.shape)} does not fit weight {tuple(weight.shape)} "
-                             f"in blocks of {rows} x {cols}")
-        expand = (lambda t: t.reshape(t.shape[0], -1).repeat_interleave(rows, 0)  # noqa: E731
-                  .repeat_interleave(cols, 1)[:num_out, :num_in])
+        block = block or (num_out // rows, num_in // cols)
+        expand = (lambda t: expand_block_scale(t.reshape(rows, cols), weight.shape, block))  # noqa: E731
     w = weight.float()
     if zero is not None:
         w = w - expand(zero.float())
     return w * expand(scale)
 
 
+def from_int4(w: Int4Weight) -> dict[str, torch.Tensor]:
+    """The inverse of `to_int4` (not act-order): an Int4Weight as a 4-bit layer's tensors."""
+    assert w.perm is None, "act-order weights are stored with weight_g_idx"
+    parts = {PACKED: w.qweight.t().contiguous(), SCALE: w.scales.t().contiguous(),
+             SHAPE: torch.tensor([w.out_features, w.in_features])}
+    if w.zeros is not None:
+        parts[ZERO_POINT] = pack_int32(w.zeros.t().to(torch.int64), 4, dim=0)
+    return parts
+
+
 def quantize_rtn(weight: torch.Tensor, group_size: int = 128, sym: bool = True,
                  scale_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Round-to-nearest 4-bit quantisation of `weight` [N, K] in this format (synthetic checkpoints): symmetric,
-    scale = amax / 7 per group (q in [-7, 7]); asymmetric, scale = (max − min) / 15 and a zero point in [-8, 7]."""
-    num_out, num_in = weight.shape
-    if num_in % group_size or num_out % 8:
-        raise ValueError(f"cannot quantise a [{num_out}, {num_in}] weight to 4 bits in groups of {group_size}")
-    groups = weight.detach().float().reshape(num_out, num_in // group_size, group_size)
-    if sym:
-        scale = (groups.abs().amax(-1) / 7).to(scale_dtype)
-        zero = torch.zeros(scale.shape, dtype=torch.int64)
-    else:
-        lo, hi = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
-        scale = ((hi - lo) / 15).to(scale_dtype)
-        zero = torch.round(-8 - lo / torch.where(scale == 0, 1, scale.float())).to(torch.int64).clamp(-8, 7)
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = torch.round(groups / scale.float()[..., None] + zero[..., None]).to(torch.int64).clamp(-8, 7)
-    tensors = {PACKED: pack_int32(q.reshape(num_out, num_in) + 8, 4, dim=1), SCALE: scale,
-               SHAPE: torch.tensor([num_out, num_in])}
-    if not sym:
-        tensors[ZERO_POINT] = pack_int32(zero + 8, 4, dim=0)
-    return tensors
+    """Round-to-nearest 4-bit quantisation of `weight` [N, K] in this format (synthetic checkpoints): the kernel
+    layout's (int4_layout.quantize_rtn) as a layer's tensors."""
+    return from_int4(quantize_int4_rtn(weight, group_size, scale_dtype, sym))

@@ -14,7 +14,8 @@ import torch
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
-def _expand_scale(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int]) -> torch.Tensor:
+def expand_block_scale(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int]) -> torch.Tensor:
+    """Scales of [ceil(N/bn), ceil(K/bk)] blocks (any leading dims) → one a weight of `shape` [..., N, K]."""
     rows, cols = shape[-2], shape[-1]
     expanded = scale.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
     return expanded[..., :rows, :cols]
@@ -34,7 +35,7 @@ def dequantize_block_fp8(
             f"FP8 scale shape {tuple(scale_inv.shape)} does not fit weight {tuple(weight.shape)} "
             f"with {block[0]}x{block[1]} blocks (expected {expected})"
         )
-    return w * _expand_scale(scale_inv, weight.shape, block)
+    return w * expand_block_scale(scale_inv, weight.shape, block)
 
 
 def quantize_block_fp8(
@@ -48,5 +49,5 @@ def quantize_block_fp8(
     blocks = padded.unflatten(-1, (-1, block[1])).unflatten(-3, (-1, block[0]))  # [..., nb, bn, kb, bk]
     amax = blocks.abs().amax(dim=(-3, -1))
     scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
-    q = (w / _expand_scale(scale, w.shape, block)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = (w / expand_block_scale(scale, w.shape, block)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale

@@ -51,16 +51,25 @@ def _check_shape(num_out: int, num_in: int, group_size: int) -> None:
                          "K must be a multiple of the group size, and the group size and N multiples of 8")
 
 
-def quantize_rtn(weight: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtype = torch.bfloat16) -> Int4Weight:
-    """Symmetric round-to-nearest int4 of `weight` [N, K]: scale = amax / 7 per (group, output), rounded to
-    `scale_dtype` *before* the codes are chosen, so the codes are the nearest for the scale kernels will see."""
+def quantize_rtn(weight: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtype = torch.bfloat16,
+                 sym: bool = True) -> Int4Weight:
+    """Round-to-nearest int4 of `weight` [N, K], the scale rounded to `scale_dtype` *before* the codes are chosen, so
+    the codes are the nearest for the scale kernels will see. Symmetric: scale = amax / 7 per (group, output), zero 8;
+    asymmetric: scale = (max − min) / 15 (the range widened to hold 0) and a zero point in [0, 15]."""
     num_out, num_in = weight.shape
     _check_shape(num_out, num_in, group_size)
     groups = weight.detach().float().t().reshape(num_in // group_size, group_size, num_out)
-    scales = (groups.abs().amax(1) / 7).to(scale_dtype)
+    if sym:
+        scales = (groups.abs().amax(1) / 7).to(scale_dtype)
+    else:
+        lo, hi = groups.amin(1).clamp(max=0), groups.amax(1).clamp(min=0)
+        scales = ((hi - lo) / 15).to(scale_dtype)
     scales = torch.where(scales == 0, torch.ones_like(scales), scales)
-    q = torch.round(groups / scales.float().unsqueeze(1)).clamp(-8, 7).to(torch.int64) + SYMMETRIC_ZERO
-    return Int4Weight(pack_int32(q.reshape(num_in, num_out), 4, dim=0), scales, None, None, group_size)
+    zeros = (torch.full(scales.shape, SYMMETRIC_ZERO, dtype=torch.int64) if sym
+             else torch.round(-lo / scales.float()).to(torch.int64).clamp(0, 15))
+    q = (torch.round(groups / scales.float().unsqueeze(1)) + zeros.unsqueeze(1)).clamp(0, 15).to(torch.int64)
+    return Int4Weight(pack_int32(q.reshape(num_in, num_out), 4, dim=0), scales,
+                      None if sym else zeros.to(torch.uint8), None, group_size)
 
 
 def from_gptq(
@@ -97,14 +106,15 @@ def from_rows(qweight: torch.Tensor, zeros: torch.Tensor | None, scales: torch.T
         raise ValueError(f"{source} scales {tuple(scales.shape)} do not fit qweight {tuple(qweight.shape)}")
     group_size = num_in // num_groups
     _check_shape(num_out, num_in, group_size)
-    if zeros is not None and tuple(zeros.shape) != tuple(scales.shape):
-        raise ValueError(f"{source} zero points {tuple(zeros.shape)} do not fit scales {tuple(scales.shape)}")
-    if zeros is not None and bool((zeros == SYMMETRIC_ZERO).all()):
-        zeros = None
-    elif zeros is not None and sym:
-        raise ValueError(f"{source} layer declared symmetric has zero points other than 8")
-    elif zeros is not None:
-        zeros = zeros.to(torch.uint8).contiguous()
+    if zeros is not None:
+        if tuple(zeros.shape) != tuple(scales.shape):
+            raise ValueError(f"{source} zero points {tuple(zeros.shape)} do not fit scales {tuple(scales.shape)}")
+        if bool((zeros == SYMMETRIC_ZERO).all()):
+            zeros = None
+        elif sym:
+            raise ValueError(f"{source} layer declared symmetric has zero points other than 8")
+        else:
+            zeros = zeros.to(torch.uint8).contiguous()
     perm = None
     if g_idx is not None:
         g_idx = g_idx.to(device=qweight.device, dtype=torch.long)

@@ -64,7 +64,7 @@ def read_quantization_config(config: dict) -> QuantizationConfig:
         return QuantizationConfig(method="fp8", bits=8, fp8_block=(int(block[0]), int(block[1])))
     raise ValueError(
         f"quantization method {qc.get('quant_method')!r} is not supported; flashnext loads bf16/fp16/fp32, "
-        "AutoRound or GPTQ int4 (auto_gptq packing), compressed-tensors W4A16/W8A16 (pack-quantized) and block-FP8 "
+        "AutoRound or GPTQ int4 (auto_gptq packing), compressed-tensors (int4/int8/fp8 weights) and block-FP8 "
         "checkpoints"
     )
 
