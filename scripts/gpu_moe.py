@@ -64,10 +64,9 @@ SWAPPED_SWEEP = [SwappedConfig(bm, bn, w, st) for bm, bn, w, st in [
 # every prefill size the engine meets: chained steps' chunks, a decode step's prefill budget, a turn's new tokens, a
 # whole 10K prompt, the 16,384-token step
 SIZES_M = (128, 256, 512, 1024, 2048, 4096, 6144, 8192, 10000, 16384)
-SIZES_SWEEP = [SwappedConfig(bm, bn, w, st, magic) for bm, bn, w, st, magic in [
-    (16, 64, 4, 3, False), (16, 128, 4, 3, False), (32, 64, 4, 4, False), (32, 128, 4, 3, False),
-    (64, 64, 4, 4, False), (64, 128, 4, 3, False), (64, 128, 4, 3, True), (128, 64, 4, 3, False),
-    (128, 64, 4, 3, True), (128, 64, 8, 3, False), (128, 128, 8, 3, False), (128, 128, 8, 3, True)]]
+SIZES_SWEEP = [SwappedConfig(bm, bn, w, st) for bm, bn, w, st in [
+    (16, 64, 4, 3), (16, 128, 4, 3), (32, 64, 4, 4), (32, 128, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 3),
+    (128, 64, 8, 3), (128, 128, 8, 3)]]
 PREFILL_SWEEP = [PREFILL] + [MoeConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in
                              [(64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 128, 128, 8, 3), (128, 64, 64, 4, 4),
                               (32, 128, 64, 4, 4), (128, 128, 128, 8, 2)]]
@@ -280,7 +279,7 @@ def _cfg(c) -> str:
     if c is None:
         return "(cuBLAS grouped)"
     if isinstance(c, SwappedConfig):
-        return f"m{c.block_m} n{c.block_n} w{c.num_warps} s{c.num_stages}{' magic' if c.magic else ''}"
+        return f"m{c.block_m} n{c.block_n} w{c.num_warps} s{c.num_stages}"
     if isinstance(c, DecodeConfig):
         return (f"n{c.block_n}/{c.down_block_n or c.block_n} k{c.block_k} s{c.split_k}/{c.split_down} w{c.num_warps} "
                 f"st{c.num_stages}")

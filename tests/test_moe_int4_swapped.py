@@ -27,7 +27,7 @@ CASES = [
     (40, 2, 96, 32, 32, 32, False, 16, 32),
     (17, 3, 64, 64, 64, 32, False, 32, 64),
     (5, 2, 64, 32, 64, 32, True, 16, 32),
-    (300, 4, 128, 64, 128, 64, True, None, None),    # the default tiles (SwappedConfig()), experts over two blocks
+    (300, 4, 128, 64, 128, 64, True, None, None),    # the tiles config_for picks (150 rows an expert: 128)
 ]
 
 
@@ -37,24 +37,17 @@ def test_swapped_equals_reference(m, k, h, i, g_up, g_down, asym, block_m, block
 
     x, ids, weights, w_gate_up, w_down = case(m, 8, k, h, i, g_up, g_down, asym)
     assert runs_swapped(w_gate_up, w_down, x.device)
-    config = SwappedConfig() if block_m is None else SwappedConfig(block_m=block_m, block_n=block_n)
+    config = None if block_m is None else SwappedConfig(block_m=block_m, block_n=block_n)
     got = moe_int4_swapped(x, ids, weights, w_gate_up, w_down, config)
     assert rel_err(got, moe_int4_reference(x, ids, weights, w_gate_up, w_down)) < 1e-5
 
 
-@pytest.mark.parametrize("asym,dtype", [(True, torch.float32), (False, torch.float32), (True, torch.float16)])
-def test_magic_dequantisation_is_bit_equal(asym, dtype):
-    """SwappedConfig.magic: q − zero from the nibbles' bits as fp32 is the same exact integer as the conversion, so
-    every weight, and so the result, is the same bits."""
-    from flashnext.ops.moe_int4_swapped_triton import SwappedConfig, moe_int4_swapped
+def test_tiles_hold_the_rows_an_expert():
+    """config_for: the smallest measured block of rows that holds the average rows an expert, the largest past it."""
+    from flashnext.ops.moe_int4_swapped_triton import TILES, config_for
 
-    x, ids, weights, w_gate_up, w_down = case(40, 8, 3, 64, 48, 32, 16, asym)
-    x = x.to(dtype)
-    plain = moe_int4_swapped(x, ids, weights, w_gate_up, w_down, SwappedConfig(block_m=16, block_n=32))
-    magic = moe_int4_swapped(x, ids, weights, w_gate_up, w_down, SwappedConfig(block_m=16, block_n=32, magic=True))
-    assert torch.equal(plain, magic)
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    assert rel_err(magic, moe_int4_reference(x.float(), ids, weights, w_gate_up, w_down)) < tolerance
+    assert config_for(2.5).block_m == 16 and config_for(16).block_m == 16 and config_for(16.1).block_m == 32
+    assert config_for(80).block_m == 128 and config_for(1000) == TILES[128]
 
 
 def test_act_order_and_small_groups_on_a_gpu_are_not_taken():

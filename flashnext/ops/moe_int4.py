@@ -35,17 +35,18 @@ DECODE_MAX_M = 64
 # up to DEQUANT_MIN_ROWS_PER_EXPERT, the grouped GEMM over dequantised experts (ops/moe_int4_dequant.py) from
 # there; experts the transposed tiles do not take (act-order, groups below 128) go from the grouped kernels to the
 # dequantised ones at GROUPED_MAX_ROWS_PER_EXPERT (session 18's measured crossing); "triton", "swapped", "dequant":
-# that path at every size past DECODE_MAX_M. H200, Flash-Next (512 experts, top-10), ms per layer (scripts/gpu_moe.py --prefill,
-# session 19):
-#     tokens (rows an expert)   grouped kernels   transposed tiles (their DEFAULT)   dequantised
-#     4,096 (80)                3.26              2.11                               3.55
-#     10,000 (195)              5.92              4.33                               4.26
-#     16,384 (320)              9.42              7.55 (6.58 at 128 × 128, 8 warps)  6.37
-# Below 4,096 tokens the transposed tiles are not measured: up to 128 rows an expert they run one 128-row block an
-# expert whatever its rows, so their 4,096-token time bounds theirs down to SWAPPED_MIN_ROWS_PER_EXPERT (3,277
-# tokens), where the grouped kernels' 64-row blocks are still ~1.5 an expert (inferred; `gpu_moe.py --swapped-sizes`
-# sweeps 128–16,384 tokens).
-SWAPPED_MIN_ROWS_PER_EXPERT = 64
+# that path at every size past DECODE_MAX_M. H200, ms per layer (scripts/gpu_moe.py --swapped-sizes, session 20; 512
+# experts, top-10, so rows an expert = tokens / 51.2; the transposed tiles at their `config_for` tiles):
+#     tokens (rows an expert)   Flash-Next: grouped / transposed / dequant   Qwen3-Next: grouped / transposed / dequant
+#     128 (2.5)                 1.043 / 0.910 / 3.196                        0.794 / 0.925 / 2.083
+#     256 (5)                   1.626 / 0.932 / 3.289                        1.107 / 0.941 / 2.145
+#     1,024 (20)                1.710 / 1.147 / 3.390                        1.196 / 0.823 / 2.206
+#     4,096 (80)                3.237 / 2.107 / 3.564                        2.188 / 1.498 / 2.394
+#     8,192 (160)               5.046 / 3.942 / 4.090                        3.415 / 2.731 / 2.784
+#     10,000 (195)              5.886 / 4.288 / 4.249                        3.993 / 2.950 / 2.918
+#     16,384 (320)              9.484 / 7.001 / 6.384                        6.124 / 4.546 / 4.323
+# So the transposed tiles from 4 rows an expert (the models part at 2.5) to DEQUANT_MIN_ROWS_PER_EXPERT.
+SWAPPED_MIN_ROWS_PER_EXPERT = 4
 DEQUANT_MIN_ROWS_PER_EXPERT = 195
 GROUPED_MAX_ROWS_PER_EXPERT = 100
 

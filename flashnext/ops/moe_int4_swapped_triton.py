@@ -40,14 +40,26 @@ class SwappedConfig:
     block_n: int = 64     # output columns a program: the MMA's M side (64 a warp group)
     num_warps: int = 4
     num_stages: int = 3
-    magic: bool = False   # nibbles to fp32 by their bits (`_nibble_tile`); off until measured on the GPU
 
 
-# H200, Flash-Next (512 experts, top-10), per layer (scripts/gpu_moe.py --prefill, session 19, ten configs): 128 × 64
-# tiles, 4 warps, 3 stages the fastest at 4,096 and 10,000 tokens (2.11 / 4.33 ms; 64 × 128: 2.59 / 4.65), third at
-# 16,384 (7.55 ms against 6.58 at 128 × 128 with 8 warps and 7.15 at 64 × 128, where ops.moe_int4.prefill_path takes
-# dequantised experts)
-DEFAULT = SwappedConfig()
+# The tiles for an average of r rows an expert: block_m the power of two from 16 to 128 that holds r (fewer rows
+# waste the MMA's N side on masked rows, more run an expert's rows as several blocks, each re-reading its weights),
+# the rest the fastest measured with that block_m. H200, per layer, ms (scripts/gpu_moe.py --swapped-sizes, session
+# 20, twelve configs; 512 experts, top-10, so r = tokens / 51.2):
+#     tokens (r)    Flash-Next: these tiles / the fastest    Qwen3-Next: these tiles / the fastest
+#     256 (5)       0.932 / same                             0.941 / 0.916 (64 × 128)
+#     512 (10)      0.995 / same                             0.986 / 0.949 (64 × 128)
+#     1,024 (20)    1.147 / same                             0.823 / same
+#     2,048 (40)    1.460 / same                             1.035 / same
+#     4,096 (80)    2.107 / same                             1.498 / same
+#     8,192 (160)   3.942 / same                             2.731 / 2.713 (64 × 128)
+TILES = {16: SwappedConfig(16, 128, 4, 3), 32: SwappedConfig(32, 64, 4, 4), 64: SwappedConfig(64, 128, 4, 3),
+         128: SwappedConfig(128, 64, 4, 3)}
+
+
+def config_for(rows_per_expert: float) -> SwappedConfig:
+    """The measured tiles (TILES) for this many (token, choice) rows an expert on average."""
+    return TILES[next((bm for bm in sorted(TILES) if bm >= rows_per_expert), max(TILES))]
 
 
 def tile_k(group_size: int) -> int:
@@ -72,28 +84,17 @@ def swizzle_columns(x: torch.Tensor, tile: int) -> torch.Tensor:
     return x.view(m, k // tile, tile // 8, 8).transpose(-1, -2).reshape(m, k)
 
 
-# 2**23 as an fp32: OR-ed into a nibble q, the bits read as an fp32 are 2**23 + q exactly (the mantissa's unit is 1)
-_MAGIC_BITS = tl.constexpr(0x4B000000)
-_MAGIC = tl.constexpr(8388608.0)
-
-
 @triton.jit
-def _nibble_tile(packed, j: tl.constexpr, zero, scale, dtype: tl.constexpr, MAGIC: tl.constexpr):
-    """Sub-tile j of a packed tile [BLOCK_N, SUB] of words: the weights of rows 8i+j, scaled, in `dtype`.
-    MAGIC: q − zero as (2**23 + q) − (2**23 + zero) in fp32 — the same exact integer, without an int→float
-    conversion, which Hopper issues at a quarter of the fp32 rate (the weights here feed the MMA from registers, so
-    their dequantisation is on its path); `zero` is then 2**23 + zero, in fp32 (`_packed_tile`)."""
+def _nibble_tile(packed, j: tl.constexpr, zero, scale, dtype: tl.constexpr):
+    """Sub-tile j of a packed tile [BLOCK_N, SUB] of words: the weights of rows 8i+j, scaled, in `dtype`. (Forming
+    q − zero from the nibbles' bits as fp32, without the int→float conversion, measured 1–3% slower: session 20.)"""
     q = (packed >> (4 * j)) & 0xF
-    if MAGIC:
-        centred = (q | _MAGIC_BITS).to(tl.float32, bitcast=True) - zero[:, None]
-    else:
-        centred = (q - zero[:, None]).to(tl.float32)
-    return (centred * scale[:, None]).to(dtype)
+    return ((q - zero[:, None]).to(tl.float32) * scale[:, None]).to(dtype)
 
 
 @triton.jit
 def _packed_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, N,
-                 HAS_ZEROS: tl.constexpr, SUB: tl.constexpr, MAGIC: tl.constexpr):
+                 HAS_ZEROS: tl.constexpr, SUB: tl.constexpr):
     """The words of rows k0 .. k0+8·SUB of columns offs_n ([BLOCK_N, SUB]), their zero points (as `_nibble_tile` takes
     them) and scales."""
     words = k0 // 8 + tl.arange(0, SUB)
@@ -103,8 +104,6 @@ def _packed_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_o
         zero = tl.load(zeros_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.int32)
     else:
         zero = tl.full(offs_n.shape, 8, tl.int32)
-    if MAGIC:
-        zero = zero.to(tl.float32) + _MAGIC
     scale = tl.load(scales_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.float32)
     return packed, zero, scale
 
@@ -112,7 +111,7 @@ def _packed_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_o
 @triton.jit(do_not_specialize=["n_pairs"])
 def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr, qweight_ptr, scales_ptr, zeros_ptr,
                     n_pairs, H, I, group_size, TOP_K: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                    PRECISION: tl.constexpr, SUB: tl.constexpr, DOWN_SUB: tl.constexpr, MAGIC: tl.constexpr,
+                    PRECISION: tl.constexpr, SUB: tl.constexpr, DOWN_SUB: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start = tl.load(block_start_ptr + tl.program_id(0))
     if start < 0:  # a spare entry of the block table
@@ -130,14 +129,14 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr, qw
     up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for k0 in range(0, H, 8 * SUB):
         packed_g, zero_g, scale_g = _packed_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, N,
-                                                 HAS_ZEROS, SUB, MAGIC)
+                                                 HAS_ZEROS, SUB)
         packed_u, zero_u, scale_u = _packed_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, I + offs_n, n_ok,
-                                                 N, HAS_ZEROS, SUB, MAGIC)
+                                                 N, HAS_ZEROS, SUB)
         for j in tl.static_range(8):
             # swizzled columns: sub-tile j of this packed tile is SUB contiguous columns
             a = tl.load(x_ptr + token[None, :] * H + (k0 + j * SUB + offs_s)[:, None], mask=ok[None, :], other=0)
-            w_gate = _nibble_tile(packed_g, j, zero_g, scale_g, a.dtype, MAGIC)
-            w_up = _nibble_tile(packed_u, j, zero_u, scale_u, a.dtype, MAGIC)
+            w_gate = _nibble_tile(packed_g, j, zero_g, scale_g, a.dtype)
+            w_up = _nibble_tile(packed_u, j, zero_u, scale_u, a.dtype)
             gate = tl.dot(w_gate, a, gate, input_precision=PRECISION)
             up = tl.dot(w_up, a, up, input_precision=PRECISION)
     h = (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty)
@@ -150,7 +149,7 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr, qw
 @triton.jit(do_not_specialize=["n_pairs"])
 def _down_kernel(h_ptr, y_ptr, sorted_ids_ptr, order_ptr, block_start_ptr, qweight_ptr, scales_ptr, zeros_ptr,
                  n_pairs, H, I, group_size, HAS_ZEROS: tl.constexpr, PRECISION: tl.constexpr, SUB: tl.constexpr,
-                 MAGIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start = tl.load(block_start_ptr + tl.program_id(0))
     if start < 0:  # a spare entry of the block table
         return
@@ -164,21 +163,24 @@ def _down_kernel(h_ptr, y_ptr, sorted_ids_ptr, order_ptr, block_start_ptr, qweig
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for k0 in range(0, I, 8 * SUB):
         packed, zero, scale = _packed_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, H,
-                                           HAS_ZEROS, SUB, MAGIC)
+                                           HAS_ZEROS, SUB)
         for j in tl.static_range(8):
             a = tl.load(h_ptr + rows[None, :] * I + (k0 + j * SUB + offs_s)[:, None], mask=ok[None, :], other=0)
-            acc = tl.dot(_nibble_tile(packed, j, zero, scale, a.dtype, MAGIC), a, acc, input_precision=PRECISION)
+            acc = tl.dot(_nibble_tile(packed, j, zero, scale, a.dtype), a, acc, input_precision=PRECISION)
     tl.store(y_ptr + rows[None, :] * H + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
              mask=ok[None, :] & n_ok[:, None])
 
 
 def moe_int4_swapped(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weight,
-                     config: SwappedConfig = DEFAULT) -> torch.Tensor:
-    """Same contract as ops.moe_int4.moe_int4_reference, for experts where `runs_swapped` holds."""
+                     config: SwappedConfig | None = None) -> torch.Tensor:
+    """Same contract as ops.moe_int4.moe_int4_reference, for experts where `runs_swapped` holds; `config` by default
+    `config_for` the rows an expert."""
     m, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, _, two_i = w_gate_up.qweight.shape
     inter = two_i // 2
+    if config is None:
+        config = config_for(topk_ids.numel() / num_experts)
     sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)
     sorted_ids, order = sorted_ids.to(torch.int32), order.to(torch.int32)
     block_start = _prefill_blocks(sorted_ids, num_experts, config.block_m)
@@ -186,7 +188,7 @@ def moe_int4_swapped(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: I
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     h = torch.empty(n_pairs, inter, dtype=x.dtype, device=x.device)
     rows = torch.empty(n_pairs, hidden, dtype=x.dtype, device=x.device)
-    common = dict(PRECISION=precision, MAGIC=config.magic, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+    common = dict(PRECISION=precision, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                   num_warps=config.num_warps, num_stages=config.num_stages)
     tile_up, tile_down = tile_k(w_gate_up.group_size), tile_k(w_down.group_size)
     _gate_up_kernel[(block_start.numel(), triton.cdiv(inter, config.block_n))](
