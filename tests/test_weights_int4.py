@@ -97,3 +97,13 @@ def test_gptq_v2_zeros():
 def test_rejects_bad_shapes():
     with pytest.raises(ValueError, match="cannot quantise"):
         quantize_gptq_rtn(torch.randn(8, 100), group_size=32)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_kernel_layout_rtn_stays_on_the_weights_device(sym):
+    """int4_layout.quantize_rtn makes every tensor on the weight's device (`--quantize int4` quantises on the GPU); the
+    meta device stands in for it, as a CPU-made zero point fails there the same way."""
+    from flashnext.weights.int4_layout import quantize_rtn
+
+    packed = quantize_rtn(torch.randn(16, 128, device="meta"), 32, sym=sym)
+    assert all(t.device.type == "meta" for t in packed.tensors().values())

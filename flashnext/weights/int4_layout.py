@@ -65,7 +65,7 @@ def quantize_rtn(weight: torch.Tensor, group_size: int = 128, scale_dtype: torch
         lo, hi = groups.amin(1).clamp(max=0), groups.amax(1).clamp(min=0)
         scales = ((hi - lo) / 15).to(scale_dtype)
     scales = torch.where(scales == 0, torch.ones_like(scales), scales)
-    zeros = (torch.full(scales.shape, SYMMETRIC_ZERO, dtype=torch.int64) if sym
+    zeros = (torch.full(scales.shape, SYMMETRIC_ZERO, dtype=torch.int64, device=scales.device) if sym
              else torch.round(-lo / scales.float()).to(torch.int64).clamp(0, 15))
     q = (torch.round(groups / scales.float().unsqueeze(1)) + zeros.unsqueeze(1)).clamp(0, 15).to(torch.int64)
     return Int4Weight(pack_int32(q.reshape(num_in, num_out), 4, dim=0), scales,
