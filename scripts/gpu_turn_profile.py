@@ -8,6 +8,7 @@ chunks it ran (tokens, context), its wall time (synchronised), and the top kerne
 turn's prefill by the profiler.
 
     python3 scripts/gpu_turn_profile.py [--model mem:flash-next] [--quantize int4] [--depth 3500 --depth 32000]
+        [--new 600 --new 4000]
 """
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def main() -> int:
     ap.add_argument("--model", default="mem:flash-next")
     ap.add_argument("--quantize", default="int4")
     ap.add_argument("--depth", type=int, action="append", default=[])
-    ap.add_argument("--new", type=int, default=200, help="tokens a follow-up adds")
+    ap.add_argument("--new", type=int, action="append", default=[], help="tokens a follow-up adds (repeatable: the "
+                    "turns of each size in turn, on one conversation; default 200)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE",
                     help="also run two turns with this environment switch set (one read on the eager path per call, "
@@ -83,9 +85,10 @@ def main() -> int:
         reply = llm.generate([conv], params)[0].token_ids
         # Turns alternate between the defaults and each variant (two each), then one profiled with the defaults.
         settings = [None] + args.variant
-        plan = [settings[i % len(settings)] for i in range(2 * len(settings))] + ["profiled"]
-        for turn, setting in enumerate(plan):
-            conv = conv + reply + [rng.randrange(100, vocab - 100) for _ in range(args.new)]
+        plan = [(new, settings[i % len(settings)]) for new in args.new or [200] for i in range(2 * len(settings))]
+        plan += [(new, "profiled") for new in args.new or [200]]
+        for turn, (new, setting) in enumerate(plan):
+            conv = conv + reply + [rng.randrange(100, vocab - 100) for _ in range(new)]
             profiled = setting == "profiled"
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if profiled else nullcontext() as prof, \
                     variant(engine, None if profiled else setting):
