@@ -1,6 +1,6 @@
 """On the GPU machine: the QSA token-list kernel (ops/qsa_token_lists_triton.py) equals its reference bit for bit at
 the indexer's real sizes (Flash-Next: 512 of the context's blocks, 4 tokens a block), with ties and −inf, and what
-a call costs in a CUDA graph against the torch path it replaced (topk, then ~20 small kernels), and at 4 to 32
+a call costs in a CUDA graph against the torch path it replaced (topk, then ~20 small kernels), and at 2 to 32
 warps a program (the kernel's _warps).
 Run: python3 scripts/gpu_qsa_lists.py"""
 import sys
@@ -67,17 +67,19 @@ def main() -> int:
     print(f"top blocks of 1,024 queries x 2,500 blocks: equal {same}, kernel "
           f"{graph_us(lambda: qsa_top_blocks(scores, K)):.1f} µs, two sorts "
           f"{graph_us(lambda: qsa_top_blocks_reference(scores, K)):.1f} µs")
-    print("warps a program (kernel._warps) against µs a call:")
+    print("warps a program (kernel._warps) against µs a call (decode's single rows, then a prefill's query blocks of "
+          "1,024 rows at 30K / 40K / 64K / 160K tokens of context):")
     default = kernel._warps
-    for rows, blocks in [(1, 2500), (1, 16384), (1, 65536)]:
+    for rows, blocks in [(1, 2500), (1, 16384), (1, 65536), (1024, 7500), (1024, 10000), (1024, 16384),
+                         (1024, 40000)]:
         scores = torch.rand(rows, blocks, device="cuda", generator=g) * 5
         pos = torch.full((rows,), blocks * RATIO + 1, device="cuda", dtype=torch.int64)
         times = {}
-        for warps in (4, 8, 16, 32):
+        for warps in (2, 4, 8, 16, 32):
             kernel._warps = lambda size, w=warps: w
             times[warps] = graph_us(lambda: qsa_token_lists_triton(scores, pos, K, RATIO, blocks * RATIO))
         kernel._warps = default
-        print(f"  {rows} x {blocks}: " + ", ".join(f"{w} warps {times[w]:.1f}" for w in (4, 8, 16, 32)))
+        print(f"  {rows} x {blocks}: " + ", ".join(f"{w} warps {t:.1f}" for w, t in times.items()))
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 

@@ -8,11 +8,13 @@ chunks it ran (tokens, context), its wall time (synchronised), and the top kerne
 turn's prefill by the profiler.
 
     python3 scripts/gpu_turn_profile.py [--model mem:flash-next] [--quantize int4] [--depth 3500 --depth 32000]
-        [--new 600 --new 4000]
+        [--new 600 --new 4000] [--python]
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import random
 import sys
 import time
@@ -68,6 +70,9 @@ def main() -> int:
     ap.add_argument("--new", type=int, action="append", default=[], help="tokens a follow-up adds (repeatable: the "
                     "turns of each size in turn, on one conversation; default 200)")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--python", action="store_true",
+                    help="profile the host's Python instead (cProfile, the functions by own and cumulative time): where "
+                         "an eager step's host time goes")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE",
                     help="also run two turns with this environment switch set (one read on the eager path per call, "
                          "e.g. FLASHNEXT_HC_DECODE_MAX_ROWS=256), or extend=off; repeatable")
@@ -90,14 +95,24 @@ def main() -> int:
         for turn, (new, setting) in enumerate(plan):
             conv = conv + reply + [rng.randrange(100, vocab - 100) for _ in range(new)]
             profiled = setting == "profiled"
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if profiled else nullcontext() as prof, \
+            python = cProfile.Profile() if profiled and args.python else None
+            torch_profile = profiled and not args.python
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if torch_profile else nullcontext() as prof, \
                     variant(engine, None if profiled else setting):
+                if python is not None:
+                    python.enable()
                 steps, total, request = first_token_steps(engine, f"d{depth}-t{turn}", conv, params, len(conv) - 5)
+                if python is not None:
+                    python.disable()
             label = " (profiled)" if profiled else f" [{setting}]" if setting else ""
             print(f"depth {depth} turn {turn}{label}: prompt {len(conv)}, cached "
                   f"{request.num_cached}: first token in {total:.1f} ms over {len(steps)} steps: "
                   + ", ".join(f"{label} {ms:.1f} ms" for label, ms in steps))
-            if profiled:
+            if python is not None:
+                stats = pstats.Stats(python)
+                stats.sort_stats("tottime").print_stats(35)
+                stats.sort_stats("cumtime").print_stats(r"flashnext|fla/", 45)
+            elif profiled:
                 print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70))
                 if torch.cuda.is_available():
                     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70))
