@@ -14,10 +14,10 @@ each call) and, for decode, do_bench_cudagraph over 8 layers' distinct weights (
 runs it; rows are sorted by the smaller of the two. The decode checks also ask for the same bits run to
 run, alone and in a batch, and replayed in a CUDA graph (the kernels add their partials with arrival
 counters). Exits non-zero on a mismatch.
-Run: python3 scripts/gpu_moe.py [--quick] [--prefill] [flash-next|qwen3-next]   (--quick: default configs only, no
-     sweeps; --prefill: only the prefill sizes PREFILL_PARTS_M, FLASHNEXT_MOE_PREFILL=dequant taken apart into its
-     steps beside the grouped kernels and the transposed-tile kernels' SWAPPED_SWEEP; --swapped-sizes: the
-     transposed-tile kernels' SIZES_SWEEP against the grouped kernels' tiles and the dequant path from 128 to 16,384
+Run: python3 scripts/gpu_moe.py [--check-only] [--quick] [--prefill] [flash-next|qwen3-next]   (--check-only: the checks
+     and ops/expert_order's, nothing timed; --quick: default configs only, no sweeps; --prefill: only the prefill
+     sizes PREFILL_PARTS_M, FLASHNEXT_MOE_PREFILL=dequant taken apart into its steps beside the grouped
+     kernels and the transposed-tile kernels' SWAPPED_SWEEP; --swapped-sizes: the transposed-tile kernels' SIZES_SWEEP against the grouped kernels' tiles and the dequant path from 128 to 16,384
      tokens, one line a size; a model name: only its shapes)
 """
 import sys
@@ -286,12 +286,31 @@ def _cfg(c) -> str:
     return f"m{c.block_m} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}{' tile' if c.scale_in_tile else ''}"
 
 
+def expert_order_check() -> bool:
+    """ops/expert_order's kernels against its reference at prefill sizes: the same sorted experts, ends and block
+    table, an order the sorted experts follow and its inverse as position."""
+    from flashnext.ops.expert_order import expert_order_reference
+    from flashnext.ops.expert_order_triton import expert_order_triton
+
+    ok = True
+    for m, block_m in ((300, 16), (4096, 128), (16384, 128)):
+        _, ids, _ = routing(m, 256, seed=m)
+        want, got = expert_order_reference(ids, E, block_m), expert_order_triton(ids, E, block_m)
+        same = all(torch.equal(getattr(got, f), getattr(want, f)) for f in ("sorted_ids", "ends", "block_start"))
+        flat = ids.reshape(-1).to(torch.int32)
+        same &= torch.equal(flat[got.order.long()], got.sorted_ids) and torch.equal(
+            got.position[got.order.long()], torch.arange(flat.numel(), device="cuda", dtype=torch.int32))
+        ok &= same
+        print(f"  check expert order M={m:5d} block {block_m}: {'ok' if same else 'MISMATCH'}")
+    return ok
+
+
 def main() -> int:
     quick = "--quick" in sys.argv
     shapes = {name: shape for name, shape in SHAPES.items() if name in sys.argv[1:]} or SHAPES
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
-    ok = all([check(name, h, i) for name, (h, i) in shapes.items()])
-    for name, (h, i) in shapes.items():
+    ok = all([check(name, h, i) for name, (h, i) in shapes.items()]) and expert_order_check()
+    for name, (h, i) in shapes.items() if "--check-only" not in sys.argv else ():
         if "--swapped-sizes" in sys.argv:
             ok &= swapped_sizes(name, h, i)
         elif "--prefill" in sys.argv:

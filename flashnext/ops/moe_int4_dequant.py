@@ -11,16 +11,22 @@ rounds it, ops/gated_elementwise.py): the kernels keep gate|up and y in fp32. Li
 (ops/int4_dequant_triton.py), the model keeps INT4; only one weight's scratch exists at a time.
 
 The expert-ordered rows are weighted and added per token in fp32 in one pass (ops/moe_combine.py), as the kernels
-add theirs: deterministic, no atomics, no host sync.
+add theirs: deterministic (the expert order's atomics choose only the order within an expert, which no row's bits
+depend on), no host sync.
 """
 from __future__ import annotations
 
 import torch
 
+from flashnext.ops.expert_order import expert_order
 from flashnext.ops.gated_elementwise import silu_mul
 from flashnext.ops.int4_dequant_triton import dequantize_triton
 from flashnext.ops.moe_combine import combine_choices
 from flashnext.weights.int4_layout import Int4Weight
+
+
+# the grouped GEMM takes the experts' runs whole: the plan's block table (one entry per PLAN_BLOCK_M rows) goes unread
+PLAN_BLOCK_M = 4096
 
 
 def moe_int4_dequant(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: Int4Weight,
@@ -28,15 +34,12 @@ def moe_int4_dequant(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     """Same contract as ops.moe_int4.moe_int4_reference."""
     m, top_k = topk_ids.shape
     num_experts = w_gate_up.qweight.shape[0]
-    sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)
-    # each expert's last row + 1, without a host sync (bincount reads its length back)
-    experts = torch.arange(num_experts, device=x.device, dtype=sorted_ids.dtype)
-    ends = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
-    gate_up = torch._grouped_mm(x.index_select(0, order // top_k), dequantize_triton(w_gate_up, x.dtype), offs=ends)
+    plan = expert_order(topk_ids, num_experts, PLAN_BLOCK_M)
+    gate_up = torch._grouped_mm(x.index_select(0, plan.order // top_k), dequantize_triton(w_gate_up, x.dtype),
+                                offs=plan.ends)
     gate, up = gate_up.chunk(2, dim=-1)
-    rows = torch._grouped_mm(silu_mul(gate, up), dequantize_triton(w_down, x.dtype), offs=ends)   # in expert order
-    position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
-    return combine_choices(rows, position.view(m, top_k), topk_weights, x.dtype)
+    rows = torch._grouped_mm(silu_mul(gate, up), dequantize_triton(w_down, x.dtype), offs=plan.ends)  # expert order
+    return combine_choices(rows, plan.position.view(m, top_k), topk_weights, x.dtype)
 
 
 def dequant_scratch_bytes(w_gate_up: Int4Weight, w_down: Int4Weight, dtype: torch.dtype) -> int:

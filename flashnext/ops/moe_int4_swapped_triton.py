@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from flashnext.ops.moe_combine import combine_choices
-from flashnext.ops.moe_int4_triton import _block_rows, _prefill_blocks
+from flashnext.ops.expert_order import expert_order
+from flashnext.ops.moe_int4_triton import _block_rows
 from flashnext.weights.int4_layout import Int4Weight
 
 TILE_K = 128   # rows of a packed tile: eight sub-tiles of 16, the MMA's K
@@ -181,9 +182,8 @@ def moe_int4_swapped(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: I
     inter = two_i // 2
     if config is None:
         config = config_for(topk_ids.numel() / num_experts)
-    sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)
-    sorted_ids, order = sorted_ids.to(torch.int32), order.to(torch.int32)
-    block_start = _prefill_blocks(sorted_ids, num_experts, config.block_m)
+    plan = expert_order(topk_ids, num_experts, config.block_m)
+    sorted_ids, order, block_start = plan.sorted_ids, plan.order, plan.block_start
     n_pairs = order.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     h = torch.empty(n_pairs, inter, dtype=x.dtype, device=x.device)
@@ -200,5 +200,4 @@ def moe_int4_swapped(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: I
         h, rows, sorted_ids, order, block_start, w_down.qweight, w_down.scales,
         w_down.scales if w_down.zeros is None else w_down.zeros, n_pairs, hidden, inter, w_down.group_size,
         HAS_ZEROS=w_down.zeros is not None, SUB=tile_down // 8, **common)
-    position = torch.empty_like(order).scatter_(0, order, torch.arange(n_pairs, device=x.device, dtype=order.dtype))
-    return combine_choices(rows, position.view(m, top_k), topk_weights, x.dtype)
+    return combine_choices(rows, plan.position.view(m, top_k), topk_weights, x.dtype)

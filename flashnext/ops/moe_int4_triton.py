@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashnext.ops.expert_order import expert_order
 from flashnext.weights.int4_layout import Int4Weight
 
 
@@ -164,31 +165,6 @@ def _down_kernel(h_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, order_ptr, bloc
     tl.store(y_ptr + pair[:, None] * H + offs_n[None, :], acc * weight[:, None], mask=ok[:, None] & n_ok[None, :])
 
 
-def _decode_blocks(sorted_ids: torch.Tensor) -> torch.Tensor:
-    """A block at each sorted position that starts an expert's run (valid while no run exceeds BLOCK_M)."""
-    n = sorted_ids.numel()
-    positions = torch.arange(n, device=sorted_ids.device, dtype=torch.int32)
-    first = torch.ones(n, dtype=torch.bool, device=sorted_ids.device)
-    first[1:] = sorted_ids[1:] != sorted_ids[:-1]
-    return torch.where(first, positions, -1)
-
-
-def _prefill_blocks(sorted_ids: torch.Tensor, num_experts: int, block_m: int) -> torch.Tensor:
-    """Each expert's run cut into blocks of block_m rows: the start row of every block, -1 for spare ones.
-
-    The table has an upper bound of entries (n/block_m + min(E, n)) so its size needs no host sync."""
-    n, device = sorted_ids.numel(), sorted_ids.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.index_add_(0, sorted_ids.long(), torch.ones_like(sorted_ids, dtype=torch.int64))
-    run_start = torch.cumsum(counts, 0) - counts
-    blocks = (counts + block_m - 1) // block_m
-    block_end = torch.cumsum(blocks, 0)
-    b = torch.arange(n // block_m + min(num_experts, n), device=device)
-    expert = torch.searchsorted(block_end, b, right=True).clamp(max=num_experts - 1)
-    start = run_start[expert] + (b - (block_end - blocks)[expert]) * block_m
-    return torch.where(b < block_end[-1], start, -1).to(torch.int32)
-
-
 def default_config(m: int) -> MoeConfig:
     """The tiles for m tokens: SMALL up to SMALL_MAX_M, PREFILL above."""
     return SMALL if m <= SMALL_MAX_M else PREFILL
@@ -219,14 +195,9 @@ def moe_int4_triton_pairs(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_do
     inter = two_i // 2
     config = config or default_config(m)
     x = x.contiguous()
-    flat = topk_ids.reshape(-1)
-    sorted_ids, order = torch.sort(flat, stable=True)
-    sorted_ids, order = sorted_ids.to(torch.int32), order.to(torch.int32)
-    if flat.numel() <= config.block_m:   # no run can pass BLOCK_M, even with an expert chosen twice by a token
-        block_start = _decode_blocks(sorted_ids)
-    else:
-        block_start = _prefill_blocks(sorted_ids, num_experts, config.block_m)
-    n_pairs = flat.numel()
+    plan = expert_order(topk_ids, num_experts, config.block_m)
+    sorted_ids, order, block_start = plan.sorted_ids, plan.order, plan.block_start
+    n_pairs = topk_ids.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     h = torch.empty(n_pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(n_pairs, hidden, dtype=torch.float32, device=x.device)
