@@ -14,11 +14,12 @@ each call) and, for decode, do_bench_cudagraph over 8 layers' distinct weights (
 runs it; rows are sorted by the smaller of the two. The decode checks also ask for the same bits run to
 run, alone and in a batch, and replayed in a CUDA graph (the kernels add their partials with arrival
 counters). Exits non-zero on a mismatch.
-Run: python3 scripts/gpu_moe.py [--check-only] [--quick] [--prefill] [flash-next|qwen3-next]   (--check-only: the checks
-     and ops/expert_order's, nothing timed; --quick: default configs only, no sweeps; --prefill: only the prefill
-     sizes PREFILL_PARTS_M, FLASHNEXT_MOE_PREFILL=dequant taken apart into its steps beside the grouped
-     kernels and the transposed-tile kernels' SWAPPED_SWEEP; --swapped-sizes: the transposed-tile kernels' SIZES_SWEEP against the grouped kernels' tiles and the dequant path from 128 to 16,384
-     tokens, one line a size; a model name: only its shapes)
+Run: python3 scripts/gpu_moe.py [--check-only] [--quick] [--prefill] [flash-next|qwen3-next]
+     (--check-only: the checks and ops/expert_order's, nothing timed; --quick: default configs only, no sweeps;
+     --prefill: only the prefill sizes PREFILL_PARTS_M, FLASHNEXT_MOE_PREFILL=dequant taken apart into its steps
+     beside the grouped kernels and the transposed-tile kernels' SWAPPED_SWEEP; --swapped-sizes: the transposed-tile
+     kernels' SIZES_SWEEP against the grouped kernels' tiles and the dequant path from 128 to 16,384 tokens, one line
+     a size; a model name: only its shapes)
 """
 import sys
 
