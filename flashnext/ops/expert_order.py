@@ -14,7 +14,8 @@ Within one expert the pairs' order is left open: each row of an expert's block i
 products, the same weights), so any order gives the same bits. The reference takes the pairs' order (a stable
 sort); the Triton kernels (ops/expert_order_triton.py) the order of their atomic counters — four launches where the
 sort and the block arithmetic took ~25, each with its host time (~0.45 ms a layer of an eager prefill step on the
-H200 under cProfile, session 20).
+H200 under cProfile; but a Triton launch costs the host several torch launches' time, and the engine showed no gain
+beyond its run-to-run spread: BENCHMARKS.md session 20).
 """
 from __future__ import annotations
 
