@@ -425,3 +425,16 @@ def test_a_layer_declared_asymmetric_by_extra_config_loads_packed(tmp_path):
     declared = write(tmp_path / "d", tensors, {"quantization_config": quant})
     with pytest.raises(CheckpointError, match="model.layers.3.self_attn.o_proj"):
         load_checkpoint(declared, expected, dtype=torch.float32, progress=False, packed_int4=frozenset(expected))
+
+
+def test_config_refuses_a_quantization_the_loader_cannot_read():
+    """config.json's quantization_config goes through the loader's parse when the config is read: a packing it cannot
+    load fails there, by field, before any weight is read (and a supported one passes)."""
+    from flashnext.weights.config import ConfigError, parse_config
+
+    raw = dict(get_preset("tiny-qwen3-next"))
+    raw["quantization_config"] = {"quant_method": "auto-round", "packing_format": "auto_round:awq"}
+    with pytest.raises(ConfigError, match="quantization_config: AutoRound packing format 'auto_round:awq'"):
+        parse_config(raw)
+    raw["quantization_config"] = {"quant_method": "auto_round", "packing_format": "auto_round:auto_gptq"}
+    assert parse_config(raw).quantization["quant_method"] == "auto_round"

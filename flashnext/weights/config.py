@@ -282,8 +282,10 @@ def _validate(cfg: ModelConfig) -> None:
         for i in cfg.ple_layers:
             if cfg.layer_types[i] != "linear_attention":
                 raise ConfigError("ple_layer_ids", f"PLE on layer {i + 1} needs a linear_attention layer")
-    if cfg.quantization:
-        method = cfg.quantization.get("quant_method")
-        if method not in ("gptq", "auto-round", "auto_round", "fp8", "compressed-tensors"):
-            raise ConfigError("quantization_config.quant_method",
-                              f"{method!r} is not supported (gptq, auto-round, fp8, compressed-tensors)")
+    if cfg.quantization:   # the loader's own parse, so a format it cannot load is refused before any weight is read
+        from flashnext.weights.quant_config import read_quantization_config
+
+        try:
+            read_quantization_config({"quantization_config": cfg.quantization})
+        except ValueError as exc:
+            raise ConfigError("quantization_config", str(exc)) from None
