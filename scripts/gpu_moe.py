@@ -190,6 +190,14 @@ def bench(name, h, i, quick):
               f"({totals[winner] * 1e6:.1f} µs; default {_cfg(DEFAULT)}: {totals[_cfg(DEFAULT)] * 1e6:.1f} µs)")
 
 
+def _median_ms(fn) -> float:
+    """do_bench's median (L2 flushed), or inf for a sweep's config past the shared memory or registers."""
+    try:
+        return do_bench(fn, warmup=5, rep=30)
+    except Exception:
+        return float("inf")
+
+
 def prefill_parts(name, h, i) -> bool:
     """The dequant path's steps one by one (do_bench medians, L2 flushed) beside the grouped kernels and the whole
     path, at prefill chunk sizes; TFLOP/s counts the routed experts' three matmuls (2·M·k·3·H·I)."""
@@ -228,12 +236,9 @@ def prefill_parts(name, h, i) -> bool:
         print(f"  M={m:5d} swapped kernels against the dequant path: {err:.2e} {'ok' if err < 2e-2 else 'MISMATCH'}")
         ok &= err < 2e-2
         for label, fn in parts.items():
-            try:
-                t = do_bench(fn, warmup=5, rep=30) * 1e-3
-            except Exception as exc:   # a sweep's config past the shared memory or registers
-                print(f"  M={m:5d} {label:40} failed: {type(exc).__name__} {str(exc)[:80]}")
-                continue
-            print(f"  M={m:5d} {label:40} {t * 1e3:8.3f} ms {flop / t / 1e12:7.0f}")
+            t = _median_ms(fn) * 1e-3
+            print(f"  M={m:5d} {label:40} " + (f"{t * 1e3:8.3f} ms {flop / t / 1e12:7.0f}" if t < float("inf")
+                                                else "failed to run (shared memory or registers)"))
         del gu16, d16, gu16_k, gate_up, hmid, y
     return ok
 
@@ -265,12 +270,7 @@ def swapped_sizes(name, h, i):
         x, ids, w = routing(m, h, seed=m)
         fns = [lambda: moe_int4_triton(x, ids, w, wgu, wd), lambda: moe_int4_dequant(x, ids, w, wgu, wd)] + [
             (lambda c=c: moe_int4_swapped(x, ids, w, wgu, wd, c)) for c in SIZES_SWEEP]
-        times = []
-        for fn in fns:
-            try:
-                times.append(do_bench(fn, warmup=5, rep=30))
-            except Exception:   # a config past the shared memory or registers
-                times.append(float("inf"))
+        times = [_median_ms(fn) for fn in fns]
         best = min(range(len(times)), key=times.__getitem__)
         print(f"  {m:5d} " + " ".join(f"{t:21.3f}" for t in times) + f"  {labels[best]}")
     return ok
