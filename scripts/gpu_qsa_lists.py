@@ -67,11 +67,11 @@ def main() -> int:
     print(f"top blocks of 1,024 queries x 2,500 blocks: equal {same}, kernel "
           f"{graph_us(lambda: qsa_top_blocks(scores, K)):.1f} µs, two sorts "
           f"{graph_us(lambda: qsa_top_blocks_reference(scores, K)):.1f} µs")
-    print("warps a program (kernel._warps) against µs a call (decode's single rows, then a prefill's query blocks of "
-          "1,024 rows at 30K / 40K / 64K / 160K tokens of context):")
+    print("warps a program (kernel._warps) against µs a call (a prefill's query blocks of 1,024 rows at 30K / 40K / "
+          "64K / 160K tokens of context, then decode's single rows):")
     default = kernel._warps
-    for rows, blocks in [(1, 2500), (1, 16384), (1, 65536), (1024, 7500), (1024, 10000), (1024, 16384),
-                         (1024, 40000)]:
+    for rows, blocks in [(1024, 7500), (1024, 10000), (1024, 16384), (1024, 40000), (1, 2500), (1, 16384),
+                         (1, 65536)]:
         scores = torch.rand(rows, blocks, device="cuda", generator=g) * 5
         pos = torch.full((rows,), blocks * RATIO + 1, device="cuda", dtype=torch.int64)
         times = {}
