@@ -19,17 +19,18 @@ def test_reference_by_hand():
     assert plan.block_start.tolist() == [0, 2, 3, 5, -1, -1, -1]
 
 
-# (tokens, k, experts, block_m): one expert's run over several blocks, fewer pairs than a block, a single pair,
-# more experts than pairs, and no pairs
-CASES = [(300, 10, 64, 16), (5, 2, 8, 128), (1, 1, 4, 16), (100, 8, 512, 128), (0, 4, 16, 16)]
+# (tokens, k, experts, block_m, id dtype): one expert's run over several blocks, fewer pairs than a block, a single
+# pair, more experts than pairs, no pairs; ids as the router gives them (int64) or int32
+CASES = [(300, 10, 64, 16, torch.int64), (5, 2, 8, 128, torch.int32), (1, 1, 4, 16, torch.int64),
+         (100, 8, 512, 128, torch.int32), (0, 4, 16, 16, torch.int64)]
 
 
-@pytest.mark.parametrize("m,k,experts,block_m", CASES)
-def test_triton_matches_reference(m, k, experts, block_m):
+@pytest.mark.parametrize("m,k,experts,block_m,dtype", CASES)
+def test_triton_matches_reference(m, k, experts, block_m, dtype):
     from flashnext.ops.expert_order_triton import expert_order_triton
 
     gen = torch.Generator().manual_seed(m)
-    ids = torch.randint(0, experts, (m, k), generator=gen)
+    ids = torch.randint(0, experts, (m, k), generator=gen).to(dtype)
     ids[: m // 3, 0] = 3                                 # a heavy expert
     want = expert_order_reference(ids, experts, block_m)
     got = expert_order_triton(ids, experts, block_m)

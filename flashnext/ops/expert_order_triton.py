@@ -51,7 +51,7 @@ def _plan_kernel(counts_ptr, ends_ptr, block_start_ptr, num_experts, table, BLOC
 def _place_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, order_ptr, position_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
-    ids = tl.load(ids_ptr + offs, mask=ok, other=0)
+    ids = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
     row = tl.atomic_add(cursor_ptr + ids, 1, mask=ok)
     tl.store(sorted_ids_ptr + row, ids, mask=ok)
     tl.store(order_ptr + row, offs, mask=ok)
@@ -59,7 +59,7 @@ def _place_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, order_ptr, position_ptr, 
 
 
 def expert_order_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertOrder:
-    ids = topk_ids.reshape(-1).to(torch.int32)
+    ids = topk_ids.reshape(-1)            # int32 or int64, read as they are (no conversion launch)
     n, device = ids.numel(), ids.device
     counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
     ends = torch.empty(num_experts, dtype=torch.int32, device=device)
