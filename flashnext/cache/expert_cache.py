@@ -20,7 +20,7 @@ one fp32 accumulator in the same order as `moe_int4_reference`; on the GPU each 
 per-(token, choice) terms, summed once at the end. A decode-sized batch on the GPU needs no rounds: the first S
 experts are loaded and the decode kernels read the others from the host store (CachedExperts). Either way the
 result is all-resident's bit for bit, at any budget (on the GPU: all-resident with the grouped Triton kernels,
-FLASHNEXT_MOE_PREFILL=triton; by default an all-resident prefill from ~64 rows an expert takes the transposed-tile
+FLASHNEXT_MOE_PREFILL=triton; by default an all-resident prefill from 4 rows an expert takes the transposed-tile
 kernels or dequantised experts, ops.moe_int4.prefill_path, which a cache never does).
 Counting: one read per (layer, forward, distinct routed expert): hits + misses = reads.
 

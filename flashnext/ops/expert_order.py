@@ -8,7 +8,8 @@ moe_int4_dequant.py).
     position   [P] int32   the sorted row of each pair: order's inverse
     ends       [E] int32   one past each expert's last sorted row (the cumulative counts)
     block_start [P // block_m + min(E, P)] int32   each expert's run cut into blocks of block_m rows, the first row of
-                           every block in expert order, then -1 for the spare entries (the bound needs no host sync)
+                           every block in expert order, then -1 for the spare entries (the bound needs no host sync);
+                           None without a block_m (the dequant path's grouped GEMM takes the runs whole)
 
 Within one expert the pairs' order is left open: each row of an expert's block is computed on its own (a row of the
 products, the same weights), so any order gives the same bits. The reference takes the pairs' order (a stable
@@ -31,7 +32,7 @@ class ExpertOrder:
     order: torch.Tensor
     position: torch.Tensor
     ends: torch.Tensor
-    block_start: torch.Tensor
+    block_start: torch.Tensor | None
 
 
 def table_size(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -39,7 +40,7 @@ def table_size(num_pairs: int, num_experts: int, block_m: int) -> int:
     return num_pairs // block_m + min(num_experts, num_pairs)
 
 
-def expert_order_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertOrder:
+def expert_order_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int | None) -> ExpertOrder:
     flat = topk_ids.reshape(-1)
     n, device = flat.numel(), flat.device
     sorted_ids, order = torch.sort(flat, stable=True)
@@ -47,17 +48,19 @@ def expert_order_reference(topk_ids: torch.Tensor, num_experts: int, block_m: in
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device).index_add_(0, flat.long(),
                                                                                    torch.ones_like(flat, dtype=torch.int64))
     ends = torch.cumsum(counts, 0)
+    position = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=device))
+    plan = [t.to(torch.int32) for t in (sorted_ids, order, position, ends)]
+    if block_m is None:
+        return ExpertOrder(*plan, None)
     blocks = (counts + block_m - 1) // block_m
     block_end = torch.cumsum(blocks, 0)
     b = torch.arange(table_size(n, num_experts, block_m), device=device)
     expert = torch.searchsorted(block_end, b, right=True).clamp(max=num_experts - 1)
     start = (ends - counts)[expert] + (b - (block_end - blocks)[expert]) * block_m
-    block_start = torch.where(b < block_end[-1], start, -1)
-    position = torch.empty_like(order).scatter_(0, order, torch.arange(n, device=device))
-    return ExpertOrder(*(t.to(torch.int32) for t in (sorted_ids, order, position, ends, block_start)))
+    return ExpertOrder(*plan, torch.where(b < block_end[-1], start, -1).to(torch.int32))
 
 
-def expert_order(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertOrder:
+def expert_order(topk_ids: torch.Tensor, num_experts: int, block_m: int | None) -> ExpertOrder:
     """CUDA tensors through the Triton kernels (the reference with FLASHNEXT_EXPERT_ORDER=reference, read each call:
     to bisect or to time both), others the reference."""
     if topk_ids.is_cuda and os.environ.get("FLASHNEXT_EXPERT_ORDER", "triton") != "reference":

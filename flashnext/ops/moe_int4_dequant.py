@@ -25,16 +25,12 @@ from flashnext.ops.moe_combine import combine_choices
 from flashnext.weights.int4_layout import Int4Weight
 
 
-# the grouped GEMM takes the experts' runs whole: the plan's block table (one entry per PLAN_BLOCK_M rows) goes unread
-PLAN_BLOCK_M = 4096
-
-
 def moe_int4_dequant(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: Int4Weight,
                      w_down: Int4Weight) -> torch.Tensor:
     """Same contract as ops.moe_int4.moe_int4_reference."""
     m, top_k = topk_ids.shape
     num_experts = w_gate_up.qweight.shape[0]
-    plan = expert_order(topk_ids, num_experts, PLAN_BLOCK_M)
+    plan = expert_order(topk_ids, num_experts, None)   # the grouped GEMM takes each expert's run whole
     gate_up = torch._grouped_mm(x.index_select(0, plan.order // top_k), dequantize_triton(w_gate_up, x.dtype),
                                 offs=plan.ends)
     gate, up = gate_up.chunk(2, dim=-1)

@@ -12,11 +12,9 @@ once per step (decode) or once per BLOCK_M rows (prefill).
 Act-order weights (perm) gather the activation columns inside the K loop. Dequantisation stays exact: a BLOCK_K never straddles a quantisation group, so the tile multiplies the
 small integers (q - zero), exact in bf16, and the group scale is applied to the fp32 partial product.
 
-Two ways to cut blocks, both without a host sync (CUDA-graph safe):
-  decode (M·k <= BLOCK_M): a block starts at every sorted position whose expert differs from the previous
-    one; the other positions are idle programs. One torch.sort and three tiny ops.
-  prefill: per-expert counts -> blocks of BLOCK_M rows (a grouped GEMM, tl.dot tensor cores, dequant in
-    the K loop), the block table built with cumsum/searchsorted on the device.
+The pairs' order and the block table (each expert's run cut into blocks of BLOCK_M rows: a grouped GEMM, tl.dot
+tensor cores, dequant in the K loop) come from ops/expert_order.py, without a host sync (CUDA-graph safe); with
+M·k <= BLOCK_M every expert that has rows gets one block.
 """
 from __future__ import annotations
 
