@@ -268,9 +268,8 @@ class _Planner:
 
     def _stacked_int4(self, shape: tuple[int, ...], pieces: list[list[_Recipe]], split: list[int]) -> _Recipe:
         """Per-expert 4-bit pieces (GPTQ or compressed-tensors) → one stacked Int4Weight (qweight [E, K/8, N], gate
-        rows then up rows, as
-        Int4Experts takes it), never dequantised. Act-order pieces (their own row permutations), pieces of
-        other bit widths or group sizes fall back to the dequantised stack."""
+        rows then up rows, as Int4Experts takes it), never dequantised. Act-order pieces (their own row permutations),
+        pieces of other bit widths or group sizes fall back to the dequantised stack."""
 
         def build() -> torch.Tensor | Int4Weight:
             built, weights = [], []
