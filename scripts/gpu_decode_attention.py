@@ -2,6 +2,7 @@
 
     python scripts/gpu_decode_attention.py           # the table (~30 s on an H200)
     python scripts/gpu_decode_attention.py --sweep   # also a launch-config sweep at 64K (~1 min more)
+    python scripts/gpu_decode_attention.py --prefill-rows   # only: configs for a prefill's token lists (~1 min)
 
 bf16, D = 256, pages of 64 tokens scattered over the pool, H = 24 (Flash-Next) and 16 (Qwen3-Next) query
 heads over 2 kv heads, B in (1, 8); dense contexts of 1K, 8K and 64K, "1K@64K" (1K tokens in a table sized
@@ -107,9 +108,70 @@ def sweep(kernels, gen):
                   f"({nbytes / (t * 1e-3) / 1e9:5.0f} GB/s)  {cfg}")
 
 
+def prefill_lists_case(rows, context, gen):
+    """A prefill chunk's token-list attention (GatedAttention._attend_lists): `rows` queries of one sequence after
+    `context` cached tokens share its table; each attends 512 blocks of 4 tokens drawn at random (QSA with random
+    weights) plus its 3 tail tokens, in ascending order, as ops/qsa_token_lists writes them."""
+    dev = torch.device("cuda")
+    total = context + rows
+    width = triton_cdiv(total, PAGE)
+    queries = torch.arange(context, total, device=dev)
+    blocks = torch.rand(rows, total // 4, device=dev, generator=gen).masked_fill(
+        torch.arange(total // 4, device=dev)[None, :] >= (queries[:, None] // 4), 2.0)
+    chosen = blocks.topk(512, dim=1, largest=False).indices.sort(dim=1).values
+    index = torch.cat([(4 * chosen[:, :, None] + torch.arange(4, device=dev)).flatten(1),
+                       queries[:, None] + torch.arange(-2, 1, device=dev)[None, :]], dim=1)
+    case = {"q": torch.randn(rows, 24, HEAD_DIM, device=dev, generator=gen).bfloat16(),
+            "k_cache": torch.randn(width, PAGE, KV_HEADS, HEAD_DIM, device=dev, generator=gen).bfloat16(),
+            "v_cache": torch.randn(width, PAGE, KV_HEADS, HEAD_DIM, device=dev, generator=gen).bfloat16(),
+            "block_table": torch.randperm(width, device=dev, generator=gen)[None, :].expand(rows, -1),
+            "seq_lens": (queries + 1).int(), "scale": HEAD_DIM ** -0.5,
+            "token_index": index.int().contiguous(), "token_valid": None}
+    return case, rows * index.shape[1] * KV_HEADS * HEAD_DIM * 2 * 2
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
+def prefill_rows_sweep(kernels, reference, gen) -> int:
+    """Launch configs for many rows of one sequence's token lists (one split each by default_config): ms a call
+    (do_bench, L2 flushed), the default first; the best checked against the reference on its first 64 rows."""
+    import triton.testing as tt
+
+    failures = 0
+    print("\nprefill token lists (ms a call; GB/s of the K/V bytes the lists name, each row's read once)")
+    for rows, context in ((1024, 32768), (4096, 32768)):
+        case, nbytes = prefill_lists_case(rows, context, gen)
+        default = kernels.default_config(rows, KV_HEADS, HEAD_DIM, case["token_index"].shape[1], torch.device("cuda"))
+        results = []
+        for block_n in (16, 32, 64, 128):
+            for warps in (2, 4, 8):
+                for stages in (1, 2, 3, 4):
+                    cfg = kernels.LaunchConfig(default.num_splits, block_n, max(128, block_n), warps, stages)
+                    try:
+                        t = tt.do_bench(partial(kernels.split_k_decode_attention, **case, config=cfg), warmup=5,
+                                        rep=30)
+                    except Exception:  # noqa: BLE001, S112 - configs that do not compile or fit are skipped
+                        continue
+                    results.append((t, cfg))
+        base = tt.do_bench(partial(kernels.split_k_decode_attention, **case), warmup=5, rep=30)
+        print(f"{rows} rows after {context}: default {base:.3f} ms ({nbytes / (base * 1e-3) / 1e9:.0f} GB/s) {default}")
+        for t, cfg in sorted(results, key=lambda r: r[0])[:6]:
+            print(f"  {t:.3f} ms ({nbytes / (t * 1e-3) / 1e9:.0f} GB/s)  block_n {cfg.block_n} warps {cfg.num_warps} "
+                  f"stages {cfg.num_stages}")
+        best = min(results, key=lambda r: r[0])[1]
+        head = {k: (v[:64] if isinstance(v, torch.Tensor) and v.shape[0] == rows else v) for k, v in case.items()}
+        err = rel_err(kernels.split_k_decode_attention(**head, config=best), reference(**head))
+        failures += err >= TOLERANCE
+        print(f"  best config against the reference (64 rows): err {err:.1e} {'ok' if err < TOLERANCE else 'MISMATCH'}")
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--prefill-rows", action="store_true", help="only the prefill token-list config sweep")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -118,6 +180,10 @@ def main() -> int:
     from flashnext.ops.decode_attention import decode_attention_reference as reference
 
     gen = torch.Generator(device="cuda").manual_seed(0)
+    if args.prefill_rows:
+        failures = prefill_rows_sweep(kernels, reference, gen)
+        print(f"\n{'ALL CORRECT' if not failures else f'{failures} FAILURE(S)'}")
+        return 1 if failures else 0
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {kernels.triton.__version__}")
     header = (f"{'H':>3} {'B':>2} {'mode':>8} {'splits':>6} {'err':>8} {'eager us':>9} {'graph us':>9} "
               f"{'KV MB':>7} {'GB/s':>6} {'%ceil':>6}")

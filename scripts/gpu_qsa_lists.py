@@ -76,7 +76,7 @@ def main() -> int:
         pos = torch.full((rows,), blocks * RATIO + 1, device="cuda", dtype=torch.int64)
         times = {}
         for warps in (2, 4, 8, 16, 32):
-            kernel._warps = lambda size, w=warps: w
+            kernel._warps = lambda size, rows=1, w=warps: w
             times[warps] = graph_us(lambda: qsa_token_lists_triton(scores, pos, K, RATIO, blocks * RATIO))
         kernel._warps = default
         print(f"  {rows} x {blocks}: " + ", ".join(f"{w} warps {t:.1f}" for w, t in times.items()))

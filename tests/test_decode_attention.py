@@ -149,6 +149,20 @@ def test_triton_default_config_splits_long_tables(kernels):
 
 
 @needs_triton
+def test_triton_many_rows_of_token_lists_take_the_list_tiles(kernels):
+    # A prefill chunk's token lists past 16K (one split a row at Flash-Next's head size) take LIST_ROWS' tiles; decode
+    # rows and dense tables keep the split rule; the tiles' own arithmetic is checked here at a small head size.
+    cpu = torch.device("cpu")
+    assert kernels.default_config(4096, 2, 256, 2051, cpu, sparse=True) is kernels.LIST_ROWS
+    assert kernels.default_config(4096, 2, 256, 2051, cpu) is not kernels.LIST_ROWS
+    assert kernels.default_config(1, 2, 256, 2051, cpu, sparse=True).num_splits > 1
+    lists = kernels.LIST_ROWS
+    case = make_case([90, 130, 7], 6, 2, 32, 16, picks=70, seed=13)
+    config = kernels.LaunchConfig(lists.num_splits, lists.block_n, lists.min_split, lists.num_warps, lists.num_stages)
+    assert rel_err(kernels.split_k_decode_attention(**case, config=config), decode_attention_reference(**case)) < 1e-5
+
+
+@needs_triton
 @pytest.mark.parametrize("picks", [None, 11])
 def test_triton_half_precision(kernels, picks):
     # fp16 rounds P to fp16 for P·V, as flash attention does. bf16 is only checked on the GPU

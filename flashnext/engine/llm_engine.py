@@ -29,6 +29,7 @@ from flashnext.engine.sampler import SamplerOutput, validate_token_ids
 from flashnext.engine.sampling_params import InvalidParams, SamplingParams
 from flashnext.engine.scheduler import Scheduler
 from flashnext.engine.structured.backend import InvalidConstraint, StructuredConstraint, shared_backend
+from flashnext.models.layers.indexed_attention import compile_list_attention
 from flashnext.models.layers.qsa_indexer import compile_selection_kernels
 from flashnext.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -414,6 +415,7 @@ class LLMEngine:
         # the eager path's selections at context lengths the prompts above did not reach (the workers of several
         # ranks compile their own: parallel/launch.py)
         compile_selection_kernels(self.config, self.device, self.max_model_len)
+        compile_list_attention(self.config, self.kv.block_size, self.dtype, self.device, self.max_model_len)
         graphs = self.runner.graphs
         if graphs is not None and graphs.announce is None:   # one GPU (several: the workers capture as announced)
             graphs.capture_widths(1)

@@ -88,13 +88,15 @@ def compile_for_lengths(device: torch.device, k: int, ratio: int, max_blocks: in
     runs there)."""
     if torch.device(device).type != "cuda":
         return
-    from flashnext.ops.qsa_token_lists_triton import fits
+    from flashnext.ops.qsa_token_lists_triton import CHUNK, MANY_ROWS, fits
 
     n = 1 << k.bit_length()          # the power of two that holds k + 1 blocks
     while fits(n, k) and n // 2 < max_blocks:
-        scores = torch.randn(1, n, device=device)
-        last = torch.full((1,), n * ratio - 1, dtype=torch.long, device=device)
-        qsa_token_lists(scores, last, k, ratio, n * ratio)
+        # a prefill's blocks of queries may take more warps than a decode step's rows (the kernels' _warps)
+        for rows in (1, MANY_ROWS) if n <= CHUNK else (1,):
+            scores = torch.randn(rows, n, device=device)
+            last = torch.full((rows,), n * ratio - 1, dtype=torch.long, device=device)
+            qsa_token_lists(scores, last, k, ratio, n * ratio)
         if n // 2 < max_mask_blocks:
             qsa_top_blocks(scores, k)
         n *= 2

@@ -116,9 +116,18 @@ def _lists_kernel(scores_ptr, cand_block_ptr, pos_ptr, index_ptr, valid_ptr, n, 
         tl.store(out_valid + K * R + j, (tail <= pos).to(tl.uint8))
 
 
-def _warps(size: int) -> int:
-    """Warps a program: on the H200 (scripts/gpu_qsa_lists.py) 8 were best at 2,500, 16,384 and 65,536 blocks
-    (14.9, 54.8, 86.5 µs a call; 16 warps 17.6, 71.0, 90.3)."""
+# Rows from which a launch is a prefill's block of queries (QUERY_BLOCK of ops/prefill_attention: 1,024) rather than
+# a decode step's few rows.
+MANY_ROWS = 256
+
+
+def _warps(size: int, rows: int = 1) -> int:
+    """Warps a program: on the H200 (scripts/gpu_qsa_lists.py) 8 were best for single rows at 2,500, 16,384 and
+    65,536 blocks (14.9, 54.8, 86.5 µs a call; 16 warps 17.6, 71.0, 90.3) and for 1,024 rows at 7,500 blocks (234.7
+    µs; 16 warps 232.8); 1,024 rows of 10,000 and 16,384 blocks (a single-stage list, CHUNK keys a program) took
+    678 / 692 µs at 32 warps against 779 / 815 at 8 (session 21)."""
+    if size == CHUNK and rows >= MANY_ROWS:
+        return 32
     return 8 if size >= 2048 else 4
 
 
@@ -152,5 +161,6 @@ def qsa_token_lists_triton(scores: torch.Tensor, pos: torch.Tensor, k: int, rati
         count, stride = slices * k, slices * k
     chunk = triton.next_power_of_2(count)
     _lists_kernel[(rows,)](source, blocks, pos, token_index, token_valid.view(torch.uint8), count, stride, k, limit,
-                           width, R=ratio, CHUNK=chunk, CANDIDATES=n > CHUNK, num_warps=_warps(chunk), **pdl)
+                           width, R=ratio, CHUNK=chunk, CANDIDATES=n > CHUNK,
+                           num_warps=_warps(chunk, 1 if n > CHUNK else rows), **pdl)
     return token_index, token_valid
