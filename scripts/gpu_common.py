@@ -55,6 +55,18 @@ def hang_watchdog(seconds: float) -> None:
 
 
 @contextlib.contextmanager
+def row_graphs_off(engine):
+    """The engine's eager prefill steps without row-wise graphs inside (engine/row_graphs.py), as --graph-prefill-max
+    0 would run them."""
+    held = engine.runner.row_graphs
+    engine.runner.row_graphs = None
+    try:
+        yield
+    finally:
+        engine.runner.row_graphs = held
+
+
+@contextlib.contextmanager
 def environment(values: dict[str, str]):
     """These environment variables set inside, the caller's values back after. Only switches read when a kernel is
     launched or a graph captured take effect this way (ops/pdl.py's FLASHNEXT_PDL, ops/branches.py's

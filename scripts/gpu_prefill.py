@@ -4,7 +4,8 @@ generated token) at each --chunk size (the engine's max_num_batched_tokens), tim
 Run: python3 scripts/gpu_prefill.py --model mem:flash-next --quantize int4 --tokens 10000 --tokens 90000 --chunk 8192
 
 --variant NAME=VALUE[,NAME=VALUE] (repeatable) times each prompt again under switches read at call time (e.g.
-FLASHNEXT_MOE_PREFILL=dequant), on the same model; the profile is of the default.
+FLASHNEXT_MOE_PREFILL=dequant), or `rows=off` (no row-wise graphs: --graph-prefill-max 0), on the same model; the
+profile is of the default.
 
 --host also profiles the host: where it waits for the GPU (each sync's source line, by CPU time) and the wall
 time against the GPU's busy time, which shows how much of the prefill is the host's.
@@ -18,7 +19,7 @@ import torch
 
 from flashnext.engine.llm import LLM
 from flashnext.engine.sampling_params import SamplingParams
-from gpu_common import environment, sync
+from gpu_common import environment, row_graphs_off, sync
 from gpu_decode import label, profile_kernels
 
 
@@ -99,7 +100,7 @@ def main() -> int:
         for chunk in chunks:
             llm.engine.scheduler.token_budget = chunk
             for variant in variants:
-                with environment(variant):
+                with row_graphs_off(llm.engine) if variant == {"rows": "off"} else environment(variant):
                     # warm-up at the full length: compiles and autotunes (fla) every kernel variant the prompt meets
                     # (the QSA list kernels compile one per power of two of the context's blocks)
                     llm.generate([prompt(tokens)], params)

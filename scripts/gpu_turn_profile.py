@@ -8,7 +8,7 @@ chunks it ran (tokens, context), its wall time (synchronised), and the top kerne
 turn's prefill by the profiler.
 
     python3 scripts/gpu_turn_profile.py [--model mem:flash-next] [--quantize int4] [--depth 3500 --depth 32000]
-        [--new 600 --new 4000] [--python]
+        [--new 600 --new 4000] [--python] [--variant rows=off] [--no-profile]
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from flashnext.engine.llm import LLM
 from flashnext.engine.sampling_params import SamplingParams
-from gpu_common import environment, sync
+from gpu_common import environment, row_graphs_off, sync
 
 
 def first_token_steps(engine, request_id, prompt, params, history_len):
@@ -44,10 +44,14 @@ def first_token_steps(engine, request_id, prompt, params, history_len):
 
 @contextmanager
 def variant(engine, setting: str | None):
-    """`NAME=VALUE` for the turn: an environment switch, or `extend=off` (the short chunk eager, its generation prompt
-    fed one token a step: the engine without DecodeGraphs.extend)."""
+    """`NAME=VALUE` for the turn: an environment switch, `extend=off` (the short chunk eager, its generation prompt
+    fed one token a step: the engine without DecodeGraphs.extend) or `rows=off` (eager steps without row-wise
+    graphs: --graph-prefill-max 0)."""
     if setting is None:
         yield
+    elif setting == "rows=off":
+        with row_graphs_off(engine):
+            yield
     elif setting == "extend=off":   # the scheduler marks the chunks that replay chained steps (Scheduler._chains)
         scheduler = engine.scheduler
         chain, tail = scheduler.extend_max, scheduler.graph_tail
@@ -76,12 +80,15 @@ def main() -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE",
                     help="also run two turns with this environment switch set (one read on the eager path per call, "
                          "e.g. FLASHNEXT_HC_DECODE_MAX_ROWS=256), or extend=off; repeatable")
+    ap.add_argument("--no-profile", action="store_true", help="no profiled turn")
     args = ap.parse_args()
     llm = LLM(args.model, quantize=args.quantize or None, max_num_seqs=2, kv_cache_gb=16.0, kv_host_gb=8.0,
               device=args.device)
     engine = llm.engine
+    rows = engine.runner.row_graphs
     print(f"warm-up (graph captures included): {engine.warm_up():.1f} s; chained graphs "
-          f"{len(engine.runner.graphs.chain_graphs) if engine.runner.graphs else 0}")
+          f"{len(engine.runner.graphs.chain_graphs) if engine.runner.graphs else 0}; row-wise plans "
+          f"{sorted(rows.plans) if rows else None}")
     vocab = engine.config.vocab_size
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -91,7 +98,7 @@ def main() -> int:
         # Turns alternate between the defaults and each variant (two each), then one profiled with the defaults.
         settings = [None] + args.variant
         plan = [(new, settings[i % len(settings)]) for new in args.new or [200] for i in range(2 * len(settings))]
-        plan += [(new, "profiled") for new in args.new or [200]]
+        plan += [] if args.no_profile else [(new, "profiled") for new in args.new or [200]]
         for turn, (new, setting) in enumerate(plan):
             conv = conv + reply + [rng.randrange(100, vocab - 100) for _ in range(new)]
             profiled = setting == "profiled"

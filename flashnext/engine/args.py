@@ -21,6 +21,8 @@ class EngineArgs:
     graph_prefill_tail: int = 16          # with decode graphs: prompt chunks of at most this many tokens go one a step
     graph_extend_max: int = 256           # with decode graphs: prompt chunks of at most this many tokens of a sequence
                                           # under way replay chained steps (DecodeGraphs.extend; 0: off)
+    graph_prefill_max: int = 2048         # with decode graphs: eager prefill steps of at most this many tokens replay
+                                          # their row-wise work from CUDA graphs (engine/row_graphs.py; 0: off)
     decode_ahead: bool = True             # with decode graphs: queue the next decode step before reading the tokens
     max_queued_requests: int = 256
     gpu_memory_fraction: float = 0.9

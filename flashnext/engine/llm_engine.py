@@ -24,6 +24,7 @@ from flashnext.engine.model_runner import ModelRunner
 from flashnext.engine.outputs import RequestOutput, TokenLogprob
 from flashnext.engine.prefill_pacer import PrefillPacer
 from flashnext.engine.request import Request
+from flashnext.engine.row_graphs import MIN_BUCKET, RowGraphs, bucket_rows
 from flashnext.engine.sampled_on_host import SampledOnHost
 from flashnext.engine.sampler import SamplerOutput, validate_token_ids
 from flashnext.engine.sampling_params import InvalidParams, SamplingParams
@@ -160,8 +161,13 @@ class LLMEngine:
                                   self.kv.blocks_for(self.max_model_len), max_chain=extend_max)
             if experts is not None:
                 graphs.keeper = experts.enable_graphs()
+        row_graphs = None
+        if args.graph_prefill_max < 0:
+            raise ValueError(f"--graph-prefill-max {args.graph_prefill_max} must be >= 0 (0: off)")
+        if use_graphs and args.graph_prefill_max and self._extends_capturable() and not self._routes_by_trace():
+            row_graphs = RowGraphs(self.device, min(args.graph_prefill_max, args.max_num_batched_tokens))
         self.runner = ModelRunner(self.loaded.model, self.kv, self.states, self.eos_token_ids, self.device, args.seed,
-                                  graphs)
+                                  graphs, row_graphs)
         self.requests: dict[str, Request] = {}
         self._in_flight: tuple[list[Request], SamplerOutput] | None = None   # a decode step launched ahead (step)
         self._tokens_read_at = 0.0   # when the last sampled tokens reached the host (the pacer's decode step time)
@@ -189,6 +195,11 @@ class LLMEngine:
         experts = [m for m in self.loaded.model.modules() if isinstance(m, (Experts, Int4Experts))]
         return (world_size(self.args.tensor_parallel, self.args.expert_parallel) == 1
                 and self.loaded.expert_cache is None and all(isinstance(m, Int4Experts) for m in experts))
+
+    def _routes_by_trace(self) -> bool:
+        """A routing trace draws its experts on the host each forward (cache/routing_trace.py): a captured prefill
+        step would replay one draw."""
+        return any(getattr(m, "trace", None) is not None for m in self.loaded.model.modules())
 
     def _build_prefix_cache(self, block_size: int) -> PrefixCache | None:
         args = self.args
@@ -220,10 +231,26 @@ class LLMEngine:
         the dequantised path) and gate·up rows (top-k × intermediate), the hyper-connection streams (hc × hidden)
         and their mix, doubled for torch's temporaries around them (the 1 GiB beside it covers logits, sampling
         and the allocator's slack); plus the dequantised experts' scratch where a step takes that path."""
+        return self._activation_bytes_per_token() * self.args.max_num_batched_tokens + self._moe_dequant_scratch_bytes()
+
+    def _activation_bytes_per_token(self) -> int:
         cfg, item = self.config, self.dtype.itemsize
         per_token = cfg.num_experts_per_tok * (cfg.hidden_size * 4 + cfg.moe_intermediate_size * item)
-        per_token += 2 * cfg.hc_hidden_size * item
-        return 2 * per_token * self.args.max_num_batched_tokens + self._moe_dequant_scratch_bytes()
+        return 2 * (per_token + 2 * cfg.hc_hidden_size * item)
+
+    def _row_graph_bytes(self) -> int:
+        """What row-wise prefill graphs keep on the device (engine/row_graphs.py), an estimate at their largest
+        bucket: static buffers for the tensors passed between calls (the streams a few times, the GatedDeltaNet
+        projections, attention's query and gate), twice for the copies of eager inputs, plus their pool's
+        temporaries (a step's activations at those rows)."""
+        args, cfg = self.args, self.config
+        if self.device.type != "cuda" or args.enforce_eager or not args.graph_prefill_max:
+            return 0
+        linear = 2 * (cfg.linear_num_key_heads * cfg.linear_key_head_dim
+                      + cfg.linear_num_value_heads * cfg.linear_value_head_dim)
+        width = 3 * cfg.hc_hidden_size + linear + 2 * cfg.num_attention_heads * cfg.head_dim
+        rows = min(args.graph_prefill_max, args.max_num_batched_tokens)
+        return rows * (2 * width * self.dtype.itemsize + self._activation_bytes_per_token())
 
     def _moe_dequant_scratch_bytes(self) -> int:
         """A layer's experts dequantised to 16 bits, where a full prefill step of resident INT4 experts takes that
@@ -252,7 +279,8 @@ class LLMEngine:
     def _headroom(self, total: int) -> tuple[int, int]:
         """Device bytes the memory plan leaves free of a GPU of `total` bytes: (the reserve --gpu-memory-fraction
         keeps, a prefill chunk's activations plus 1 GiB)."""
-        return int(total * (1 - self.args.gpu_memory_fraction)), (1 << 30) + self._chunk_activation_bytes()
+        return (int(total * (1 - self.args.gpu_memory_fraction)),
+                (1 << 30) + self._chunk_activation_bytes() + self._row_graph_bytes())
 
     def _fitted_snapshot_budget(self, block_size: int, slot_bytes: int) -> int:
         """_snapshot_budget once the KV pool and the state slots are allocated: beside an explicit --kv-cache-gb on a
@@ -421,11 +449,33 @@ class LLMEngine:
             graphs.capture_widths(1)
             for size in graphs.chain_steps:
                 graphs.capture_widths(size, chained=True)
+        self._warm_row_graphs(rng, params)
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         (self.prompt_tokens_total, self.generation_tokens_total, self.scheduler.prefix_queries,
          self.scheduler.prefix_hits, self.scheduler.num_preemptions) = counters
         return time.perf_counter() - start
+
+    def _warm_row_graphs(self, rng: random.Random, params: SamplingParams) -> None:
+        """A fresh prompt of every bucket's size, so each bucket's row-wise graphs are captured before a request
+        needs them (engine/row_graphs.py)."""
+        row_graphs = self.runner.row_graphs
+        if row_graphs is None:
+            return
+        start, size = time.perf_counter(), MIN_BUCKET
+        room = min(self.max_model_len - 8, self.kv.num_blocks * self.kv.block_size // 2)
+        while size <= min(row_graphs.max_rows, room) and row_graphs.enabled:
+            if bucket_rows(size) not in row_graphs.plans:
+                vocab = self.config.vocab_size
+                self.add_request(f"warm-up-rows-{size}", [rng.randrange(vocab // 4, vocab // 2) for _ in range(size)],
+                                 params)
+                while self.has_work():
+                    self.step()
+            size *= 2
+        log.info("row-wise prefill graphs: %d buckets up to %d rows, %d calls each, %.2f GiB of buffers, %.1f s",
+                 len(row_graphs.plans), row_graphs.max_rows,
+                 max((len(p.calls) for p in row_graphs.plans.values()), default=0),
+                 row_graphs.buffer_bytes / (1 << 30), time.perf_counter() - start)
 
     # ---- one step ----
     def step(self, launched: Callable[[], None] | None = None) -> list[RequestOutput]:

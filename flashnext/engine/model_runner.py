@@ -4,7 +4,8 @@ This is the one place that turns scheduler output into tensors. Requests that de
 prompt token of a sequence under way (Scheduler.graph_tail) — replay the captured decode graph when `graphs` is
 given (engine/cuda_graph.py); short prompt chunks of a sequence under way replay its chained steps
 (DecodeGraphs.extend); other prefill chunks run the eager torch path, in the same step, so running streams keep
-their fast path while a long prompt enters.
+their fast path while a long prompt enters — with `row_graphs`, a step of up to its rows replays its row-wise work
+(engine/row_graphs.py).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from flashnext.cache.kv_pool import KVPool
 from flashnext.cache.state_pool import StatePool
 from flashnext.engine.cuda_graph import DecodeGraphs
+from flashnext.engine.row_graphs import RowGraphs
 from flashnext.engine.sampler import SamplerOutput, SamplingBatch, sample
 from flashnext.engine.scheduler import ScheduledChunk
 from flashnext.engine.structured.backend import apply_constraints
@@ -24,9 +26,10 @@ from flashnext.weights.pinned import to_device
 
 class ModelRunner:
     def __init__(self, model, kv: KVPool, states: StatePool, eos_token_ids, device, seed: int = 0,
-                 graphs: DecodeGraphs | None = None):
+                 graphs: DecodeGraphs | None = None, row_graphs: RowGraphs | None = None):
         self.model = model
         self.graphs = graphs
+        self.row_graphs = row_graphs
         self.kv = kv
         self.states = states
         self.eos_token_ids = sorted(eos_token_ids)
@@ -150,7 +153,10 @@ class ModelRunner:
         # (the step's chained and decode replays are queued before: none of its copies waits for them)
         input_ids = to_device(ids, self.device)
         last = to_device(last_rows, self.device)
-        hidden = self.model(input_ids, ForwardContext(segments, self.kv, self.states))
+        plan = self.row_graphs.plan(len(ids)) if self.row_graphs is not None else None
+        hidden = self.model(input_ids, ForwardContext(segments, self.kv, self.states, pieces=plan))
+        if plan is not None:
+            plan.end()
         return self.model.compute_logits(hidden[last]) if last_rows else None
 
     def _appendable(self, requests) -> bool:

@@ -33,6 +33,8 @@ class ForwardContext:
     segments: list[Segment]
     kv: "KVPool"               # noqa: F821 - flashnext.cache.kv_pool
     states: "StatePool"        # noqa: F821 - flashnext.cache.state_pool
+    # A RowPlan (engine/row_graphs.py): the step's row-wise calls replay CUDA graphs over rows padded to its bucket
+    pieces: "RowPlan | None" = None   # noqa: F821 - flashnext.engine.row_graphs
     positions: torch.Tensor = field(init=False)
 
     def __post_init__(self):
@@ -45,3 +47,10 @@ class ForwardContext:
     @property
     def num_tokens(self) -> int:
         return sum(s.length for s in self.segments)
+
+    def rows(self, site: str, fn, *args):
+        """`fn(*args)`: row-wise work (every tensor argument and output has the tokens on dim 0, each output row a
+        function of the same rows only, no host sync) — replayed from a CUDA graph when the step has `pieces`, its
+        tensors then padded to the plan's bucket (rows past the step's tokens are zeros or whatever they make).
+        `site` names the call in the model: one name per place, the same in every layer."""
+        return fn(*args) if self.pieces is None else self.pieces.call(site, fn, args)

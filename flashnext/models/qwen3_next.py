@@ -28,8 +28,13 @@ class HybridDecoderLayer(nn.Module):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     def forward(self, h, cos, sin, ctx: ForwardContext):
-        x = self.input_layernorm(h)
-        h = h + (self.linear_attn(x, ctx) if self.is_linear else self.self_attn(x, cos, sin, ctx))
+        x = ctx.rows("input_norm", self.input_layernorm, h)
+        mixed = self.linear_attn(x, ctx) if self.is_linear else self.self_attn(x, cos, sin, ctx)
+        return ctx.rows("mlp", self._residual_and_mlp, h, mixed)
+
+    def _residual_and_mlp(self, h, mixed):
+        """After the token mixer (row-wise): its residual, then the MLP block's."""
+        h = h + mixed
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def decode(self, h, cos, sin, batch: DecodeBatch):
@@ -47,11 +52,11 @@ class HybridModel(nn.Module):
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(ctx.positions, h.dtype)
+        h = ctx.rows("embed", self.embed_tokens, input_ids)
+        cos, sin = ctx.rows("rotary", lambda positions: self.rotary(positions, self.embed_tokens.weight.dtype), ctx.positions)
         for layer in self.layers:
             h = layer(h, cos, sin, ctx)
-        return self.norm(h)
+        return ctx.rows("norm", self.norm, h)
 
     def decode(self, batch: DecodeBatch) -> torch.Tensor:
         h = self.embed_tokens(batch.input_ids)

@@ -35,8 +35,12 @@ class Qwen4ExpDecoderLayer(nn.Module):
     def forward(self, h, input_ids, cos, sin, ctx: ForwardContext):
         if self.ple is not None:
             h = h + self.ple(h, input_ids, ctx)
-        x, inject = self.attn_hyper_connection.mix(h)
+        x, inject = ctx.rows("attn_mix", self.attn_hyper_connection.mix, h)
         x = self.linear_attn(x, ctx) if self.is_linear else self.self_attn(x, cos, sin, ctx)
+        return ctx.rows("mlp", self._inject_and_mlp, h, x, inject)
+
+    def _inject_and_mlp(self, h, x, inject):
+        """After the token mixer (row-wise): its injection, then the MoE block and its injection."""
         h = HyperConnection.inject(h, x, inject)
         x, inject = self.mlp_hyper_connection.mix(h)
         return HyperConnection.inject(h, self.mlp(x), inject)
@@ -63,12 +67,17 @@ class Qwen4ExpModel(nn.Module):
         self.hyper_connection_mixer = HyperConnection(cfg, with_injection=False)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        e = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(ctx.positions, e.dtype)
-        h = e.repeat(1, self.cfg.hc_count)                    # every stream starts as the embedding
+        h = ctx.rows("embed", self._streams, input_ids)
+        cos, sin = ctx.rows("rotary", self._rotary, ctx.positions)
         for layer in self.layers:
             h = layer(h, input_ids, cos, sin, ctx)
-        return self.hyper_connection_mixer.mix(h)[0]
+        return ctx.rows("final_mix", lambda streams: self.hyper_connection_mixer.mix(streams)[0], h)
+
+    def _streams(self, input_ids):
+        return self.embed_tokens(input_ids).repeat(1, self.cfg.hc_count)   # every stream starts as the embedding
+
+    def _rotary(self, positions):
+        return self.rotary(positions, self.embed_tokens.weight.dtype)
 
     def decode(self, batch: DecodeBatch) -> torch.Tensor:
         e = self.embed_tokens(batch.input_ids)

@@ -86,6 +86,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
               "captured steps of one sequence's tokens (powers of two up to 128, largest first) instead of one eager "
               "step; INT4 experts without an expert cache, one GPU; supersedes --graph-prefill-tail; 0: off "
               "(default 256)")
+    _add(parser, "--graph-prefill-max", type=int,
+         help="with CUDA graphs, a prefill step of at most this many tokens (a fresh short prompt, a chunk past "
+              "--graph-extend-max) replays its row-wise work (projections, norms, hyper-connection mixes, the MoE) "
+              "from graphs captured at warm-up for rows padded to a power of two, and runs only what mixes tokens "
+              "(GatedDeltaNet, attention, the QSA indexer, PLE) eagerly; INT4 experts without an expert cache, one "
+              "GPU; 0: off (default 2048)")
     _add(parser, "--decode-ahead", type=_bool,
          help="with CUDA graphs on one GPU, queue each decode step on the device, fed the tokens the step before "
               "sampled there, before the host reads those tokens, so the host's work between steps (detokenising, "
@@ -164,7 +170,7 @@ _ENGINE_FLAGS = {"model": "model", "device": "device", "max_num_batched_tokens":
                  "decode_step_budget_ms": "decode_step_budget_ms",
                  "decode_steps_between_prefill": "decode_steps_between_prefill",
                  "kv_cache_gb": "kv_cache_gb", "block_size": "block_size", "seed": "seed", "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
-                 "max_queued_requests": "max_queued_requests", "graph_prefill_tail": "graph_prefill_tail", "graph_extend_max": "graph_extend_max", "decode_ahead": "decode_ahead", "gpu_memory_fraction": "gpu_memory_fraction",
+                 "max_queued_requests": "max_queued_requests", "graph_prefill_tail": "graph_prefill_tail", "graph_extend_max": "graph_extend_max", "graph_prefill_max": "graph_prefill_max", "decode_ahead": "decode_ahead", "gpu_memory_fraction": "gpu_memory_fraction",
                  "dtype": "dtype", "quantize": "quantize", "enforce_eager": "enforce_eager", "warmup": "warmup", "ple_placement": "ple_placement", "enable_prefix_caching": "enable_prefix_caching",
                  "prefix_snapshot_interval": "prefix_snapshot_interval", "prefix_cache_gb": "prefix_cache_gb",
                  "kv_host_gb": "kv_host_gb", "kv_host_write_through": "kv_host_write_through",

@@ -68,11 +68,11 @@ class GatedAttention(nn.Module):
         token_index, token_valid = selection if selection is not None else (None, None)
         out = decode_attention(q, k_cache, v_cache, batch.block_table, batch.seq_lens, self.scaling,
                                token_index=token_index, token_valid=token_valid)
-        return self.o_proj(sigmoid_gate(out, gate))   # out: [B, heads, D] as sigmoid_gate wants it
+        return self._gated_output(out, gate)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n = x.shape[0]
-        q, gate, k, v = self._qkv(x, cos, sin)
+        q, gate, k, v = ctx.rows("attn_qkv", self._qkv, x, cos, sin)
         k_pages, v_pages = ctx.kv.k[self.layer_idx], ctx.kv.v[self.layer_idx]
         k_cache = k_pages.view(-1, self.num_kv_heads, self.head_dim)
         v_cache = v_pages.view(-1, self.num_kv_heads, self.head_dim)
@@ -90,7 +90,10 @@ class GatedAttention(nn.Module):
             chosen, ratio = selection if selection is not None else (None, 1)
             out[rows] = prefill_attention(q[rows], k_pages, v_pages, seg.blocks, seg.context_len, self.scaling,
                                           chosen, ratio)
-        return self.o_proj(sigmoid_gate(out, gate))
+        return ctx.rows("attn_out", self._gated_output, out, gate)
+
+    def _gated_output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(sigmoid_gate(out, gate))   # out: [N, heads, D] as sigmoid_gate wants it
 
     def _attend_lists(self, q, ctx: ForwardContext, seg: Segment, token_index, token_valid) -> torch.Tensor:
         """Each query of the segment over its own token list, through the paged decode-attention op (one row per

@@ -95,15 +95,19 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(n, self.value_dim))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        mixed, z, b, a = self._project(x)
-        g, beta = self._decay_and_beta(b, a)
+        mixed, z, g, beta = ctx.rows("gdn_in", self._prefill_inputs, x)
         conv_state, ssm_state = ctx.states.conv[self.layer_idx], ctx.states.ssm[self.layer_idx]
         out = torch.empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
         for seg in ctx.segments:
             rows = slice(seg.start, seg.end)
             out[rows], conv_state[seg.slot], ssm_state[seg.slot] = self._segment(
                 mixed[rows], g[rows], beta[rows], conv_state[seg.slot], ssm_state[seg.slot])
-        return self._gated_out(out, z)
+        return ctx.rows("gdn_out", self._gated_out, out, z)
+
+    def _prefill_inputs(self, x: torch.Tensor):
+        """The row-wise part before the conv and the delta rule: → (mixed qkv, z, g, beta)."""
+        mixed, z, b, a = self._project(x)
+        return mixed, z, *self._decay_and_beta(b, a)
 
     def decode(self, x: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """One token per row: conv, delta rule and gated norm fused in ops.gdn_decode (states updated in place). A

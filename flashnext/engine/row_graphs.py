@@ -1,0 +1,241 @@
+"""Prefill steps whose row-wise work replays CUDA graphs: piecewise capture around the sequence mixers.
+
+An eager prefill step of a short chunk is host-bound: Flash-Next INT4 launches ~5,300 kernels for 256 tokens (H200,
+session 20: 0.18–0.31 s to the first token while the GPU was busy 57 ms). Most of those kernels are row-wise — each
+output row a function of the same input rows only (projections, norms, hyper-connection mixes, the MoE) — and so
+can be captured once for a padded number of rows and replayed for any chunk that fits. What mixes rows (the
+GatedDeltaNet conv and delta rule, attention over the cache, the QSA indexer, PLE) depends on each sequence's
+length and context and stays eager, on the real rows (ForwardContext.segments), between the replays — vLLM's
+"piecewise" CUDA graphs.
+
+A model marks its row-wise calls with `ctx.rows(site, fn, *args)` (models/context.py): eagerly that is
+`fn(*args)`; with a RowPlan in the context it is one graph per call. The tensors passed between calls live in
+static buffers keyed by (site, output index), shared by every layer's call of a site and by every bucket (one plan
+runs at a time, and a site's output is read before the next layer's call of the same site overwrites it — checked
+while capturing). A call's other tensor arguments (what the eager code between computed: a mixer's output, the
+token ids) are copied into static input buffers before its replay, their rows past the chunk's zeroed, so padding
+rows stay finite. Buckets are powers of two of rows; the first pass of a bucket captures (each call run once eagerly
+first, which compiles its kernels), later passes replay. Rules for a site's fn: every tensor argument and output
+has the tokens on dim 0 (the output's rows as many as the input's), no host sync, no state beyond its outputs.
+
+On a CPU nothing is captured: a pass runs each call eagerly on the padded buffers, which is how the tests cover
+the padding, the buffers' sharing and the copies without a GPU.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger("flashnext.engine")
+
+# The fewest rows a bucket pads to: a chunk of a few tokens costs what 64 do on the GPU (the weights are read
+# whatever the rows) while its host time is the same as any other chunk's.
+MIN_BUCKET = 64
+
+
+def bucket_rows(rows: int) -> int:
+    return max(MIN_BUCKET, 1 << max(0, rows - 1).bit_length())
+
+
+@dataclass
+class _Call:
+    """One captured call: its site, what each argument is, its graph (None on a CPU) and its outputs."""
+    site: str
+    fn: object
+    args: list                          # per argument: ("shared", tensor) | ("input", buffer) | ("value", v)
+    graph: torch.cuda.CUDAGraph | None
+    outputs: object                     # the structure handed back: views of the output buffers (or None entries)
+    flat: list = field(default_factory=list)   # the output buffer views, in order (CPU: refilled each pass)
+
+
+def _flatten(out) -> tuple[list, bool]:
+    """A fn's result → (its entries, whether it was a tuple): a tensor or a tuple of tensors and Nones."""
+    return (list(out), True) if isinstance(out, tuple) else ([out], False)
+
+
+class RowPlan:
+    """The row-wise calls of one bucket's prefill forward, in the order the model makes them."""
+
+    def __init__(self, owner: RowGraphs, bucket: int):
+        self.owner = owner
+        self.bucket = bucket
+        self.calls: list[_Call] = []
+        self.captured = False
+        self.rows = 0
+        self._next = 0
+        self._writer: dict[tuple[str, int], int] = {}    # buffer key → the call that last wrote it (capture pass)
+        self._made_by: dict[int, tuple[tuple[str, int], int]] = {}   # id(output view) → (its key, its call)
+
+    def begin(self, rows: int) -> RowPlan:
+        if not 0 < rows <= self.bucket:
+            raise ValueError(f"{rows} rows do not fit the {self.bucket}-row bucket")
+        self.rows, self._next = rows, 0
+        return self
+
+    def end(self) -> None:
+        """After the forward: the first pass is now the plan; a later pass must have made every call of it."""
+        if self.captured and self._next != len(self.calls):
+            raise RuntimeError(f"a prefill pass made {self._next} row-wise calls, its plan {len(self.calls)}")
+        self.captured = True
+        self._writer.clear()
+
+    def call(self, site: str, fn, args: tuple):
+        if not self.owner.enabled:   # a capture failed earlier in this pass: the rest runs eagerly
+            return fn(*args)
+        if self.captured:
+            return self._replay(site, args)
+        return self._capture(site, fn, args)
+
+    # ---- later passes ----
+    def _replay(self, site: str, args: tuple):
+        call = self.calls[self._next]
+        if call.site != site or len(call.args) != len(args):
+            raise RuntimeError(f"row-wise call {self._next} is {site}, its plan's {call.site}")
+        self._next += 1
+        for (kind, held), arg in zip(call.args, args):
+            if kind == "input":
+                self._fill(held, arg)
+            elif kind == "shared" and arg is not held:
+                raise RuntimeError(f"{site}: an argument the plan took from an earlier call is another tensor now")
+            elif kind == "value" and arg != held:
+                raise RuntimeError(f"{site}: argument {arg!r} differs from the plan's {held!r}")
+        if call.graph is not None:
+            call.graph.replay()
+        else:
+            self._store(call.flat, _flatten(call.fn(*[held for _, held in call.args]))[0])
+        return call.outputs
+
+    # ---- the first pass ----
+    def _capture(self, site: str, fn, args: tuple):
+        index = len(self.calls)
+        kinds, inputs = [], []
+        for j, arg in enumerate(args):
+            if not isinstance(arg, torch.Tensor):
+                kinds.append(("value", arg))
+                inputs.append(arg)
+            elif id(arg) in self._made_by:
+                key, writer = self._made_by[id(arg)]
+                if self._writer[key] != writer:
+                    raise RuntimeError(f"{site} reads the output of call {writer} ({key[0]}) after call "
+                                       f"{self._writer[key]} overwrote its buffer")
+                kinds.append(("shared", arg))
+                inputs.append(arg)
+            else:
+                buffer = self.owner.buffer(("in", site, j), arg, self.bucket)
+                self._fill(buffer, arg)
+                kinds.append(("input", buffer))
+                inputs.append(buffer)
+        warm, is_tuple = _flatten(fn(*inputs))   # eagerly once: compiles the kernels before the capture
+        flat = [None if t is None else self.owner.buffer((site, i), t, self.bucket) for i, t in enumerate(warm)]
+        for t, buffer in zip(warm, flat):
+            if t is not None and t.shape[0] != self.bucket:
+                raise RuntimeError(f"{site}: output {tuple(t.shape)} is not row-wise over {self.bucket} rows")
+        graph = self.owner.capture(lambda: self._store(flat, _flatten(fn(*inputs))[0]))
+        if self.owner.enabled:
+            if graph is not None:
+                graph.replay()
+            else:
+                self._store(flat, warm)
+        else:   # the capture failed (logged): this pass goes on eagerly from the warm-up's outputs
+            return tuple(warm) if is_tuple else warm[0]
+        views = [None if b is None else b.view(b.shape) for b in flat]
+        for i, view in enumerate(views):
+            if view is not None:
+                self._writer[(site, i)] = index
+                self._made_by[id(view)] = ((site, i), index)
+        outputs = tuple(views) if is_tuple else views[0]
+        self.calls.append(_Call(site, fn, kinds, graph, outputs, flat))
+        self._next = index + 1
+        return outputs
+
+    def _fill(self, buffer: torch.Tensor, arg: torch.Tensor) -> None:
+        """An eager tensor into its static input buffer: the chunk's rows, zeros past them."""
+        if arg.shape[1:] != buffer.shape[1:] or arg.shape[0] < self.rows:
+            raise RuntimeError(f"an argument {tuple(arg.shape)} does not fit its buffer {tuple(buffer.shape)} "
+                               f"({self.rows} rows)")
+        buffer[: self.rows].copy_(arg[: self.rows])
+        buffer[self.rows:].zero_()
+
+    @staticmethod
+    def _store(flat: list, outs: list) -> None:
+        for buffer, t in zip(flat, outs):
+            if buffer is not None:
+                buffer.copy_(t)
+
+
+class RowGraphs:
+    """Row-wise graphs of prefill steps of up to `max_rows` rows, one RowPlan a bucket, one memory pool."""
+
+    def __init__(self, device: torch.device, max_rows: int):
+        self.device = torch.device(device)
+        self.max_rows = bucket_rows(max_rows)
+        self.plans: dict[int, RowPlan] = {}
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.enabled = True
+        cuda = self.device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if cuda else None
+        self.stream = torch.cuda.Stream(self.device) if cuda else None
+
+    def plan(self, rows: int) -> RowPlan | None:
+        """The plan for a step of `rows` rows, begun; None when none fits or capturing failed before."""
+        if not self.enabled or rows > self.max_rows:
+            return None
+        bucket = bucket_rows(rows)
+        plan = self.plans.get(bucket)
+        if plan is None:
+            plan = self.plans[bucket] = RowPlan(self, bucket)
+        elif not plan.captured:   # a first pass that did not finish (an error inside the forward): start over
+            plan = self.plans[bucket] = RowPlan(self, bucket)
+        return plan.begin(rows)
+
+    def buffer(self, key: tuple, like: torch.Tensor, rows: int) -> torch.Tensor:
+        """The static buffer of `key` (max_rows rows, shaped and typed like `like` past dim 0), its first `rows`."""
+        held = self.buffers.get(key)
+        if held is None or held.shape[1:] != like.shape[1:] or held.dtype != like.dtype:
+            if held is not None:
+                raise RuntimeError(f"row-wise site {key}: {tuple(like.shape[1:])} {like.dtype} after "
+                                   f"{tuple(held.shape[1:])} {held.dtype}")
+            held = self.buffers[key] = torch.zeros(self.max_rows, *like.shape[1:], dtype=like.dtype, device=self.device)
+        return held[:rows]
+
+    def capture(self, body) -> torch.cuda.CUDAGraph | None:
+        """`body` captured into a graph of the shared pool (None on a CPU). Not torch.cuda.graph: it empties the
+        allocator's caches (device and page-locked) at every capture, and a step captures ~200 calls. A failure (a
+        host sync inside, say) is logged and turns row-wise graphs off for the engine's life; the caller then goes
+        on eagerly."""
+        if self.pool is None:
+            return None
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        try:
+            with torch.cuda.stream(self.stream):
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    body()
+                finally:
+                    graph.capture_end()
+        except Exception:   # noqa: BLE001 - any capture failure falls back to the eager path, loudly
+            log.exception("capturing a prefill step's row-wise call failed; prefill steps run eagerly from now on")
+            torch.cuda.synchronize(self.device)
+            self.release()
+            return None
+        current.wait_stream(self.stream)
+        return graph
+
+    def release(self) -> None:
+        """Drop every plan and graph (the buffers go too); later steps run eagerly."""
+        self.enabled = False
+        for plan in self.plans.values():
+            for call in plan.calls:
+                if call.graph is not None:
+                    call.graph.reset()
+        self.plans.clear()
+        self.buffers.clear()
+        self.pool = None
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
