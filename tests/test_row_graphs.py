@@ -8,7 +8,7 @@ import torch
 
 from flashnext.cache.kv_pool import KVPool
 from flashnext.cache.state_pool import StatePool
-from flashnext.engine.row_graphs import MIN_BUCKET, RowGraphs, bucket_rows
+from flashnext.engine.row_graphs import LARGE_STEP, MIN_BUCKET, RowGraphs, bucket_rows, buckets_up_to
 from flashnext.models.context import ForwardContext, Segment
 from oracle import hf_model, ours_from_hf, rel_err
 from test_model_parity import CASES, IDS
@@ -16,9 +16,12 @@ from test_model_parity import CASES, IDS
 TOL = 1e-5
 
 
-def test_buckets_are_powers_of_two_from_the_smallest():
+def test_buckets_are_powers_of_two_then_steps():
     assert bucket_rows(1) == MIN_BUCKET and bucket_rows(MIN_BUCKET) == MIN_BUCKET
     assert bucket_rows(MIN_BUCKET + 1) == 2 * MIN_BUCKET and bucket_rows(1000) == 1024
+    assert bucket_rows(1025) == 1024 + LARGE_STEP and bucket_rows(4000) == 4096
+    assert buckets_up_to(3000) == [64, 128, 256, 512, 1024, 1536, 2048, 2560, 3072]
+    assert all(bucket_rows(n) >= n and bucket_rows(bucket_rows(n)) == bucket_rows(n) for n in range(1, 5000))
     graphs = RowGraphs("cpu", 100)
     assert graphs.max_rows == 128 and graphs.plan(129) is None and graphs.plan(100).bucket == 128
 

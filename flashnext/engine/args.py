@@ -19,9 +19,10 @@ class EngineArgs:
     decode_step_budget_ms: float = 0.0    # > 0: size those prefill chunks so a mixed step takes about this long
     decode_steps_between_prefill: int = 0  # > 0: after a step with a prefill chunk beside decodes, this many decode-only steps
     graph_prefill_tail: int = 16          # with decode graphs: prompt chunks of at most this many tokens go one a step
-    graph_extend_max: int = 256           # with decode graphs: prompt chunks of at most this many tokens of a sequence
-                                          # under way replay chained steps (DecodeGraphs.extend; 0: off)
-    graph_prefill_max: int = 2048         # with decode graphs: eager prefill steps of at most this many tokens replay
+    graph_extend_max: int = 48            # with decode graphs: prompt chunks of at most this many tokens of a sequence
+                                          # under way replay chained steps (DecodeGraphs.extend; 0: off); longer ones
+                                          # take row-wise graphs (H200: faster from ~60 tokens)
+    graph_prefill_max: int = 4096         # with decode graphs: eager prefill steps of at most this many tokens replay
                                           # their row-wise work from CUDA graphs (engine/row_graphs.py; 0: off)
     decode_ahead: bool = True             # with decode graphs: queue the next decode step before reading the tokens
     max_queued_requests: int = 256

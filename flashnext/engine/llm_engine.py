@@ -24,7 +24,7 @@ from flashnext.engine.model_runner import ModelRunner
 from flashnext.engine.outputs import RequestOutput, TokenLogprob
 from flashnext.engine.prefill_pacer import PrefillPacer
 from flashnext.engine.request import Request
-from flashnext.engine.row_graphs import MIN_BUCKET, RowGraphs, bucket_rows
+from flashnext.engine.row_graphs import RowGraphs, buckets_up_to
 from flashnext.engine.sampled_on_host import SampledOnHost
 from flashnext.engine.sampler import SamplerOutput, validate_token_ids
 from flashnext.engine.sampling_params import InvalidParams, SamplingParams
@@ -462,16 +462,16 @@ class LLMEngine:
         row_graphs = self.runner.row_graphs
         if row_graphs is None:
             return
-        start, size = time.perf_counter(), MIN_BUCKET
+        start = time.perf_counter()
         room = min(self.max_model_len - 8, self.kv.num_blocks * self.kv.block_size // 2)
-        while size <= min(row_graphs.max_rows, room) and row_graphs.enabled:
-            if bucket_rows(size) not in row_graphs.plans:
-                vocab = self.config.vocab_size
-                self.add_request(f"warm-up-rows-{size}", [rng.randrange(vocab // 4, vocab // 2) for _ in range(size)],
-                                 params)
-                while self.has_work():
-                    self.step()
-            size *= 2
+        for size in buckets_up_to(min(row_graphs.max_rows, room)):
+            if size in row_graphs.plans or not row_graphs.enabled:
+                continue
+            vocab = self.config.vocab_size
+            self.add_request(f"warm-up-rows-{size}", [rng.randrange(vocab // 4, vocab // 2) for _ in range(size)],
+                             params)
+            while self.has_work():
+                self.step()
         log.info("row-wise prefill graphs: %d buckets up to %d rows, %d calls each, %.2f GiB of buffers, %.1f s",
                  len(row_graphs.plans), row_graphs.max_rows,
                  max((len(p.calls) for p in row_graphs.plans.values()), default=0),

@@ -33,10 +33,25 @@ log = logging.getLogger("flashnext.engine")
 # The fewest rows a bucket pads to: a chunk of a few tokens costs what 64 do on the GPU (the weights are read
 # whatever the rows) while its host time is the same as any other chunk's.
 MIN_BUCKET = 64
+# Past it buckets step by this many rows instead of doubling: a step of thousands of rows is GPU-bound, and padding
+# 2,100 rows to 4,096 would nearly double its work.
+LARGE_STEP = 512
 
 
 def bucket_rows(rows: int) -> int:
+    """The rows a step of `rows` pads to: a power of two from MIN_BUCKET to LARGE_STEP · 2, then multiples of
+    LARGE_STEP."""
+    if rows > 2 * LARGE_STEP:
+        return -(-rows // LARGE_STEP) * LARGE_STEP
     return max(MIN_BUCKET, 1 << max(0, rows - 1).bit_length())
+
+
+def buckets_up_to(rows: int) -> list[int]:
+    sizes, size = [], MIN_BUCKET
+    while size <= bucket_rows(rows):
+        sizes.append(size)
+        size = bucket_rows(size + 1)
+    return sizes
 
 
 @dataclass
