@@ -259,10 +259,13 @@ def test_engine_sets_chained_steps_or_the_graph_tail(monkeypatch):
     args = EngineArgs(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=2, quantize="int4")
     engine = LLMEngine(args)
     assert (engine.scheduler.extend_max, engine.scheduler.graph_tail) == (args.graph_extend_max, 0)
-    assert engine.runner.graphs.chain_steps == [2, 4, 8, 16, 32, 64, 128]
+    assert engine.runner.graphs.chain_steps == [2, 4, 8, 16, 32]   # the default 48: chained steps up to 32 rows
+    assert LLMEngine(replace(args, graph_extend_max=256)).runner.graphs.chain_steps == [2, 4, 8, 16, 32, 64, 128]
+    assert engine.runner.row_graphs is not None   # longer chunks: row-wise graphs (engine/row_graphs.py)
     for off in (replace(args, quantize=None), replace(args, graph_extend_max=1), replace(args, graph_extend_max=0)):
         engine = LLMEngine(off)
         assert (engine.scheduler.extend_max, engine.scheduler.graph_tail) == (0, args.graph_prefill_tail)
         assert engine.runner.graphs.chain_steps == []
+        assert (engine.runner.row_graphs is None) == (off.quantize is None)
     with pytest.raises(ValueError, match="--graph-extend-max"):
         LLMEngine(replace(args, graph_extend_max=-1))
