@@ -101,6 +101,18 @@ def conversation_turns(engine, history, params, new_messages):
     return turns
 
 
+def follow_up_conversation(seed: int = 5, sizes=(9, 13, 17)):
+    """A tiny Flash-Next CPU engine's arguments and a conversation over them: a 40-token history, then new messages
+    of `sizes` tokens, greedy replies of 6 tokens → (EngineArgs keywords, run(engine) → conversation_turns')."""
+    g = torch.Generator().manual_seed(seed)
+    history = torch.randint(3, 400, (40,), generator=g).tolist()
+    messages = [torch.randint(3, 400, (n,), generator=g).tolist() for n in sizes]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    args = dict(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
+                decode_ahead=False)
+    return args, lambda engine: conversation_turns(engine, history, params, messages)
+
+
 def test_prompt_tail_fed_one_token_a_step_through_the_decode_graph():
     """Scheduler.graph_tail: a prompt chunk of at most that many tokens (an agent turn's generation prompt after
     the history cut; a short remainder after a prefix hit) goes one token a step through the fixed-shape runner,

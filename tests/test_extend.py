@@ -10,7 +10,7 @@ from flashnext.cache.state_pool import StatePool
 from flashnext.engine.cuda_graph import DecodeGraphs, bucket, chain_sizes
 from flashnext.models.context import ForwardContext, Segment
 from oracle import hf_model, ours_from_hf, rel_err
-from test_decode_runner import conversation_turns
+from test_decode_runner import follow_up_conversation
 from test_model_parity import CASES, IDS
 
 TOL = 1e-5
@@ -113,15 +113,7 @@ def test_engine_follow_up_turns_extend_through_chained_steps():
     from flashnext.engine.llm_engine import LLMEngine
     from flashnext.engine.sampling_params import SamplingParams
 
-    g = torch.Generator().manual_seed(5)
-    history = torch.randint(3, 400, (40,), generator=g).tolist()
-    args = dict(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
-                decode_ahead=False)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-
-    messages = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (9, 13, 17)]
-    conversation = lambda engine: conversation_turns(engine, history, params, messages)  # noqa: E731
-
+    args, conversation = follow_up_conversation()
     want = conversation(LLMEngine(EngineArgs(**args)))
     engine = _chained_engine(**args)
     runner = engine.runner
@@ -139,7 +131,7 @@ def test_engine_follow_up_turns_extend_through_chained_steps():
     assert len(extended) >= 4 and all(1 < n <= 16 for n in extended)
     # a short prompt that starts a sequence runs eagerly (chained steps continue a slot's states, never clear them),
     # and so does a chunk the budget cut short (the prompt goes on in large eager chunks)
-    fresh = engine.add_request("fresh", list(range(5, 13)), params)
+    fresh = engine.add_request("fresh", list(range(5, 13)), SamplingParams(max_tokens=1))
     chains = engine.scheduler._chains
     assert not chains(fresh, 0, 8) and chains(fresh, 2, 6) and not chains(fresh, 2, 4)
 

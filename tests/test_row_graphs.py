@@ -121,18 +121,12 @@ def test_engine_conversation_through_row_graphs_gives_the_eager_tokens():
     --graph-prefill-max): a conversation's turns, with prefix hits, give the eager engine's tokens."""
     from flashnext.engine.args import EngineArgs
     from flashnext.engine.llm_engine import LLMEngine
-    from flashnext.engine.sampling_params import SamplingParams
-    from test_decode_runner import conversation_turns
+    from test_decode_runner import follow_up_conversation
 
-    g = torch.Generator().manual_seed(5)
-    history = torch.randint(3, 400, (40,), generator=g).tolist()
-    args = dict(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
-                decode_ahead=False)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    messages = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (9, 13, 17)]
-    want = conversation_turns(LLMEngine(EngineArgs(**args)), history, params, messages)
+    args, conversation = follow_up_conversation()
+    want = conversation(LLMEngine(EngineArgs(**args)))
     engine = LLMEngine(EngineArgs(**args))
     engine.runner.row_graphs = RowGraphs("cpu", 64)
-    assert conversation_turns(engine, history, params, messages) == want
+    assert conversation(engine) == want
     plan = engine.runner.row_graphs.plans[MIN_BUCKET]
     assert plan.captured and plan.calls
