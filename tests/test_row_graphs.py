@@ -24,6 +24,7 @@ def test_buckets_are_powers_of_two_then_steps():
     assert all(bucket_rows(n) >= n and bucket_rows(bucket_rows(n)) == bucket_rows(n) for n in range(1, 5000))
     graphs = RowGraphs("cpu", 100)
     assert graphs.max_rows == 128 and graphs.plan(129) is None and graphs.plan(100).bucket == 128
+    assert graphs.plan(100, slot=2).single and not graphs.plan(100).single
 
 
 def _pools(cfg):
@@ -51,7 +52,7 @@ def test_row_graph_steps_equal_eager_steps(case):
     cfg = model.cfg
     g = torch.Generator().manual_seed(3)
     tokens = lambda n: torch.randint(2, cfg.vocab_size, (n,), generator=g)  # noqa: E731
-    first, follow, other = tokens(23), tokens(41), tokens(9)
+    first, follow, other, short = tokens(23), tokens(41), tokens(9), tokens(2)
     eager, padded = _pools(cfg), _pools(cfg)
     tables = [[pools[0].allocate(pools[0].blocks_for(80)) for _ in range(2)] for pools in (eager, padded)]
     slots = [[pools[1].allocate() for _ in range(2)] for pools in (eager, padded)]
@@ -62,20 +63,23 @@ def test_row_graph_steps_equal_eager_steps(case):
         [(sa, ta, first, 0)],
         [(sa, ta, follow, len(first))],                                  # a prefix: the QSA selection is scored
         [(sb, tb, other, 0), (sa, ta, first[:5], len(first) + len(follow))],   # two sequences in one step
+        [(sb, tb, short, len(other))],   # fewer rows than the conv's tail, the delta rule token by token eagerly
     ]
     with torch.inference_mode():
         for segments in steps:
             ids = [s[2] for s in segments]
             want = _step(model, *eager, segments, ids)
             rows = sum(len(i) for i in ids)
-            got = _step(model, *padded, segments, ids, graphs.plan(rows))
+            got = _step(model, *padded, segments, ids, graphs.plan(rows, segments[0][0] if len(segments) == 1 else None))
             assert rel_err(got, want) < TOL
-    plan = graphs.plans[MIN_BUCKET]
-    assert plan.captured and len(graphs.plans) == 1
-    sites = [c.site for c in plan.calls]
-    assert sites[0] == "embed" and sites.count("mlp") == cfg.num_layers
+    assert set(graphs.plans) == {(MIN_BUCKET, True), (MIN_BUCKET, False)}
+    for single, plan in ((True, graphs.plans[MIN_BUCKET, True]), (False, graphs.plans[MIN_BUCKET, False])):
+        sites = [c.site for c in plan.calls]
+        assert plan.captured and sites[0] == "embed" and sites.count("mlp") == cfg.num_layers
+        # one sequence's steps also hold GatedDeltaNet's token mixing (its padding rows leave the states alone)
+        assert sites.count("gdn_mix") == (len(cfg.layer_types) - len(cfg.attention_layers()) if single else 0)
     for name, t in eager[1].tensors().items():
-        for slot, total in ((sa, len(first) + len(follow) + 5), (sb, len(other))):
+        for slot, total in ((sa, len(first) + len(follow) + 5), (sb, len(other) + len(short))):
             held = slice(total % cfg.indexer_compress_ratio) if name.startswith("index_ring") else slice(None)
             assert rel_err(padded[1].tensors()[name][slot][held].float(), t[slot][held].float()) < TOL, name
     rows = eager[0].token_rows(torch.tensor(ta), 0, len(first) + len(follow) + 5)
@@ -128,5 +132,5 @@ def test_engine_conversation_through_row_graphs_gives_the_eager_tokens():
     engine = LLMEngine(EngineArgs(**args))
     engine.runner.row_graphs = RowGraphs("cpu", 64)
     assert conversation(engine) == want
-    plan = engine.runner.row_graphs.plans[MIN_BUCKET]
-    assert plan.captured and plan.calls
+    plans = engine.runner.row_graphs.plans
+    assert (MIN_BUCKET, True) in plans and all(p.captured and p.calls for p in plans.values())

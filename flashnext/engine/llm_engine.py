@@ -465,14 +465,14 @@ class LLMEngine:
         start = time.perf_counter()
         room = min(self.max_model_len - 8, self.kv.num_blocks * self.kv.block_size // 2)
         for size in buckets_up_to(min(row_graphs.max_rows, room)):
-            if size in row_graphs.plans or not row_graphs.enabled:
+            if (size, True) in row_graphs.plans or not row_graphs.enabled:
                 continue
             vocab = self.config.vocab_size
             self.add_request(f"warm-up-rows-{size}", [rng.randrange(vocab // 4, vocab // 2) for _ in range(size)],
                              params)
             while self.has_work():
                 self.step()
-        log.info("row-wise prefill graphs: %d buckets up to %d rows, %d calls each, %.2f GiB of buffers, %.1f s",
+        log.info("row-wise prefill graphs: %d buckets up to %d rows, up to %d calls a step, %.2f GiB of buffers, %.1f s",
                  len(row_graphs.plans), row_graphs.max_rows,
                  max((len(p.calls) for p in row_graphs.plans.values()), default=0),
                  row_graphs.buffer_bytes / (1 << 30), time.perf_counter() - start)

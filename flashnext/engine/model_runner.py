@@ -153,7 +153,8 @@ class ModelRunner:
         # (the step's chained and decode replays are queued before: none of its copies waits for them)
         input_ids = to_device(ids, self.device)
         last = to_device(last_rows, self.device)
-        plan = self.row_graphs.plan(len(ids)) if self.row_graphs is not None else None
+        single = segments[0].slot if len(segments) == 1 else None
+        plan = self.row_graphs.plan(len(ids), single) if self.row_graphs is not None else None
         hidden = self.model(input_ids, ForwardContext(segments, self.kv, self.states, pieces=plan))
         if plan is not None:
             plan.end()

@@ -18,6 +18,10 @@ rows stay finite. Buckets are powers of two of rows; the first pass of a bucket 
 first, which compiles its kernels), later passes replay. Rules for a site's fn: every tensor argument and output
 has the tokens on dim 0 (the output's rows as many as the input's), no host sync, no state beyond its outputs.
 
+A step of one sequence also captures what of its token mixing takes a slot and a length on the device
+(`ctx.sequence`: GatedDeltaNet's conv and delta rule, its padding rows made to leave the states as they are), so
+such plans are kept apart from those of several sequences, which run all token mixing eagerly.
+
 On a CPU nothing is captured: a pass runs each call eagerly on the padded buffers, which is how the tests cover
 the padding, the buffers' sharing and the copies without a GPU.
 """
@@ -71,22 +75,33 @@ def _flatten(out) -> tuple[list, bool]:
 
 
 class RowPlan:
-    """The row-wise calls of one bucket's prefill forward, in the order the model makes them."""
+    """The row-wise calls of one bucket's prefill forward, in the order the model makes them. A plan for steps of
+    one sequence (`single`) may also hold that sequence's calls (ForwardContext.sequence): they read its slot and
+    length from `where`, a static [slot, rows] on the device."""
 
-    def __init__(self, owner: RowGraphs, bucket: int):
+    def __init__(self, owner: RowGraphs, bucket: int, single: bool):
         self.owner = owner
         self.bucket = bucket
+        self.single = single
         self.calls: list[_Call] = []
         self.captured = False
         self.rows = 0
         self._next = 0
         self._writer: dict[tuple[str, int], int] = {}    # buffer key → the call that last wrote it (capture pass)
         self._made_by: dict[int, tuple[tuple[str, int], int]] = {}   # id(output view) → (its key, its call)
+        self.where = torch.zeros(2, dtype=torch.long, device=owner.device) if single else None
 
-    def begin(self, rows: int) -> RowPlan:
+    def begin(self, rows: int, slot: int | None = None) -> RowPlan:
         if not 0 < rows <= self.bucket:
             raise ValueError(f"{rows} rows do not fit the {self.bucket}-row bucket")
+        if (slot is not None) != self.single:
+            raise ValueError("a plan for one sequence's steps takes its slot, any other plan none")
         self.rows, self._next = rows, 0
+        if self.single:   # page-locked on a GPU: the copy is queued, not waited for
+            where = torch.tensor([slot, rows], dtype=torch.long, pin_memory=self.owner.device.type == "cuda")
+            self.where.copy_(where, non_blocking=True)
+            self._writer[("where", 0)] = -1
+            self._made_by[id(self.where)] = (("where", 0), -1)
         return self
 
     def end(self) -> None:
@@ -193,17 +208,16 @@ class RowGraphs:
         self.pool = torch.cuda.graph_pool_handle() if cuda else None
         self.stream = torch.cuda.Stream(self.device) if cuda else None
 
-    def plan(self, rows: int) -> RowPlan | None:
-        """The plan for a step of `rows` rows, begun; None when none fits or capturing failed before."""
+    def plan(self, rows: int, slot: int | None = None) -> RowPlan | None:
+        """The plan for a step of `rows` rows, begun — of one sequence's rows when `slot` (its state slot) is given;
+        None when none fits or capturing failed before."""
         if not self.enabled or rows > self.max_rows:
             return None
-        bucket = bucket_rows(rows)
-        plan = self.plans.get(bucket)
-        if plan is None:
-            plan = self.plans[bucket] = RowPlan(self, bucket)
-        elif not plan.captured:   # a first pass that did not finish (an error inside the forward): start over
-            plan = self.plans[bucket] = RowPlan(self, bucket)
-        return plan.begin(rows)
+        key = (bucket_rows(rows), slot is not None)
+        plan = self.plans.get(key)
+        if plan is None or not plan.captured:   # new, or a first pass that did not finish (an error inside): start over
+            plan = self.plans[key] = RowPlan(self, *key)
+        return plan.begin(rows, slot)
 
     def buffer(self, key: tuple, like: torch.Tensor, rows: int) -> torch.Tensor:
         """The static buffer of `key` (max_rows rows, shaped and typed like `like` past dim 0), its first `rows`."""

@@ -54,3 +54,11 @@ class ForwardContext:
         tensors then padded to the plan's bucket (rows past the step's tokens are zeros or whatever they make).
         `site` names the call in the model: one name per place, the same in every layer."""
         return fn(*args) if self.pieces is None else self.pieces.call(site, fn, args)
+
+    def sequence(self, site: str, fn, *args):
+        """`fn(*args, where)` when the step replays a plan of one sequence's rows (where = [its state slot, its rows] on
+        the device, the tensors padded to the plan's bucket): token mixing captured with the row-wise work, which must
+        leave the sequence's states as the real rows alone would. None otherwise: the caller mixes eagerly."""
+        if self.pieces is None or not self.pieces.single:
+            return None
+        return self.pieces.call(site, fn, (*args, self.pieces.where))

@@ -97,12 +97,29 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         mixed, z, g, beta = ctx.rows("gdn_in", self._prefill_inputs, x)
         conv_state, ssm_state = ctx.states.conv[self.layer_idx], ctx.states.ssm[self.layer_idx]
-        out = torch.empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
-        for seg in ctx.segments:
-            rows = slice(seg.start, seg.end)
-            out[rows], conv_state[seg.slot], ssm_state[seg.slot] = self._segment(
-                mixed[rows], g[rows], beta[rows], conv_state[seg.slot], ssm_state[seg.slot])
+        out = ctx.sequence("gdn_mix", lambda *a: self._padded_segment(conv_state, ssm_state, *a), mixed, g, beta)
+        if out is None:
+            out = torch.empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
+            for seg in ctx.segments:
+                rows = slice(seg.start, seg.end)
+                out[rows], conv_state[seg.slot], ssm_state[seg.slot] = self._segment(
+                    mixed[rows], g[rows], beta[rows], conv_state[seg.slot], ssm_state[seg.slot])
         return ctx.rows("gdn_out", self._gated_out, out, z)
+
+    def _padded_segment(self, conv_state, ssm_state, mixed, g, beta, where):
+        """One sequence's rows padded past its length (where = [slot, length] on the device, models/context.py
+        ForwardContext.sequence): rows past the length decay by nothing (g 0) and write nothing (beta 0), so the
+        delta rule's state is the real rows' alone; the new conv tail is the inputs before the length."""
+        slot, length = where[:1], where[1]
+        valid = (torch.arange(mixed.shape[0], device=mixed.device) < length)[:, None]
+        g, beta = torch.where(valid, g, 0.0), torch.where(valid, beta, 0.0)
+        tail = conv_state.index_select(0, slot)[0]
+        o, _, ssm = self._segment(mixed, g, beta, tail, ssm_state.index_select(0, slot)[0])
+        span = torch.arange(tail.shape[0], device=mixed.device)
+        conv_state.index_copy_(0, slot, torch.cat([tail.to(mixed.dtype), mixed]).index_select(0, length + span)[None]
+                               .to(conv_state.dtype))
+        ssm_state.index_copy_(0, slot, ssm[None].to(ssm_state.dtype))
+        return o
 
     def _prefill_inputs(self, x: torch.Tensor):
         """The row-wise part before the conv and the delta rule: → (mixed qkv, z, g, beta)."""
