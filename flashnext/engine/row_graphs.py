@@ -15,8 +15,9 @@ runs at a time, and a site's output is read before the next layer's call of the 
 while capturing). A call's other tensor arguments (what the eager code between computed: a mixer's output, the
 token ids) are copied into static input buffers before its replay, their rows past the chunk's zeroed, so padding
 rows stay finite. Buckets are powers of two of rows; the first pass of a bucket captures (each call run once eagerly
-first, which compiles its kernels), later passes replay. Rules for a site's fn: every tensor argument and output
-has the tokens on dim 0 (the output's rows as many as the input's), no host sync, no state beyond its outputs.
+first, which compiles its kernels and gives the pass its outputs: a call runs once a pass), later passes replay.
+Rules for a site's fn: every tensor argument and output has the tokens on dim 0 (the output's rows as many as the
+input's), no host sync, no state beyond its outputs (a sequence's call, below, moves its own states on).
 
 A step of one sequence also captures what of its token mixing takes a slot and a length on the device
 (`ctx.sequence`: GatedDeltaNet's conv and delta rule, its padding rows made to leave the states as they are), so
@@ -163,13 +164,11 @@ class RowPlan:
             if t is not None and t.shape[0] != self.bucket:
                 raise RuntimeError(f"{site}: output {tuple(t.shape)} is not row-wise over {self.bucket} rows")
         graph = self.owner.capture(lambda: self._store(flat, _flatten(fn(*inputs))[0]))
-        if self.owner.enabled:
-            if graph is not None:
-                graph.replay()
-            else:
-                self._store(flat, warm)
-        else:   # the capture failed (logged): this pass goes on eagerly from the warm-up's outputs
+        if not self.owner.enabled:   # the capture failed (logged): this pass goes on eagerly from the warm-up's outputs
             return tuple(warm) if is_tuple else warm[0]
+        # the warm-up's outputs are this pass's: a replay now would run a sequence's call (which moves its states
+        # on) a second time
+        self._store(flat, warm)
         views = [None if b is None else b.view(b.shape) for b in flat]
         for i, view in enumerate(views):
             if view is not None:
