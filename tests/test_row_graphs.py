@@ -24,6 +24,8 @@ def test_buckets_are_powers_of_two_then_steps():
     assert all(bucket_rows(n) >= n and bucket_rows(bucket_rows(n)) == bucket_rows(n) for n in range(1, 5000))
     graphs = RowGraphs("cpu", 100)
     assert graphs.max_rows == 128 and graphs.plan(129) is None and graphs.plan(100).bucket == 128
+    assert not graphs.plan(100, slot=2).single   # one sequence's mixing captured only when asked for
+    graphs = RowGraphs("cpu", 100, sequences=True)
     assert graphs.plan(100, slot=2).single and not graphs.plan(100).single
 
 
@@ -58,7 +60,7 @@ def test_row_graph_steps_equal_eager_steps(case):
     slots = [[pools[1].allocate() for _ in range(2)] for pools in (eager, padded)]
     assert tables[0] == tables[1] and slots[0] == slots[1]
     (ta, tb), (sa, sb) = tables[0], slots[0]
-    graphs = RowGraphs("cpu", 128)
+    graphs = RowGraphs("cpu", 128, sequences=True)
     steps = [  # (segments of (slot, table, tokens, context)): the bucket's first pass, then two more of other lengths
         [(sa, ta, first, 0)],
         [(sa, ta, follow, len(first))],                                  # a prefix: the QSA selection is scored
@@ -120,9 +122,11 @@ def test_a_read_of_an_overwritten_buffer_is_refused_and_a_plan_is_replayed_as_ma
         plan.call("add", torch.add, (x, x))
 
 
-def test_engine_conversation_through_row_graphs_gives_the_eager_tokens():
+@pytest.mark.parametrize("sequences", [False, True], ids=["mixing-eager", "mixing-captured"])
+def test_engine_conversation_through_row_graphs_gives_the_eager_tokens(sequences):
     """A CPU engine whose eager steps of up to 64 tokens take row-wise plans (as a GPU engine's do up to
-    --graph-prefill-max): a conversation's turns, with prefix hits, give the eager engine's tokens."""
+    --graph-prefill-max), with one sequence's GatedDeltaNet mixing in them or not: a conversation's turns, with prefix
+    hits, give the eager engine's tokens."""
     from flashnext.engine.args import EngineArgs
     from flashnext.engine.llm_engine import LLMEngine
     from test_decode_runner import follow_up_conversation
@@ -130,7 +134,7 @@ def test_engine_conversation_through_row_graphs_gives_the_eager_tokens():
     args, conversation = follow_up_conversation()
     want = conversation(LLMEngine(EngineArgs(**args)))
     engine = LLMEngine(EngineArgs(**args))
-    engine.runner.row_graphs = RowGraphs("cpu", 64)
+    engine.runner.row_graphs = RowGraphs("cpu", 64, sequences=sequences)
     assert conversation(engine) == want
     plans = engine.runner.row_graphs.plans
-    assert (MIN_BUCKET, True) in plans and all(p.captured and p.calls for p in plans.values())
+    assert (MIN_BUCKET, sequences) in plans and all(p.captured and p.calls for p in plans.values())

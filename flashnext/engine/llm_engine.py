@@ -465,7 +465,7 @@ class LLMEngine:
         start = time.perf_counter()
         room = min(self.max_model_len - 8, self.kv.num_blocks * self.kv.block_size // 2)
         for size in buckets_up_to(min(row_graphs.max_rows, room)):
-            if (size, True) in row_graphs.plans or not row_graphs.enabled:
+            if (size, row_graphs.sequences) in row_graphs.plans or not row_graphs.enabled:
                 continue
             vocab = self.config.vocab_size
             self.add_request(f"warm-up-rows-{size}", [rng.randrange(vocab // 4, vocab // 2) for _ in range(size)],
