@@ -23,14 +23,15 @@ A step of one sequence also captures what of its token mixing takes a slot and a
 (`ctx.sequence`: GatedDeltaNet's conv and delta rule, its padding rows made to leave the states as they are), so
 such plans are kept apart from those of several sequences, which run all token mixing eagerly.
 
-On a CPU nothing is captured: a pass runs each call eagerly on the padded buffers, which is how the tests cover
-the padding, the buffers' sharing and the copies without a GPU.
+On a CPU nothing is captured: a "graph" is the call's body recorded and run again at each replay, on the same
+padded buffers in the same order, which is how the tests cover the padding, the buffers' sharing, the copies and
+what a capture pass runs without a GPU.
 """
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -60,15 +61,27 @@ def buckets_up_to(rows: int) -> list[int]:
     return sizes
 
 
+class _Uncaptured:
+    """A CPU's stand-in for a captured graph: capturing records the body without running it, and each replay runs it
+    again on the same static buffers — the order of work a GPU's capture pass and replays have."""
+
+    def __init__(self, body):
+        self.body = body
+
+    def replay(self) -> None:
+        self.body()
+
+    def reset(self) -> None:
+        self.body = None
+
+
 @dataclass
 class _Call:
-    """One captured call: its site, what each argument is, its graph (None on a CPU) and its outputs."""
+    """One captured call: its site, what each argument is, its graph and its outputs."""
     site: str
-    fn: object
     args: list                          # per argument: ("shared", tensor) | ("input", buffer) | ("value", v)
-    graph: torch.cuda.CUDAGraph | None
+    graph: torch.cuda.CUDAGraph | _Uncaptured
     outputs: object                     # the structure handed back: views of the output buffers (or None entries)
-    flat: list = field(default_factory=list)   # the output buffer views, in order (CPU: refilled each pass)
 
 
 def _flatten(out) -> tuple[list, bool]:
@@ -133,10 +146,7 @@ class RowPlan:
                 raise RuntimeError(f"{site}: an argument the plan took from an earlier call is another tensor now")
             elif kind == "value" and arg != held:
                 raise RuntimeError(f"{site}: argument {arg!r} differs from the plan's {held!r}")
-        if call.graph is not None:
-            call.graph.replay()
-        else:
-            self._store(call.flat, _flatten(call.fn(*[held for _, held in call.args]))[0])
+        call.graph.replay()
         return call.outputs
 
     # ---- the first pass ----
@@ -176,7 +186,7 @@ class RowPlan:
                 self._writer[(site, i)] = index
                 self._made_by[id(view)] = ((site, i), index)
         outputs = tuple(views) if is_tuple else views[0]
-        self.calls.append(_Call(site, fn, kinds, graph, outputs, flat))
+        self.calls.append(_Call(site, kinds, graph, outputs))
         self._next = index + 1
         return outputs
 
@@ -237,12 +247,12 @@ class RowGraphs:
         return held[:rows]
 
     def capture(self, body) -> torch.cuda.CUDAGraph | None:
-        """`body` captured into a graph of the shared pool (None on a CPU). Not torch.cuda.graph: it empties the
+        """`body` captured into a graph of the shared pool (on a CPU recorded, _Uncaptured). Not torch.cuda.graph: it empties the
         allocator's caches (device and page-locked) at every capture, and a step captures ~200 calls. A failure (a
         host sync inside, say) is logged and turns row-wise graphs off for the engine's life; the caller then goes
         on eagerly."""
-        if self.pool is None:
-            return None
+        if self.device.type != "cuda":
+            return _Uncaptured(body)
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
@@ -266,8 +276,7 @@ class RowGraphs:
         self.enabled = False
         for plan in self.plans.values():
             for call in plan.calls:
-                if call.graph is not None:
-                    call.graph.reset()
+                call.graph.reset()
         self.plans.clear()
         self.buffers.clear()
         self.pool = None
