@@ -449,21 +449,20 @@ class LLMEngine:
             graphs.capture_widths(1)
             for size in graphs.chain_steps:
                 graphs.capture_widths(size, chained=True)
-        self._warm_row_graphs(rng, params)
+        self._warm_row_graphs(rng, params, room)
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         (self.prompt_tokens_total, self.generation_tokens_total, self.scheduler.prefix_queries,
          self.scheduler.prefix_hits, self.scheduler.num_preemptions) = counters
         return time.perf_counter() - start
 
-    def _warm_row_graphs(self, rng: random.Random, params: SamplingParams) -> None:
-        """A fresh prompt of every bucket's size, so each bucket's row-wise graphs are captured before a request
-        needs them (engine/row_graphs.py)."""
+    def _warm_row_graphs(self, rng: random.Random, params: SamplingParams, room: int) -> None:
+        """A fresh prompt of every bucket's size up to `room` tokens, so each bucket's row-wise graphs are captured
+        before a request needs them (engine/row_graphs.py)."""
         row_graphs = self.runner.row_graphs
         if row_graphs is None:
             return
         start = time.perf_counter()
-        room = min(self.max_model_len - 8, self.kv.num_blocks * self.kv.block_size // 2)
         for size in buckets_up_to(min(row_graphs.max_rows, room)):
             if (size, row_graphs.sequences) in row_graphs.plans or not row_graphs.enabled:
                 continue

@@ -14,7 +14,7 @@ static buffers keyed by (site, output index), shared by every layer's call of a 
 runs at a time, and a site's output is read before the next layer's call of the same site overwrites it — checked
 while capturing). A call's other tensor arguments (what the eager code between computed: a mixer's output, the
 token ids) are copied into static input buffers before its replay, their rows past the chunk's zeroed, so padding
-rows stay finite. Buckets are powers of two of rows; the first pass of a bucket captures (each call run once eagerly
+rows stay finite. Buckets are rows padded up (bucket_rows); the first pass of a bucket captures (each call run once eagerly
 first, which compiles its kernels and gives the pass its outputs: a call runs once a pass), later passes replay.
 Rules for a site's fn: every tensor argument and output has the tokens on dim 0 (the output's rows as many as the
 input's), no host sync, no state beyond its outputs (a sequence's call, below, moves its own states on).
@@ -217,7 +217,7 @@ class RowGraphs:
         if sequences is None:
             sequences = os.environ.get("FLASHNEXT_ROW_GRAPHS_SEQUENCES", "0") == "1"
         self.sequences = sequences
-        self.plans: dict[int, RowPlan] = {}
+        self.plans: dict[tuple[int, bool], RowPlan] = {}   # (bucket, one sequence's) → its plan
         self.buffers: dict[tuple, torch.Tensor] = {}
         self.enabled = True
         cuda = self.device.type == "cuda"
@@ -246,11 +246,11 @@ class RowGraphs:
             held = self.buffers[key] = torch.zeros(self.max_rows, *like.shape[1:], dtype=like.dtype, device=self.device)
         return held[:rows]
 
-    def capture(self, body) -> torch.cuda.CUDAGraph | None:
-        """`body` captured into a graph of the shared pool (on a CPU recorded, _Uncaptured). Not torch.cuda.graph: it empties the
-        allocator's caches (device and page-locked) at every capture, and a step captures ~200 calls. A failure (a
-        host sync inside, say) is logged and turns row-wise graphs off for the engine's life; the caller then goes
-        on eagerly."""
+    def capture(self, body) -> torch.cuda.CUDAGraph | _Uncaptured | None:
+        """`body` captured into a graph of the shared pool (on a CPU recorded: _Uncaptured). Not torch.cuda.graph,
+        which empties the allocator's caches (device and page-locked) at every capture, and a step captures ~200
+        calls. A failure (a host sync inside, say) is logged and turns row-wise graphs off for the engine's life;
+        the caller then goes on eagerly."""
         if self.device.type != "cuda":
             return _Uncaptured(body)
         graph = torch.cuda.CUDAGraph()
