@@ -463,6 +463,8 @@ class LLMEngine:
         if row_graphs is None:
             return
         start = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        reserved = torch.cuda.memory_reserved(self.device) if cuda else 0
         for size in buckets_up_to(min(row_graphs.max_rows, room)):
             if (size, row_graphs.sequences) in row_graphs.plans or not row_graphs.enabled:
                 continue
@@ -471,10 +473,12 @@ class LLMEngine:
                              params)
             while self.has_work():
                 self.step()
-        log.info("row-wise prefill graphs: %d buckets up to %d rows, up to %d calls a step, %.2f GiB of buffers, %.1f s",
-                 len(row_graphs.plans), row_graphs.max_rows,
+        # the allocator's reserve grows by the buffers, the graphs' pool and what the warm-up prompts left cached
+        grown = (torch.cuda.memory_reserved(self.device) - reserved) / (1 << 30) if cuda else 0.0
+        log.info("row-wise prefill graphs: %d buckets up to %d rows, up to %d calls a step, %.2f GiB of buffers "
+                 "(device memory reserved +%.2f GiB), %.1f s", len(row_graphs.plans), row_graphs.max_rows,
                  max((len(p.calls) for p in row_graphs.plans.values()), default=0),
-                 row_graphs.buffer_bytes / (1 << 30), time.perf_counter() - start)
+                 row_graphs.buffer_bytes / (1 << 30), grown, time.perf_counter() - start)
 
     # ---- one step ----
     def step(self, launched: Callable[[], None] | None = None) -> list[RequestOutput]:
