@@ -169,6 +169,22 @@ def test_warm_up_prepares_one_sequence_at_every_width():
     assert graphs.capture_widths(1) == 0             # nothing left to capture
 
 
+def test_warm_up_captures_every_row_graph_bucket():
+    """With row-wise prefill graphs (engine/row_graphs.py; on a CPU recorded uncaptured) the warm-up runs a prompt of
+    every bucket's size, so no request's step captures; the engine's counters and cache are as before."""
+    from flashnext.engine.row_graphs import RowGraphs, buckets_up_to
+
+    engine = LLMEngine(EngineArgs(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=2,
+                                  max_num_batched_tokens=256, max_model_len=1024))
+    engine.runner.row_graphs = RowGraphs("cpu", 256)
+    before = engine.stats()
+    engine.warm_up()
+    assert set(engine.runner.row_graphs.plans) == {(size, False) for size in buckets_up_to(256)} == {
+        (64, False), (128, False), (256, False)}
+    assert all(plan.captured for plan in engine.runner.row_graphs.plans.values())
+    assert engine.stats() == before and engine.prefix_cache.num_snapshots == 0
+
+
 def test_same_seed_same_text(engine):
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
     engine.add_request("a", [5, 6, 7], params)
