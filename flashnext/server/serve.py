@@ -90,7 +90,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--graph-prefill-max", type=int,
          help="with CUDA graphs, a prefill step of at most this many tokens (a fresh short prompt, a chunk past "
               "--graph-extend-max) replays its row-wise work (projections, norms, hyper-connection mixes, the MoE) "
-              "from graphs captured at warm-up for rows padded to a power of two, and runs only what mixes tokens "
+              "from graphs captured at warm-up for rows padded up to a bucket (powers of two to 1,024, then multiples of "
+              "512), and runs only what mixes tokens "
               "(GatedDeltaNet, attention, the QSA indexer, PLE) eagerly; INT4 experts without an expert cache, one "
               "GPU; 0: off (default 4096)")
     _add(parser, "--decode-ahead", type=_bool,
