@@ -122,6 +122,27 @@ def test_a_read_of_an_overwritten_buffer_is_refused_and_a_plan_is_replayed_as_ma
         plan.call("add", torch.add, (x, x))
 
 
+def test_a_failed_capture_finishes_its_pass_eagerly_and_turns_the_graphs_off(monkeypatch):
+    """A capture that fails (on a GPU: a host sync inside a call, say) is released as RowGraphs.capture does: the pass
+    goes on from that call's eager run and eagerly after it, with the same result; later steps get no plan."""
+    x = torch.arange(5.0)[:, None]
+    graphs = RowGraphs("cpu", 64)
+    captured = RowGraphs.capture
+
+    def fail_second(self, body, calls=[]):   # noqa: B006 - counts the captures of this test
+        calls.append(body)
+        if len(calls) == 2:
+            self.release()
+            return None
+        return captured(self, body)
+
+    monkeypatch.setattr(RowGraphs, "capture", fail_second)
+    plan = graphs.plan(5)
+    out = _Wiring()(x, _ctx(5, plan))
+    plan.end()
+    assert torch.equal(out[:5], 8 * x) and not graphs.enabled and graphs.plan(5) is None and not graphs.buffers
+
+
 @pytest.mark.parametrize("sequences", [False, True], ids=["mixing-eager", "mixing-captured"])
 def test_engine_conversation_through_row_graphs_gives_the_eager_tokens(sequences):
     """A CPU engine whose eager steps of up to 64 tokens take row-wise plans (as a GPU engine's do up to
