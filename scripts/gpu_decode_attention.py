@@ -23,6 +23,7 @@ import sys
 from functools import partial
 
 import torch
+import triton
 
 COPY_CEILING = 4.27e12
 KV_HEADS, HEAD_DIM, PAGE, PICKS, VALID = 2, 256, 64, 2051, 2048
@@ -114,7 +115,7 @@ def prefill_lists_case(rows, context, gen):
     weights) plus its 3 tail tokens, in ascending order, as ops/qsa_token_lists writes them."""
     dev = torch.device("cuda")
     total = context + rows
-    width = triton_cdiv(total, PAGE)
+    width = triton.cdiv(total, PAGE)
     queries = torch.arange(context, total, device=dev)
     blocks = torch.rand(rows, total // 4, device=dev, generator=gen).masked_fill(
         torch.arange(total // 4, device=dev)[None, :] >= (queries[:, None] // 4), 2.0)
@@ -128,10 +129,6 @@ def prefill_lists_case(rows, context, gen):
             "seq_lens": (queries + 1).int(), "scale": HEAD_DIM ** -0.5,
             "token_index": index.int().contiguous(), "token_valid": None}
     return case, rows * index.shape[1] * KV_HEADS * HEAD_DIM * 2 * 2
-
-
-def triton_cdiv(a, b):
-    return -(-a // b)
 
 
 def prefill_rows_sweep(kernels, reference, gen) -> int:

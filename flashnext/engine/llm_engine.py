@@ -117,7 +117,7 @@ class LLMEngine:
                                            ple_placement=args.ple_placement, expert_prefetch=args.expert_prefetch)
         cfg = self.config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
-        if args.routing_trace and not any(getattr(m, "trace", None) for m in self.loaded.model.modules()):
+        if args.routing_trace and not self._routes_by_trace():
             from flashnext.cache.routing_trace import install_routing_trace
 
             count = install_routing_trace(self.loaded.model, args.routing_trace, args.seed)
@@ -428,15 +428,15 @@ class LLMEngine:
         up in 21–47 s). The prefix cache, the counters and the pools end
         as they started. → seconds taken."""
         start = time.perf_counter()
-        rng = random.Random(0)
-        vocab = self.config.vocab_size
+        rng, vocab = random.Random(0), self.config.vocab_size
+        prompt = lambda n: [rng.randrange(vocab // 4, vocab // 2) for _ in range(max(n, 1))]  # noqa: E731
         room = min(self.max_model_len - 8, self.kv.num_blocks * self.kv.block_size // 2)
         lengths = [min(self.args.max_num_batched_tokens + 37, room), min(61, room)]
         counters = (self.prompt_tokens_total, self.generation_tokens_total, self.scheduler.prefix_queries,
                     self.scheduler.prefix_hits, self.scheduler.num_preemptions)
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         for i, n in enumerate(lengths):
-            self.add_request(f"warm-up-{i}", [rng.randrange(vocab // 4, vocab // 2) for _ in range(max(n, 1))], params)
+            self.add_request(f"warm-up-{i}", prompt(n), params)
             self.step()
         while self.has_work():
             self.step()
@@ -449,16 +449,16 @@ class LLMEngine:
             graphs.capture_widths(1)
             for size in graphs.chain_steps:
                 graphs.capture_widths(size, chained=True)
-        self._warm_row_graphs(rng, params, room)
+        self._warm_row_graphs(prompt, params, room)
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         (self.prompt_tokens_total, self.generation_tokens_total, self.scheduler.prefix_queries,
          self.scheduler.prefix_hits, self.scheduler.num_preemptions) = counters
         return time.perf_counter() - start
 
-    def _warm_row_graphs(self, rng: random.Random, params: SamplingParams, room: int) -> None:
-        """A fresh prompt of every bucket's size up to `room` tokens, so each bucket's row-wise graphs are captured
-        before a request needs them (engine/row_graphs.py)."""
+    def _warm_row_graphs(self, prompt: Callable[[int], list[int]], params: SamplingParams, room: int) -> None:
+        """A fresh `prompt(n)` of every bucket's size up to `room` tokens, so each bucket's row-wise graphs are
+        captured before a request needs them (engine/row_graphs.py)."""
         row_graphs = self.runner.row_graphs
         if row_graphs is None:
             return
@@ -468,9 +468,7 @@ class LLMEngine:
         for size in buckets_up_to(min(row_graphs.max_rows, room)):
             if (size, row_graphs.sequences) in row_graphs.plans or not row_graphs.enabled:
                 continue
-            vocab = self.config.vocab_size
-            self.add_request(f"warm-up-rows-{size}", [rng.randrange(vocab // 4, vocab // 2) for _ in range(size)],
-                             params)
+            self.add_request(f"warm-up-rows-{size}", prompt(size), params)
             while self.has_work():
                 self.step()
         # the allocator's reserve grows by the buffers, the graphs' pool and what the warm-up prompts left cached

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashnext.weights.pinned import staged
+
 log = logging.getLogger("flashnext.engine")
 
 # The fewest rows a bucket pads to: a chunk of a few tokens costs what 64 do on the GPU (the weights are read
@@ -112,9 +114,8 @@ class RowPlan:
         if (slot is not None) != self.single:
             raise ValueError("a plan for one sequence's steps takes its slot, any other plan none")
         self.rows, self._next = rows, 0
-        if self.single:   # page-locked on a GPU: the copy is queued, not waited for
-            where = torch.tensor([slot, rows], dtype=torch.long, pin_memory=self.owner.device.type == "cuda")
-            self.where.copy_(where, non_blocking=True)
+        if self.single:   # queued, not waited for
+            self.where.copy_(staged([slot, rows], self.where.device), non_blocking=True)
             self._writer[("where", 0)] = -1
             self._made_by[id(self.where)] = (("where", 0), -1)
         return self
@@ -187,7 +188,6 @@ class RowPlan:
                 self._made_by[id(view)] = ((site, i), index)
         outputs = tuple(views) if is_tuple else views[0]
         self.calls.append(_Call(site, kinds, graph, outputs))
-        self._next = index + 1
         return outputs
 
     def _fill(self, buffer: torch.Tensor, arg: torch.Tensor) -> None:
