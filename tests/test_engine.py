@@ -171,7 +171,8 @@ def test_warm_up_prepares_one_sequence_at_every_width():
 
 def test_warm_up_captures_every_row_graph_bucket():
     """With row-wise prefill graphs (engine/row_graphs.py; on a CPU recorded uncaptured) the warm-up runs a prompt of
-    every bucket's size, so no request's step captures; the engine's counters and cache are as before."""
+    every bucket's size and two of half its size in one step (the plans of one sequence and of several), so no
+    request's step captures; the engine's counters and cache are as before."""
     from flashnext.engine.row_graphs import RowGraphs, buckets_up_to
 
     engine = LLMEngine(EngineArgs(model="tiny-flash-next", device="cpu", dtype="float32", max_num_seqs=2,
@@ -179,8 +180,9 @@ def test_warm_up_captures_every_row_graph_bucket():
     engine.runner.row_graphs = RowGraphs("cpu", 256)
     before = engine.stats()
     engine.warm_up()
-    assert set(engine.runner.row_graphs.plans) == {(size, False) for size in buckets_up_to(256)} == {
-        (64, False), (128, False), (256, False)}
+    assert set(engine.runner.row_graphs.plans) == {(size, single) for size in buckets_up_to(256)
+                                                   for single in (True, False)} == {
+        (64, True), (128, True), (256, True), (64, False), (128, False), (256, False)}
     assert all(plan.captured for plan in engine.runner.row_graphs.plans.values())
     assert engine.stats() == before and engine.prefix_cache.num_snapshots == 0
 

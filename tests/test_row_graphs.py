@@ -24,9 +24,9 @@ def test_buckets_are_powers_of_two_then_steps():
     assert all(bucket_rows(n) >= n and bucket_rows(bucket_rows(n)) == bucket_rows(n) for n in range(1, 5000))
     graphs = RowGraphs("cpu", 100)
     assert graphs.max_rows == 128 and graphs.plan(129) is None and graphs.plan(100).bucket == 128
-    assert not graphs.plan(100, slot=2).single   # one sequence's mixing captured only when asked for
-    graphs = RowGraphs("cpu", 100, sequences=True)
-    assert graphs.plan(100, slot=2).single and not graphs.plan(100).single
+    assert graphs.plan(100, slot=2).single and not graphs.plan(100).single   # one sequence's mixing: by default
+    graphs = RowGraphs("cpu", 100, sequences=False)
+    assert not graphs.plan(100, slot=2).single
 
 
 def _pools(cfg):

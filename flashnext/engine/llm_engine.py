@@ -458,19 +458,24 @@ class LLMEngine:
 
     def _warm_row_graphs(self, prompt: Callable[[int], list[int]], params: SamplingParams, room: int) -> None:
         """A fresh `prompt(n)` of every bucket's size up to `room` tokens, so each bucket's row-wise graphs are
-        captured before a request needs them (engine/row_graphs.py)."""
+        captured before a request needs them (engine/row_graphs.py); where one sequence's steps have plans of their
+        own (RowGraphs.sequences), also two prompts of half the size in one step, for the plans of several."""
         row_graphs = self.runner.row_graphs
         if row_graphs is None:
             return
         start = time.perf_counter()
         cuda = self.device.type == "cuda"
         reserved = torch.cuda.memory_reserved(self.device) if cuda else 0
+        kinds = [row_graphs.sequences] + ([False] if row_graphs.sequences and self.args.max_num_seqs > 1 else [])
         for size in buckets_up_to(min(row_graphs.max_rows, room)):
-            if (size, row_graphs.sequences) in row_graphs.plans or not row_graphs.enabled:
-                continue
-            self.add_request(f"warm-up-rows-{size}", prompt(size), params)
-            while self.has_work():
-                self.step()
+            for single in kinds:
+                if (size, single) in row_graphs.plans or not row_graphs.enabled:
+                    continue
+                parts = [size] if single else [size // 2, size - size // 2]
+                for i, n in enumerate(parts):   # added together: the scheduler takes both into one step
+                    self.add_request(f"warm-up-rows-{size}-{i}", prompt(n), params)
+                while self.has_work():
+                    self.step()
         # the allocator's reserve grows by the buffers, the graphs' pool and what the warm-up prompts left cached
         grown = (torch.cuda.memory_reserved(self.device) - reserved) / (1 << 30) if cuda else 0.0
         log.info("row-wise prefill graphs: %d buckets up to %d rows, up to %d calls a step, %.2f GiB of buffers "

@@ -208,14 +208,13 @@ class RowPlan:
 class RowGraphs:
     """Row-wise graphs of prefill steps of up to `max_rows` rows, one RowPlan a bucket, one memory pool.
     `sequences`: one sequence's steps also capture its token mixing (ForwardContext.sequence); None: as
-    FLASHNEXT_ROW_GRAPHS_SEQUENCES says (off unless 1: on the H200 such plans first ran each sequence call twice in
-    their capture pass, mended since but not yet checked there again — docs/architecture.md)."""
+    FLASHNEXT_ROW_GRAPHS_SEQUENCES says (on unless 0 — docs/architecture.md)."""
 
     def __init__(self, device: torch.device, max_rows: int, sequences: bool | None = None):
         self.device = torch.device(device)
         self.max_rows = bucket_rows(max_rows)
         if sequences is None:
-            sequences = os.environ.get("FLASHNEXT_ROW_GRAPHS_SEQUENCES", "0") == "1"
+            sequences = os.environ.get("FLASHNEXT_ROW_GRAPHS_SEQUENCES", "1") == "1"
         self.sequences = sequences
         self.plans: dict[tuple[int, bool], RowPlan] = {}   # (bucket, one sequence's) → its plan
         self.buffers: dict[tuple, torch.Tensor] = {}
