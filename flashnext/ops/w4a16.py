@@ -1,10 +1,8 @@
 """W4A16 linear: y = x @ W.T with W in the INT4 kernel layout (docs/int4.md), activations in 16/32 bit.
 
 `w4a16_linear_reference` is the specification: dequantise to fp32, matmul in fp32, round once to x's dtype.
-`w4a16_linear` dispatches: one CUDA row of a projection of ROW_MIN_N (8,192) columns or more → the one-row GEMV
-(ops/w4a16_row_triton.py; FLASHNEXT_W4A16_ROW=0 turns it off); bf16 activations of up to 8 rows with the weight's
-tinygemm form (models/decode_forms.py attaches it at load) → PyTorch's INT4 matmul (ops/w4a16_tinygemm.py, CUDA or
-CPU); other CUDA tensors → the
+`w4a16_linear` dispatches: bf16 activations of up to 8 rows with the weight's tinygemm form (models/decode_forms.py
+attaches it at load) → PyTorch's INT4 matmul (ops/w4a16_tinygemm.py, CUDA or CPU); other CUDA tensors → the
 Triton kernels (ops/w4a16_triton.py: up to GEMV_MAX_M = 8 rows the split-K GEMV kernel, more rows the GEMM
 kernel); anything else → the reference. FLASHNEXT_W4A16=reference forces the reference (to bisect a wrong
 answer on the GPU).
@@ -28,12 +26,6 @@ def _reference_forced() -> bool:
     return os.environ.get("FLASHNEXT_W4A16", "triton") == "reference"
 
 
-def _row_kernel_enabled() -> bool:
-    """FLASHNEXT_W4A16_ROW=0 keeps one row of the wide projections on tinygemm (read at dispatch: a graph capture's
-    A/B)."""
-    return os.environ.get("FLASHNEXT_W4A16_ROW", "1") != "0"
-
-
 def _use_triton(x: torch.Tensor, w: Int4Weight) -> bool:
     if x.device.type != "cuda" or _reference_forced():
         return False
@@ -47,11 +39,6 @@ def w4a16_linear(x: torch.Tensor, w: Int4Weight,
     """x [..., K] → [..., N] in x's dtype. `decode_form`: the weight in tinygemm's layout, if it has one."""
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] == 1 and x.device.type == "cuda" and not _reference_forced() and _row_kernel_enabled():
-        from flashnext.ops import w4a16_row_triton
-
-        if w4a16_row_triton.supports(rows, w) and w4a16_row_triton.faster(w):
-            return w4a16_row_triton.w4a16_row(rows, w).reshape(*lead, w.out_features)
     if (decode_form is not None and x.dtype == torch.bfloat16 and 0 < rows.shape[0] <= w4a16_tinygemm.MAX_ROWS
             and not _reference_forced() and w4a16_tinygemm.enabled()):   # (read here too: a graph capture's A/B)
         return w4a16_tinygemm.tinygemm_matmul(rows, decode_form).reshape(*lead, w.out_features)
