@@ -200,7 +200,10 @@ def engine_args_from(args: argparse.Namespace):
 
 
 def load_engine(engine_args):
+    """The engine the server runs, warmed up; then the startup heap frozen and long collector pauses logged
+    (server/gc_pauses.py)."""
     from flashnext.engine.async_llm import AsyncLLM
+    from flashnext.server.gc_pauses import PauseLog, freeze_startup_heap
 
     if max(engine_args.tensor_parallel, engine_args.expert_parallel) > 1:
         from flashnext.parallel import launch_engine
@@ -214,6 +217,8 @@ def load_engine(engine_args):
     if engine_args.warmup and engine.device.type == "cuda":
         log.info("warming up (kernel compilation, graph captures) before serving")
         log.info("warm-up took %.1f s", engine.warm_up())
+    freeze_startup_heap()
+    PauseLog().install()
     return AsyncLLM(engine)
 
 

@@ -1,0 +1,33 @@
+"""server/gc_pauses.py: a collection at least as long as the threshold is logged (and a shorter one is not), and
+the startup heap's freeze puts the surviving objects out of the collector's reach (undone after the test)."""
+import gc
+import logging
+
+from flashnext.server.gc_pauses import PauseLog, freeze_startup_heap
+
+
+def test_a_long_collection_is_logged_and_a_short_one_is_not(caplog):
+    quiet, loud = PauseLog(threshold_s=3600.0).install(), PauseLog(threshold_s=0.0).install()
+    try:
+        with caplog.at_level(logging.WARNING, logger="flashnext.server"):
+            gc.collect()
+    finally:
+        quiet.remove()
+        loud.remove()
+    assert loud.long_pauses == 1 and quiet.long_pauses == 0
+    assert [r.getMessage() for r in caplog.records if "generation-2 collection took" in r.getMessage()]
+    assert quiet not in gc.callbacks and loud not in gc.callbacks
+
+
+def test_freezing_the_startup_heap_moves_its_objects_out_of_reach():
+    before = gc.get_freeze_count()
+    try:
+        frozen = freeze_startup_heap()
+        assert frozen == gc.get_freeze_count() > before
+        # a cycle made after the freeze is still the collector's
+        cycle = []
+        cycle.append(cycle)
+        del cycle
+        assert gc.collect() >= 1
+    finally:
+        gc.unfreeze()
