@@ -141,7 +141,9 @@ def timing(model_name: str, quantize: str | None, variants: list[dict[str, str]]
         with environment(variant):
             print(f"  variant {label(variant)}: "
                   f"{recaptured_ms(graphs):.3f} ms per replay back to back")
-    recaptured_ms(graphs)      # the default step again, for the eager timing below
+    again_ms = recaptured_ms(graphs)   # the default step again, for the eager timing below
+    if variants:   # an A-B-A: what a capture's order alone does shows against the first default
+        print(f"  default, captured again after the variants: {again_ms:.3f} ms per replay back to back")
     batch = graphs.batch(1, 16)
     with torch.inference_mode():
         for _ in range(2):
@@ -190,8 +192,8 @@ def batch_timing(model_name: str, quantize: str | None, sizes: list[int], contex
             with environment(variant):
                 variant_ms = recapture(graphs, (size, width), step_ms)
             print(f"{'':5} {variant_ms:13.3f} {1e3 / variant_ms:16.1f} {n * 1e3 / variant_ms:15.1f}  {label(variant)}")
-        if variants:   # the default step again, for the profile below
-            recapture(graphs, (size, width), step_ms)
+        if variants:   # the default step again (an A-B-A: a capture's order shows against the first), for the profile
+            print(f"{'':5} {recapture(graphs, (size, width), step_ms):13.3f} {'':16} {'':15}  default, captured again")
         with torch.inference_mode():
             profile_kernels(lambda: graphs._step(size, width), top=15)
         for slot, table in zip(slots, tables):
