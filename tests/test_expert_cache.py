@@ -132,6 +132,21 @@ def test_replay_pins_the_step():
     assert replay([[0, 1], [2, 3], [0, 1]], 8, 4) == (2, 4)
 
 
+def test_optimal_replay_evicts_what_is_needed_last_and_bounds_every_policy():
+    from flashnext.cache.expert_trace import replay_optimal
+
+    # two slots: for 2, LRU evicts 1 (the least recent) and misses it next; knowing 0 is not needed again, keep 1
+    trace = [[0], [1], [0], [2], [1]]
+    assert replay(trace, 4, 2, "lru") == (1, 4)
+    assert replay_optimal(trace, 4, 2) == (2, 3)
+    with pytest.raises(ValueError, match="needs 3 experts"):
+        replay_optimal([[0, 1, 2]], 8, 2)
+    trace = _hot_and_scans(steps=300)
+    best = replay_optimal(trace, 64, 16)
+    assert sum(best) == sum(len(s) for s in trace)
+    assert all(best[0] >= replay(trace, 64, 16, policy)[0] for policy in ("lfu-decay", "lru"))
+
+
 @pytest.mark.parametrize("checkpoint", ["int4", "bf16"])
 def test_load_with_budget_keeps_experts_in_host_memory(checkpoint, tmp_path):
     """load_model with --expert-vram-gb reads the experts into host memory (an INT4 checkpoint's codes as they
