@@ -305,3 +305,53 @@ def test_random_generations_stream_as_they_parse(fmt):
             assert comparable(collect(deltas)) == comparable(parsed), (text, pieces)
             assert streamed.has_tool_calls == parser.has_tool_calls
             check_call_deltas(deltas)
+
+
+def test_a_forced_call_starts_streaming_once_its_name_is_read():
+    """stream_call_start (tool_choice required or named: the grammar makes every call well formed): the call's
+    start goes out with the piece that completes `<function=NAME>`, its arguments at `</tool_call>`."""
+    parser = ChatOutputParser("qwen3_coder", TOOLS, reasoning=False, stream_call_start=True)
+    assert parser.feed("Ok.\n<tool_call>\n<function=get_wea") == [ContentDelta("Ok.\n")]
+    out = parser.feed("ther>\n<parameter=city>\nRo")
+    assert [type(d) for d in out] == [ToolCallStart] and out[0].name == "get_weather" and parser.has_tool_calls
+    assert parser.feed("me\n</parameter>\n</function>\n") == []
+    assert parser.feed("</tool_call>") == [ToolCallArguments(out[0].index, '{"city": "Rome"}')]
+    # without it the call waits for its end (test_call_is_emitted_when_it_closes); a hermes call's name is read
+    # with the whole object, so its start waits there too
+    hermes = ChatOutputParser("hermes", TOOLS, reasoning=False, stream_call_start=True)
+    assert hermes.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ro') == []
+
+
+def test_streamed_starts_of_well_formed_calls_add_up_to_the_parse():
+    expected = comparable(ChatOutputParser("qwen3_coder", TOOLS, starts_in_reasoning=True).parse(CODER_FLASH_NEXT))
+    rng = random.Random(7)
+    chunkings = [list(CODER_FLASH_NEXT)]
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(CODER_FLASH_NEXT)), k=rng.randint(1, 60)))
+        chunkings.append([CODER_FLASH_NEXT[a:b] for a, b in zip([0, *cuts], [*cuts, len(CODER_FLASH_NEXT)])])
+    for pieces in reversed(chunkings):   # char by char last: `fed` below is its
+        parser = ChatOutputParser("qwen3_coder", TOOLS, starts_in_reasoning=True, stream_call_start=True)
+        fed = [(i, d) for i, piece in enumerate(pieces) for d in parser.feed(piece)]
+        deltas = [d for _, d in fed] + parser.finish()
+        assert comparable(collect(deltas)) == expected
+        check_call_deltas(deltas)
+    # char by char, each call's start came many pieces before its arguments
+    starts = {d.index: i for i, d in fed if isinstance(d, ToolCallStart)}
+    arguments = {d.index: i for i, d in fed if isinstance(d, ToolCallArguments)}
+    assert len(starts) == 2 and all(starts[k] < arguments[k] - 20 for k in starts)
+
+
+def test_a_started_call_that_does_not_end_well_keeps_its_start_and_its_text_is_content():
+    cut = "<tool_call>\n<function=get_weather>\n<parameter=city>\nRo"   # max_tokens inside the value
+    for pieces in ([cut], list(cut)):
+        deltas, _ = stream("qwen3_coder", pieces, truncated=True, reasoning=False, stream_call_start=True)
+        msg = collect(deltas)
+        assert [(c.name, c.arguments) for c in msg.tool_calls] == [("get_weather", "")] and msg.content == cut
+    # rejected after its start (what the grammar does not let a model write): the start stays, the text is content
+    # — where the stream and the parse of the whole text differ (the parse never saw the call open)
+    junk = "<tool_call>\n<function=get_weather>\nxyz"
+    deltas, _ = stream("qwen3_coder", list(junk), reasoning=False, stream_call_start=True)
+    msg = collect(deltas)
+    assert [(c.name, c.arguments) for c in msg.tool_calls] == [("get_weather", "")] and msg.content == junk
+    whole = ChatOutputParser("qwen3_coder", TOOLS, reasoning=False, stream_call_start=True).parse(junk)
+    assert whole.tool_calls == [] and whole.content == junk

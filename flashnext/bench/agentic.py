@@ -71,7 +71,8 @@ def table(result: dict) -> str:
                 f"{last['prompt_tokens']:,} prompt tokens ({md.num(last['cached_tokens'], 0)} cached)")
         if last.get("first_chunk_s") is not None:
             out += (f"; first chunk {md.num(last['first_chunk_s'], 3)} s (the first token where the server opens a "
-                    "choice with it: a tool call's text comes whole at its end)")
+                    "choice with it; TTFT waits for a tool call's first fragment, which a server may hold until the "
+                    "call is whole)")
         out += "."
     return out
 

@@ -107,9 +107,15 @@ def _tool_format(engine, settings) -> str | None:
     return getattr(engine.tokenizer, "tool_format", None) if fmt == "auto" else fmt
 
 
-def _parser(engine, settings, rendered: RenderedChat):
+def _forced_tool_choice(body) -> bool:
+    """tool_choice "required" or a named function: the grammar (_constraint) makes every call well formed."""
+    return body.tool_choice == "required" or (body.tool_choice is not None and not isinstance(body.tool_choice, str))
+
+
+def _parser(engine, settings, rendered: RenderedChat, body):
+    """The output parser of one choice; under a forced tool choice a call's start streams once its name is read."""
     return parsers.ChatOutputParser(_tool_format(engine, settings), rendered.tools, rendered.reasoning,
-                                    rendered.starts_in_reasoning)
+                                    rendered.starts_in_reasoning, stream_call_start=_forced_tool_choice(body))
 
 
 def _constraint(engine, settings, body, rendered: RenderedChat):
@@ -178,7 +184,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     max_tokens = fit_context(len(rendered.prompt_ids), limit, engine.max_model_len, param)
     params = sampling_params(body, max_tokens=max_tokens, logprobs=top_k)
     params.constrain(await asyncio.to_thread(_constraint, engine, settings, body, rendered))
-    output_parsers = [_parser(engine, settings, rendered) for _ in range(body.n)]
+    output_parsers = [_parser(engine, settings, rendered, body) for _ in range(body.n)]
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     head = {"id": cid, "created": int(time.time()), "model": model, "system_fingerprint": SYSTEM_FINGERPRINT}
     texts = TokenTexts(engine.tokenizer)

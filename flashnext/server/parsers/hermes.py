@@ -33,6 +33,11 @@ class HermesCallScanner:
     def held_chars(self) -> int:
         return len(self._text)
 
+    @property
+    def name(self) -> None:
+        """The name is read with the whole object (ToolCallScanner.name): a hermes call's start waits for its end."""
+        return None
+
     def scan(self, more: str, final: bool, start: int = 0) -> ScanVerdict:
         if self._text:
             self._text += more

@@ -90,6 +90,11 @@ class Qwen3CoderCallScanner:
     def held_chars(self) -> int:
         return len(self._text)
 
+    @property
+    def name(self) -> str | None:
+        """Set once `<function=NAME>` is read and NAME is one of the tools (ToolCallScanner.name)."""
+        return self._function or None
+
     def scan(self, more: str, final: bool, start: int = 0) -> ScanVerdict:
         if not self._recovering and len(more) > start:
             if not self._received:

@@ -65,3 +65,9 @@ class ToolCallScanner(Protocol):
 
     @property
     def held_chars(self) -> int: ...
+
+    @property
+    def name(self) -> str | None:
+        """The function the call names once read (one of the request's tools), before the verdict; None until then
+        (or for a format that reads it only with the whole call): what chat_output's stream_call_start sends."""
+        ...
