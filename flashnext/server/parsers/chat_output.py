@@ -9,8 +9,9 @@ Decisions:
   has read the name, the arguments at `</tool_call>` — so a client sees the call begin within a few tokens, not
   when its last argument is written (an agent's turn used to show nothing for the whole call: 1.6 s of the H200's
   agentic turn 12, session 22). A started call that does not end well — cut at max_tokens, or (a grammar letting
-  through what the parser refuses) rejected — keeps its start with no arguments, and its text follows as content:
-  the one case where a stream adds up to something else than the message `parse` makes of the same text.
+  through what the parser refuses) rejected — keeps its start with no arguments, and its text follows as content.
+  A rejected one is the one case where a stream adds up to something else than the message `parse` makes of the
+  same text: the parse, handed the whole call at once, rejects it before it could start.
 - A call naming a function that is not among the request's tools is content, not a call: the client
   cannot dispatch it, and it is most often the model quoting or inventing a call in prose. Shown as
   text, nothing is lost; as a call, the agent would fail on it. A call with a missing or ill-typed
