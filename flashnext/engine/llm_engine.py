@@ -473,7 +473,7 @@ class LLMEngine:
                     continue
                 parts = [size] if single else [size // 2, size - size // 2]
                 for i, n in enumerate(parts):   # added together: the scheduler takes both into one step
-                    self.add_request(f"warm-up-rows-{size}-{i}", prompt(n), params)
+                    self.add_request(f"warm-up-rows-{size}-of-{len(parts)}-{i}", prompt(n), params)
                 while self.has_work():
                     self.step()
         # the allocator's reserve grows by the buffers, the graphs' pool and what the warm-up prompts left cached
