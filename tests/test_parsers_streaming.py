@@ -316,21 +316,32 @@ def test_a_forced_call_starts_streaming_once_its_name_is_read():
     assert [type(d) for d in out] == [ToolCallStart] and out[0].name == "get_weather" and parser.has_tool_calls
     assert parser.feed("me\n</parameter>\n</function>\n") == []
     assert parser.feed("</tool_call>") == [ToolCallArguments(out[0].index, '{"city": "Rome"}')]
-    # without it the call waits for its end (test_call_is_emitted_when_it_closes); a hermes call's name is read
-    # with the whole object, so its start waits there too
+    # without it the call waits for its end (test_call_is_emitted_when_it_closes). A hermes object that opens with
+    # its name starts once that string closes; one that names itself last, at its end
     hermes = ChatOutputParser("hermes", TOOLS, reasoning=False, stream_call_start=True)
-    assert hermes.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ro') == []
+    assert hermes.feed('<tool_call>\n{"name": "get_wea') == []
+    out = hermes.feed('ther", "arguments": {"city": "Ro')
+    assert [(type(d), d.name) for d in out] == [(ToolCallStart, "get_weather")]
+    assert hermes.feed('me"}}\n</tool_call>') == [ToolCallArguments(out[0].index, '{"city": "Rome"}')]
+    hermes = ChatOutputParser("hermes", TOOLS, reasoning=False, stream_call_start=True)
+    assert hermes.feed('<tool_call>\n{"arguments": {"city": "Rome"}, "name": "get_weather"') == []
+    assert [type(d) for d in hermes.feed("}\n</tool_call>")] == [ToolCallStart, ToolCallArguments]
+    # a name that is not one of the tools starts nothing (the call is content at its end)
+    hermes = ChatOutputParser("hermes", TOOLS, reasoning=False, stream_call_start=True)
+    assert hermes.feed('<tool_call>\n{"name": "rm_rf", "arguments": {') == []
 
 
-def test_streamed_starts_of_well_formed_calls_add_up_to_the_parse():
-    expected = comparable(ChatOutputParser("qwen3_coder", TOOLS, starts_in_reasoning=True).parse(CODER_FLASH_NEXT))
+@pytest.mark.parametrize("fmt,text,kw", [("qwen3_coder", CODER_FLASH_NEXT, {"starts_in_reasoning": True}),
+                                         ("hermes", HERMES_QWEN3, {})], ids=["qwen3_coder", "hermes"])
+def test_streamed_starts_of_well_formed_calls_add_up_to_the_parse(fmt, text, kw):
+    expected = comparable(ChatOutputParser(fmt, TOOLS, **kw).parse(text))
     rng = random.Random(7)
-    chunkings = [list(CODER_FLASH_NEXT)]
+    chunkings = [list(text)]
     for _ in range(20):
-        cuts = sorted(rng.sample(range(1, len(CODER_FLASH_NEXT)), k=rng.randint(1, 60)))
-        chunkings.append([CODER_FLASH_NEXT[a:b] for a, b in zip([0, *cuts], [*cuts, len(CODER_FLASH_NEXT)])])
+        cuts = sorted(rng.sample(range(1, len(text)), k=rng.randint(1, 60)))
+        chunkings.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
     for pieces in reversed(chunkings):   # char by char last: `fed` below is its
-        parser = ChatOutputParser("qwen3_coder", TOOLS, starts_in_reasoning=True, stream_call_start=True)
+        parser = ChatOutputParser(fmt, TOOLS, stream_call_start=True, **kw)
         fed = [(i, d) for i, piece in enumerate(pieces) for d in parser.feed(piece)]
         deltas = [d for _, d in fed] + parser.finish()
         assert comparable(collect(deltas)) == expected
@@ -338,7 +349,7 @@ def test_streamed_starts_of_well_formed_calls_add_up_to_the_parse():
     # char by char, each call's start came many pieces before its arguments
     starts = {d.index: i for i, d in fed if isinstance(d, ToolCallStart)}
     arguments = {d.index: i for i, d in fed if isinstance(d, ToolCallArguments)}
-    assert len(starts) == 2 and all(starts[k] < arguments[k] - 20 for k in starts)
+    assert len(starts) == len(expected[2]) >= 2 and all(starts[k] < arguments[k] - 20 for k in starts)
 
 
 def test_a_started_call_that_does_not_end_well_keeps_its_start_and_its_text_is_content():

@@ -10,6 +10,10 @@ from flashnext.server.parsers.tool_schema import INVALID, ToolSchemas, parse_jso
 
 _IN_STRING = re.compile(r'["\\]')
 _OUTSIDE_STRING = re.compile(r'[{}"<]')
+# A call whose object opens with its name (as the templates and the forced-choice grammar write it) names its function
+# before its arguments: `name` looks for it in the object's first NAME_LOOKAHEAD characters, and no further.
+_NAME_FIRST = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+NAME_LOOKAHEAD = 512
 
 
 class HermesCallScanner:
@@ -28,15 +32,31 @@ class HermesCallScanner:
         self._depth = 0
         self._in_string = False
         self._call: tuple[str, dict] | None = None
+        self._head = ""  # the object's first characters, while `name` still looks for the name in them
+        self._head_pieces = 0  # the pieces of _object already in _head
+        self._name: str | None = None
+        self._name_looked = False  # found, or NAME_LOOKAHEAD passed: `name` looks no more
 
     @property
     def held_chars(self) -> int:
         return len(self._text)
 
     @property
-    def name(self) -> None:
-        """The name is read with the whole object (ToolCallScanner.name): a hermes call's start waits for its end."""
-        return None
+    def name(self) -> str | None:
+        """The function an object that opens with `"name": "…"` names, once that string has closed and names one of
+        the tools (ToolCallScanner.name; an object that puts its name later names it at its end)."""
+        if self._name_looked or self._object is None:
+            return self._name
+        self._head += "".join(self._object[self._head_pieces:])
+        self._head_pieces = len(self._object)
+        match = _NAME_FIRST.match(self._head)
+        if match is not None:
+            name = parse_json(match.group(1))
+            self._name = name if isinstance(name, str) and name in self._tools else None
+            self._name_looked = True
+        elif len(self._head) > NAME_LOOKAHEAD:
+            self._name_looked = True
+        return self._name
 
     def scan(self, more: str, final: bool, start: int = 0) -> ScanVerdict:
         if self._text:
