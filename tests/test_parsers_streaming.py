@@ -366,3 +366,8 @@ def test_a_started_call_that_does_not_end_well_keeps_its_start_and_its_text_is_c
     assert [(c.name, c.arguments) for c in msg.tool_calls] == [("get_weather", "")] and msg.content == junk
     whole = ChatOutputParser("qwen3_coder", TOOLS, reasoning=False, stream_call_start=True).parse(junk)
     assert whole.tool_calls == [] and whole.content == junk
+    # an object that names another function after the first (JSON keeps the last) is not the call it started
+    twice = '<tool_call>\n{"name": "get_weather", "arguments": {}, "name": "run_shell"}\n</tool_call>'
+    deltas, _ = stream("hermes", list(twice), reasoning=False, stream_call_start=True)
+    msg = collect(deltas)
+    assert [(c.name, c.arguments) for c in msg.tool_calls] == [("get_weather", "")] and msg.content == twice

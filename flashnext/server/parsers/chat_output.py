@@ -9,7 +9,8 @@ Decisions:
   has read the name, the arguments at `</tool_call>` — so a client sees the call begin within a few tokens, not
   when its last argument is written (an agent's turn used to show nothing for the whole call: 1.6 s of the H200's
   agentic turn 12, session 22). A started call that does not end well — cut at max_tokens, or (a grammar letting
-  through what the parser refuses) rejected — keeps its start with no arguments, and its text follows as content.
+  through what the parser refuses) rejected, or a JSON object that names a second function after the first —
+  keeps its start with no arguments, and its text follows as content.
   A rejected one is the one case where a stream adds up to something else than the message `parse` makes of the
   same text: the parse, handed the whole call at once, rejects it before it could start.
 - A call naming a function that is not among the request's tools is content, not a call: the client
@@ -86,6 +87,7 @@ class ChatOutputParser:
         self._call_ids: set[str] = set()
         self._stream_call_start = stream_call_start
         self._started: int | None = None  # the open call's index once its start went out (stream_call_start)
+        self._started_name = ""            # and the name it went out with
         self._out: list[Delta] = []
         self._text: list[str] = []  # reasoning or content (by _section) not yet in _out
         self._used = False
@@ -171,14 +173,16 @@ class ChatOutputParser:
                 verdict = self._scanner.scan(text, final, start)
                 if verdict is None:
                     if self._stream_call_start and self._started is None and self._scanner.name is not None:
-                        self._started = self._start_call(self._scanner.name)
+                        self._started_name = self._scanner.name
+                        self._started = self._start_call(self._started_name)
                     return
                 if verdict is UNFINISHED:
                     self._end_unfinished_call()
                     return
                 body, at = self._call_body()
                 self._scanner, self._call_text, self._section = None, [], _Section.CONTENT
-                if isinstance(verdict, Rejected):
+                # a started call must end as the call it started (a JSON object naming two functions would not)
+                if isinstance(verdict, Rejected) or (self._started is not None and verdict.name != self._started_name):
                     self._emit_text(TOOL_CALL_OPEN + body[at:at + verdict.end])
                 else:
                     self._emit_call(verdict)
