@@ -11,8 +11,8 @@ Decisions:
   agentic turn 12, session 22). A started call that does not end well — cut at max_tokens, or (a grammar letting
   through what the parser refuses) rejected, or a JSON object that names a second function after the first —
   keeps its start with no arguments, and its text follows as content.
-  A rejected one is the one case where a stream adds up to something else than the message `parse` makes of the
-  same text: the parse, handed the whole call at once, rejects it before it could start.
+  The rejected and the renamed ones are where a stream can add up to something else than the message `parse`
+  makes of the same text: the parse, handed the whole call at once, decides it before it could start.
 - A call naming a function that is not among the request's tools is content, not a call: the client
   cannot dispatch it, and it is most often the model quoting or inventing a call in prose. Shown as
   text, nothing is lost; as a call, the agent would fail on it. A call with a missing or ill-typed
