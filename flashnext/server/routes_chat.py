@@ -107,15 +107,12 @@ def _tool_format(engine, settings) -> str | None:
     return getattr(engine.tokenizer, "tool_format", None) if fmt == "auto" else fmt
 
 
-def _forced_tool_choice(body) -> bool:
-    """tool_choice "required" or a named function: the grammar (_constraint) makes every call well formed."""
-    return body.tool_choice == "required" or (body.tool_choice is not None and not isinstance(body.tool_choice, str))
-
-
-def _parser(engine, settings, rendered: RenderedChat, body):
-    """The output parser of one choice; under a forced tool choice a call's start streams once its name is read."""
+def _parser(engine, settings, rendered: RenderedChat, constraint):
+    """The output parser of one choice; under a tool-call grammar (a forced tool choice: every call it lets through is
+    well formed) a call's start streams once its name is read."""
     return parsers.ChatOutputParser(_tool_format(engine, settings), rendered.tools, rendered.reasoning,
-                                    rendered.starts_in_reasoning, stream_call_start=_forced_tool_choice(body))
+                                    rendered.starts_in_reasoning,
+                                    stream_call_start=constraint is not None and constraint.kind == "tool_calls")
 
 
 def _constraint(engine, settings, body, rendered: RenderedChat):
@@ -183,8 +180,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     rendered = await render_chat(engine, body)
     max_tokens = fit_context(len(rendered.prompt_ids), limit, engine.max_model_len, param)
     params = sampling_params(body, max_tokens=max_tokens, logprobs=top_k)
-    params.constrain(await asyncio.to_thread(_constraint, engine, settings, body, rendered))
-    output_parsers = [_parser(engine, settings, rendered, body) for _ in range(body.n)]
+    constraint = await asyncio.to_thread(_constraint, engine, settings, body, rendered)
+    params.constrain(constraint)
+    output_parsers = [_parser(engine, settings, rendered, constraint) for _ in range(body.n)]
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     head = {"id": cid, "created": int(time.time()), "model": model, "system_fingerprint": SYSTEM_FINGERPRINT}
     texts = TokenTexts(engine.tokenizer)
