@@ -86,8 +86,7 @@ class ChatOutputParser:
         self._call_start = 0  # where the call starts in _call_text[0]
         self._call_ids: set[str] = set()
         self._stream_call_start = stream_call_start
-        self._started: int | None = None  # the open call's index once its start went out (stream_call_start)
-        self._started_name = ""            # and the name it went out with
+        self._started: tuple[int, str] | None = None  # the open call's (index, name) once its start went out
         self._out: list[Delta] = []
         self._text: list[str] = []  # reasoning or content (by _section) not yet in _out
         self._used = False
@@ -158,7 +157,7 @@ class ChatOutputParser:
         return index
 
     def _emit_call(self, call: ScannedCall) -> None:
-        index = self._started if self._started is not None else self._start_call(call.name)
+        index = self._started[0] if self._started is not None else self._start_call(call.name)
         # json.dumps's default separators, as vLLM's parsers write arguments ({"city": "Paris"}).
         self._out.append(ToolCallArguments(index=index, text=json_text(call.arguments, separators=(", ", ": "))))
 
@@ -173,8 +172,7 @@ class ChatOutputParser:
                 verdict = self._scanner.scan(text, final, start)
                 if verdict is None:
                     if self._stream_call_start and self._started is None and self._scanner.name is not None:
-                        self._started_name = self._scanner.name
-                        self._started = self._start_call(self._started_name)
+                        self._started = self._start_call(self._scanner.name), self._scanner.name
                     return
                 if verdict is UNFINISHED:
                     self._end_unfinished_call()
@@ -182,7 +180,7 @@ class ChatOutputParser:
                 body, at = self._call_body()
                 self._scanner, self._call_text, self._section = None, [], _Section.CONTENT
                 # a started call must end as the call it started (a JSON object naming two functions would not)
-                if isinstance(verdict, Rejected) or (self._started is not None and verdict.name != self._started_name):
+                if isinstance(verdict, Rejected) or (self._started is not None and verdict.name != self._started[1]):
                     self._emit_text(TOOL_CALL_OPEN + body[at:at + verdict.end])
                 else:
                     self._emit_call(verdict)

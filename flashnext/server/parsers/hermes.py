@@ -32,8 +32,6 @@ class HermesCallScanner:
         self._depth = 0
         self._in_string = False
         self._call: tuple[str, dict] | None = None
-        self._head = ""  # the object's first characters, while `name` still looks for the name in them
-        self._head_pieces = 0  # the pieces of _object already in _head
         self._name: str | None = None
         self._name_looked = False  # found, or NAME_LOOKAHEAD passed: `name` looks no more
 
@@ -47,14 +45,13 @@ class HermesCallScanner:
         the tools (ToolCallScanner.name; an object that puts its name later names it at its end)."""
         if self._name_looked or self._object is None:
             return self._name
-        self._head += "".join(self._object[self._head_pieces:])
-        self._head_pieces = len(self._object)
-        match = _NAME_FIRST.match(self._head)
+        head = "".join(self._object)   # at most NAME_LOOKAHEAD characters and a piece: looked at no further
+        match = _NAME_FIRST.match(head)
         if match is not None:
             name = parse_json(match.group(1))
             self._name = name if isinstance(name, str) and name in self._tools else None
             self._name_looked = True
-        elif len(self._head) > NAME_LOOKAHEAD:
+        elif len(head) > NAME_LOOKAHEAD:
             self._name_looked = True
         return self._name
 
