@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_decode import replayed_ms
+
 HC, HIDDEN, LOWRANK, EPS = 4, 2560, 320, 1e-6
 CHUNK = 64 * 1024   # bytes a bulk prefetch asks for
 
@@ -145,17 +147,9 @@ def capture(ops, state, prefetches, ahead):
     return graph
 
 
-def time_graph(graph, reps=50):
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1e3   # µs
+def time_graph(graph, reps=50) -> float:
+    """µs per replay, back to back (gpu_decode.replayed_ms)."""
+    return replayed_ms(graph, steps=reps) * 1e3
 
 
 def warm_op_us(run, state, reps=20):
