@@ -212,7 +212,6 @@ def split_k_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     return out
 
 
-
 def compile_list_rows(heads: int, kv_heads: int, head_dim: int, page: int, width: int, dtype: torch.dtype,
                       device: torch.device) -> None:
     """Compile the LIST_ROWS variant before a request meets it (the engine's warm-up prompts stay below the context

@@ -91,9 +91,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
          help="with CUDA graphs, a prefill step of at most this many tokens (a fresh short prompt, a chunk past "
               "--graph-extend-max) replays its row-wise work (projections, norms, hyper-connection mixes, the MoE) "
               "from graphs captured at warm-up for rows padded up to a bucket (powers of two to 1,024, then multiples of "
-              "512), and runs only what mixes tokens "
-              "(GatedDeltaNet, attention, the QSA indexer, PLE) eagerly; INT4 experts without an expert cache, one "
-              "GPU; 0: off (default 4096)")
+              "512), and runs what mixes tokens (attention, the QSA indexer, PLE; GatedDeltaNet too in steps of "
+              "several sequences: a step of one captures its conv and delta rule) eagerly; INT4 experts without an "
+              "expert cache, one GPU; 0: off (default 4096)")
     _add(parser, "--decode-ahead", type=_bool,
          help="with CUDA graphs on one GPU, queue each decode step on the device, fed the tokens the step before "
               "sampled there, before the host reads those tokens, so the host's work between steps (detokenising, "
