@@ -9,7 +9,7 @@ import asyncio
 import logging
 import threading
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from flashnext.engine.args import EngineArgs
 from flashnext.engine.errors import EngineOverloaded
@@ -22,8 +22,11 @@ IDLE_WORK_AFTER_S = 0.05
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, on_idle: Callable[[], bool] | None = None):
+        """`on_idle`: the process's own piece of idle work, asked after the engine's (the server's full garbage
+        collections, server/gc_pauses.py) → whether it did any."""
         self.engine = engine
+        self.on_idle = on_idle
         self.tokenizer = engine.tokenizer
         self.model_config = engine.config
         self.max_model_len = engine.max_model_len
@@ -147,7 +150,8 @@ class AsyncLLM:
                 if not idle_working and self._wake.wait(timeout=IDLE_WORK_AFTER_S):
                     self._wake.clear()
                     continue
-                idle_working = self.engine.idle_work()   # a wake-up meanwhile stays set for the wait below
+                # a wake-up meanwhile stays set for the wait below
+                idle_working = self.engine.idle_work() or (self.on_idle is not None and self.on_idle())
                 if idle_working:
                     continue
                 self._wake.wait(timeout=0.5)

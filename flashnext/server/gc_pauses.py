@@ -10,6 +10,13 @@ the server) leaves the collector to walk only what serving has created since (`g
 freed when their references go; only reference cycles among them would never be collected, and the startup heap is
 collected first). The log line names each collection over LONG_PAUSE_S, so that a slow first token can be matched to
 one.
+
+The freeze did not end them: the next idle bench (session 23) still logged full collections of 29 and 38 ms that
+collected nothing, one of them inside a resume whose first token came 35 ms after the others'. What serving builds is
+large too (token lists of 58K ids that a collection walks item by item, the prefix trie). So full collections move to
+the engine's idle time (IdleFullCollections): the collector's own ones come 10× more rarely, and the engine thread runs
+one whenever the collector would have, as a piece of its idle work — after AsyncLLM's IDLE_WORK_AFTER_S without a
+request, where it costs no one a token; a server never idle still collects, on the collector's rarer schedule.
 """
 from __future__ import annotations
 
@@ -38,6 +45,7 @@ class PauseLog:
         self.threshold_s = threshold_s
         self.started: float | None = None
         self.long_pauses = 0
+        self.engine_idle = False   # set by IdleFullCollections around its own collections: no one waits on those
 
     def __call__(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -46,7 +54,7 @@ class PauseLog:
         if self.started is None:
             return
         seconds, self.started = time.perf_counter() - self.started, None
-        if seconds >= self.threshold_s:
+        if seconds >= self.threshold_s and not self.engine_idle:
             self.long_pauses += 1
             log.warning("python gc: a generation-%d collection took %.3f s (%d objects collected)",
                         info["generation"], seconds, info["collected"])
@@ -57,3 +65,34 @@ class PauseLog:
 
     def remove(self) -> None:
         gc.callbacks.remove(self)
+
+
+BUSY_FACTOR = 10
+
+
+class IdleFullCollections:
+    """AsyncLLM's `on_idle`: the collector's automatic full collections made BUSY_FACTOR times rarer (its third
+    threshold: full collections come after that many collections of the middle generation), and a full collection
+    run here, when the engine is idle, wherever the collector's own schedule would have run one by now. → whether it
+    collected (a piece of idle work was done). `restore` puts the collector's threshold back."""
+
+    def __init__(self, pause_log: PauseLog | None = None, busy_factor: int = BUSY_FACTOR):
+        self.pause_log = pause_log
+        self.threshold = gc.get_threshold()
+        self.due_after = self.threshold[2]
+        gc.set_threshold(self.threshold[0], self.threshold[1], self.threshold[2] * busy_factor)
+
+    def __call__(self) -> bool:
+        if gc.get_count()[2] < self.due_after:
+            return False
+        if self.pause_log is not None:
+            self.pause_log.engine_idle = True
+        try:
+            gc.collect()
+        finally:
+            if self.pause_log is not None:
+                self.pause_log.engine_idle = False
+        return True
+
+    def restore(self) -> None:
+        gc.set_threshold(*self.threshold)

@@ -200,10 +200,10 @@ def engine_args_from(args: argparse.Namespace):
 
 
 def load_engine(engine_args):
-    """The engine the server runs, warmed up; then the startup heap frozen and long collector pauses logged
-    (server/gc_pauses.py)."""
+    """The engine the server runs, warmed up; then the startup heap frozen, long collector pauses logged and full
+    collections moved to the engine's idle time (server/gc_pauses.py)."""
     from flashnext.engine.async_llm import AsyncLLM
-    from flashnext.server.gc_pauses import PauseLog, freeze_startup_heap
+    from flashnext.server.gc_pauses import IdleFullCollections, PauseLog, freeze_startup_heap
 
     if max(engine_args.tensor_parallel, engine_args.expert_parallel) > 1:
         from flashnext.parallel import launch_engine
@@ -218,8 +218,7 @@ def load_engine(engine_args):
         log.info("warming up (kernel compilation, graph captures) before serving")
         log.info("warm-up took %.1f s", engine.warm_up())
     freeze_startup_heap()
-    PauseLog().install()
-    return AsyncLLM(engine)
+    return AsyncLLM(engine, on_idle=IdleFullCollections(PauseLog().install()))
 
 
 def _api_key(args) -> str | None:
