@@ -7,6 +7,9 @@ Run: python3 scripts/gpu_prefill.py --model mem:flash-next --quantize int4 --tok
 FLASHNEXT_MOE_PREFILL=dequant), or `rows=off` (no row-wise graphs: --graph-prefill-max 0), on the same model; the
 profile is of the default.
 
+--compare also generates a few greedy tokens from one fixed prompt of each length under each variant and says whether
+they equal the default's (switches that must not change a bit, e.g. FLASHNEXT_MOE_DEQUANT_AHEAD=1).
+
 --host also profiles the host: where it waits for the GPU (each sync's source line, by CPU time) and the wall
 time against the GPU's busy time, which shows how much of the prefill is the host's.
 """
@@ -80,6 +83,8 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, action="append", default=[])
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--host", action="store_true", help="also profile the host's waits for the GPU")
+    ap.add_argument("--compare", action="store_true",
+                    help="also check that each variant's greedy tokens from one fixed prompt equal the default's")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
                     help="also time each prompt under these environment switches (those read at call time)")
     args = ap.parse_args()
@@ -96,9 +101,12 @@ def main() -> int:
         return [rng.randrange(100, vocab - 100) for _ in range(tokens)]
 
     print(f"{'chunk':>6} {'tokens':>7} {'seconds':>8} {'tok/s':>8}")
+    same = True
     for tokens in lengths:
         for chunk in chunks:
             llm.engine.scheduler.token_budget = chunk
+            if args.compare:
+                same &= compare_variants(llm, prompt(tokens), variants, f"{tokens} tokens, chunk {chunk}")
             for variant in variants:
                 with row_graphs_off(llm.engine) if variant == {"rows": "off"} else environment(variant):
                     # warm-up at the full length: compiles and autotunes (fla) every kernel variant the prompt meets
@@ -114,7 +122,22 @@ def main() -> int:
                 profile_kernels(lambda: llm.generate([prompt(tokens)], params), runs=1, top=25)
             if args.host:
                 host_waits(lambda: llm.generate([prompt(tokens)], params))
-    return 0
+    return 0 if same else 1
+
+
+def compare_variants(llm, fixed_prompt, variants, what: str, new_tokens: int = 8) -> bool:
+    """Greedy tokens from `fixed_prompt` under each variant against the default's; prints one line a variant."""
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    outputs = []
+    for variant in variants:
+        with row_graphs_off(llm.engine) if variant == {"rows": "off"} else environment(variant):
+            outputs.append(llm.generate([fixed_prompt], params)[0].token_ids)
+    ok = True
+    for variant, tokens in zip(variants[1:], outputs[1:]):
+        equal = tokens == outputs[0]
+        ok &= equal
+        print(f"  compare {what}: {label(variant)} {'equal' if equal else 'DIFFERENT'} ({tokens} vs {outputs[0]})")
+    return ok
 
 
 if __name__ == "__main__":
