@@ -8,7 +8,7 @@ FLASHNEXT_MOE_PREFILL=dequant), or `rows=off` (no row-wise graphs: --graph-prefi
 profile is of the default.
 
 --compare also generates a few greedy tokens from one fixed prompt of each length under each variant and says whether
-they equal the default's (switches that must not change a bit, e.g. FLASHNEXT_MOE_DEQUANT_AHEAD=1).
+they equal the default's (switches that must not change a bit).
 
 --host also profiles the host: where it waits for the GPU (each sync's source line, by CPU time) and the wall
 time against the GPU's busy time, which shows how much of the prefill is the host's.

@@ -254,10 +254,8 @@ class LLMEngine:
 
     def _moe_dequant_scratch_bytes(self) -> int:
         """A layer's experts dequantised to 16 bits, where a full prefill step of resident INT4 experts takes that
-        path (ops.moe_int4.prefill_path; Flash-Next: 3.4 GB), both stacks where they are dequantised a layer ahead
-        (ops/moe_dequant_ahead.py; Flash-Next: 5.0 GB)."""
+        path (ops.moe_int4.prefill_path; Flash-Next: 3.4 GB)."""
         from flashnext.models.layers.int4_experts import Int4Experts
-        from flashnext.ops import moe_dequant_ahead
         from flashnext.ops.moe_int4 import prefill_path
         from flashnext.ops.moe_int4_dequant import dequant_scratch_bytes
 
@@ -266,9 +264,7 @@ class LLMEngine:
                 self.args.max_num_batched_tokens, self.config.num_experts_per_tok, layers[0].num_experts,
                 layers[0].weight_int4("gate_up"), layers[0].weight_int4("down"), self.device) != "dequant":
             return 0
-        both = layers[0].dequant_ahead is not None and moe_dequant_ahead.enabled()
-        return max(dequant_scratch_bytes(m.weight_int4("gate_up"), m.weight_int4("down"), self.dtype, both)
-                   for m in layers)
+        return max(dequant_scratch_bytes(m.weight_int4("gate_up"), m.weight_int4("down"), self.dtype) for m in layers)
 
     def _snapshot_budget(self, block_size: int, slot_bytes: int) -> int:
         """Device bytes for prefix-cache snapshots: --prefix-cache-gb, by default room for SNAPSHOTS_PER_SEQUENCE

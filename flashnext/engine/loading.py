@@ -16,7 +16,6 @@ from flashnext.models.quantize import (dense_int4_targets, int4_expert_keys, qua
                                        use_int4_weights)
 from flashnext.models.layers.rope import RotaryEmbedding
 from flashnext.models.decode_forms import attach_decode_forms
-from flashnext.models.layers.int4_experts import chain_dequant_ahead
 from flashnext.models.stacked import stack_projections
 from flashnext.models.layers.row_table import RowTable, choose_placement
 from flashnext.tokenizer import Tokenizer
@@ -107,8 +106,6 @@ def load_model(name: str, device, dtype: torch.dtype, quantize: str | None = Non
         expert_cache = install_expert_cache(model, int(expert_vram_gb * (1 << 30)), expert_cache_policy,
                                             device=device, prefetch=expert_prefetch)
         nbytes = _state_bytes(model, device)
-    else:
-        chain_dequant_ahead(model)   # prefill's dequantised experts a layer ahead (ops/moe_dequant_ahead.py)
     stacked = stack_projections(model)  # last: the weights are where they stay (models/stacked.py)
     decode_forms, decode_form_bytes = attach_decode_forms(model, dtype)
     if torch.device(device).type == "cuda":

@@ -56,16 +56,12 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, perm_ptr, out_ptr, N, K, GROUP: tl.con
         tl.store(out_ptr + row[:, None].to(tl.int64) * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def dequantize_triton(w: Int4Weight, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """→ [K, N] in `dtype`: dequantize(w).t() rounded once; stacked experts [E, K/8, N] → [E, K, N] (into `out`, a
-    contiguous tensor of that shape and dtype, where given)."""
+def dequantize_triton(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """→ [K, N] in `dtype`: dequantize(w).t() rounded once; stacked experts [E, K/8, N] → [E, K, N]."""
     assert w.qweight.dim() in (2, 3) and all(t.is_contiguous() for t in w.tensors().values())
     experts = w.qweight.shape[0] if w.qweight.dim() == 3 else 1
     k, n = w.in_features, w.out_features
-    shape = (*w.qweight.shape[:-2], k, n)
-    if out is None:
-        out = torch.empty(shape, dtype=dtype, device=w.qweight.device)
-    assert out.shape == shape and out.dtype == dtype and out.is_contiguous()
+    out = torch.empty(*w.qweight.shape[:-2], k, n, dtype=dtype, device=w.qweight.device)
     block_p, block_n = 8, 128
     grid = (triton.cdiv(k // 8, block_p), triton.cdiv(n, block_n), experts)
     zeros, perm = optional_tensors(w)

@@ -73,12 +73,6 @@ def prefill_path(rows: int, top_k: int, num_experts: int, w_gate_up: Int4Weight,
     return "grouped"
 
 
-def takes_dequant_path(x, top_k: int, w_gate_up: Int4Weight, w_down: Int4Weight) -> bool:
-    """Whether `moe_int4` runs x's rows of resident experts through dequantised experts (ops/moe_int4_dequant.py)."""
-    return x.is_cuda and _BACKEND != "reference" and prefill_path(
-        x.shape[0], top_k, w_gate_up.qweight.shape[0], w_gate_up, w_down, x.device) == "dequant"
-
-
 @dataclass(frozen=True)
 class SharedExpert:
     """A shared expert with INT4 weights, added to the routed sum gated by sigmoid(logit): gate_up [H/8, 2I] words

@@ -26,24 +26,20 @@ from flashnext.weights.int4_layout import Int4Weight
 
 
 def moe_int4_dequant(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: Int4Weight,
-                     w_down: Int4Weight, stacks: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Same contract as ops.moe_int4.moe_int4_reference. `stacks`: w_gate_up and w_down dequantised already
-    (ops/moe_dequant_ahead.py), else each is dequantised here when its GEMM needs it."""
+                     w_down: Int4Weight) -> torch.Tensor:
+    """Same contract as ops.moe_int4.moe_int4_reference."""
     m, top_k = topk_ids.shape
     num_experts = w_gate_up.qweight.shape[0]
     plan = expert_order(topk_ids, num_experts, None)   # the grouped GEMM takes each expert's run whole
-    gate_up = torch._grouped_mm(x.index_select(0, plan.order // top_k),
-                                stacks[0] if stacks else dequantize_triton(w_gate_up, x.dtype), offs=plan.ends)
+    gate_up = torch._grouped_mm(x.index_select(0, plan.order // top_k), dequantize_triton(w_gate_up, x.dtype),
+                                offs=plan.ends)
     gate, up = gate_up.chunk(2, dim=-1)
-    rows = torch._grouped_mm(silu_mul(gate, up), stacks[1] if stacks else dequantize_triton(w_down, x.dtype),
-                             offs=plan.ends)  # expert order
+    rows = torch._grouped_mm(silu_mul(gate, up), dequantize_triton(w_down, x.dtype), offs=plan.ends)  # expert order
     return combine_choices(rows, plan.position.view(m, top_k), topk_weights, x.dtype)
 
 
-def dequant_scratch_bytes(w_gate_up: Int4Weight, w_down: Int4Weight, dtype: torch.dtype, both: bool = False) -> int:
-    """The largest dequantised stack a layer holds at once (gate|up; down is half of it for Flash-Next), or with
-    `both` the two stacks (dequantised ahead of the layer's MoE, ops/moe_dequant_ahead.py)."""
+def dequant_scratch_bytes(w_gate_up: Int4Weight, w_down: Int4Weight, dtype: torch.dtype) -> int:
+    """The largest dequantised stack a layer holds at once (gate|up; down is half of it for Flash-Next)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    sizes = [w.qweight.shape[0] * w.in_features * w.out_features for w in (w_gate_up, w_down)]
-    return (sum(sizes) if both else max(sizes)) * itemsize
+    return max(w.qweight.shape[0] * w.in_features * w.out_features for w in (w_gate_up, w_down)) * itemsize
 

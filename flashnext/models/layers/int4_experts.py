@@ -2,9 +2,7 @@
 
 `Int4Experts` is a drop-in for `layers.moe.Experts` (same forward(x, weights, ids)); `quantize_experts_int4`
 swaps every `Experts` of a model for one (symmetric RTN), which is what `--quantize int4` does for the
-routed experts. `chain_dequant_ahead` links a model's Int4Experts in layer order: where a prefill step takes the
-path through dequantised experts, each layer's MoE queues the next layer's dequantisation on a side stream
-(ops/moe_dequant_ahead.py).
+routed experts.
 """
 from __future__ import annotations
 
@@ -16,10 +14,7 @@ from torch import nn
 from flashnext.models.layers.int4_linear import Int4Linear
 from flashnext.models.layers.moe import Experts
 from flashnext.models.stacked import StackedProjection
-from flashnext.ops import moe_dequant_ahead
-from flashnext.ops.moe_dequant_ahead import DequantAhead
-from flashnext.ops.moe_int4 import SharedExpert, moe_int4, runs_shared_expert, shared_fits, takes_dequant_path
-from flashnext.ops.moe_int4_dequant import moe_int4_dequant
+from flashnext.ops.moe_int4 import SharedExpert, moe_int4, runs_shared_expert, shared_fits
 from flashnext.weights.int4_layout import Int4Weight, quantize_rtn
 
 MIN_GROUP_SIZE = 16  # the kernels' smallest K tile (a tile never straddles a group)
@@ -56,7 +51,6 @@ class Int4Experts(nn.Module):
         self.num_experts, self.hidden_size, self.intermediate_size = down.qweight.shape[0], down.out_features, down.in_features
         self.group_sizes = (gate_up.group_size, down.group_size)
         self.expert_cache = None  # a LayerExpertCache (flashnext/cache/expert_cache.py): buffers are then its slots
-        self.dequant_ahead: DequantAhead | None = None   # its chain's (chain_dequant_ahead)
         for prefix, w in (("gate_up", gate_up), ("down", down)):
             for name in ("qweight", "scales", "zeros", "perm"):
                 self.register_buffer(f"{prefix}_{name}", getattr(w, name))
@@ -76,23 +70,7 @@ class Int4Experts(nn.Module):
         """`shared` (from `shared_int4`): the kernels run it as one more expert per token."""
         if self.expert_cache is not None:  # routed ids → slots of the device pool, misses copied in first
             return self.expert_cache.forward(x, weights, ids, shared)
-        w_gate_up, w_down = self.weight_int4("gate_up"), self.weight_int4("down")
-        if self._dequantizes_ahead(x, ids, shared):
-            ahead = self.dequant_ahead
-            out = moe_int4_dequant(x, ids, weights, w_gate_up, w_down,
-                                   stacks=ahead.take(self, w_gate_up, w_down, x.dtype))
-            following = ahead.following(self)
-            if following is not None:
-                ahead.start(following, following.weight_int4("gate_up"), following.weight_int4("down"), x.dtype)
-            return out
-        return moe_int4(x, ids, weights, w_gate_up, w_down, shared)
-
-    def _dequantizes_ahead(self, x, ids, shared) -> bool:
-        """Whether this step's MoE goes through the chain's dequantised experts: chained, the path through
-        dequantised experts (ops.moe_int4.takes_dequant_path), FLASHNEXT_MOE_DEQUANT_AHEAD not 0, not captured."""
-        return (self.dequant_ahead is not None and shared is None and moe_dequant_ahead.enabled()
-                and takes_dequant_path(x, ids.shape[1], self.weight_int4("gate_up"), self.weight_int4("down"))
-                and not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+        return moe_int4(x, ids, weights, self.weight_int4("gate_up"), self.weight_int4("down"), shared)
 
     def decode(self, x, weights, ids, shared: SharedExpert | None = None):
         """The fused kernels need no host sync, so a captured decode step runs `forward` as it is. With an expert
@@ -129,13 +107,3 @@ def quantize_experts_int4(model: nn.Module, group_size: int = 128, compute_devic
                     Int4Experts.from_experts(module, group_size, compute_device))
             replaced.append(name)
     return replaced
-
-
-def chain_dequant_ahead(model: nn.Module) -> int:
-    """Link `model`'s Int4Experts in module order (the layers' order) around one DequantAhead; → how many. Not
-    with an expert cache (its prefill keeps the kernels: ops.moe_int4.routed_pairs)."""
-    chain = [m for m in model.modules() if isinstance(m, Int4Experts) and m.expert_cache is None]
-    ahead = DequantAhead(chain)
-    for module in chain:
-        module.dequant_ahead = ahead
-    return len(chain)
