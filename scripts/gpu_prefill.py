@@ -83,6 +83,8 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, action="append", default=[])
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--host", action="store_true", help="also profile the host's waits for the GPU")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="with the prefix cache on, as the server runs (its snapshots and hashing; no hits: fresh prompts)")
     ap.add_argument("--compare", action="store_true",
                     help="also check that each variant's greedy tokens from one fixed prompt equal the default's")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
@@ -91,7 +93,7 @@ def main() -> int:
     variants = [{}] + [dict(pair.split("=", 1) for pair in v.split(",")) for v in args.variant]
     chunks = args.chunk or [2048]
     lengths = args.tokens or [10000]
-    llm = LLM(args.model, quantize=args.quantize, max_num_seqs=2, enable_prefix_caching=False, kv_cache_gb=16.0,
+    llm = LLM(args.model, quantize=args.quantize, max_num_seqs=2, enable_prefix_caching=args.prefix_caching, kv_cache_gb=16.0,
               max_num_batched_tokens=max(chunks))
     vocab = llm.engine.config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
