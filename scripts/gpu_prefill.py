@@ -93,8 +93,8 @@ def main() -> int:
     variants = [{}] + [dict(pair.split("=", 1) for pair in v.split(",")) for v in args.variant]
     chunks = args.chunk or [2048]
     lengths = args.tokens or [10000]
-    llm = LLM(args.model, quantize=args.quantize, max_num_seqs=2, enable_prefix_caching=args.prefix_caching, kv_cache_gb=16.0,
-              max_num_batched_tokens=max(chunks))
+    llm = LLM(args.model, quantize=args.quantize, max_num_seqs=2, enable_prefix_caching=args.prefix_caching,
+              kv_cache_gb=16.0, max_num_batched_tokens=max(chunks))
     vocab = llm.engine.config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     rng = random.Random(0)

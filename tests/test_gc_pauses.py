@@ -4,6 +4,7 @@ full collections run once the collector's schedule has one due, not before, with
 meanwhile (its threshold put back after each test)."""
 import gc
 import logging
+import weakref
 
 from flashnext.server.gc_pauses import IdleFullCollections, PauseLog, freeze_startup_heap
 
@@ -35,6 +36,10 @@ def test_freezing_the_startup_heap_moves_its_objects_out_of_reach():
         gc.unfreeze()
 
 
+class Node:
+    pass
+
+
 def test_full_collections_wait_for_the_engine_to_be_idle():
     saved = gc.get_threshold()
     gc.set_threshold(saved[0], saved[1], 3)
@@ -46,11 +51,12 @@ def test_full_collections_wait_for_the_engine_to_be_idle():
         assert not idle()
         for _ in range(3):                # three collections of the middle generation: a full one is due
             gc.collect(1)
-        cycle = []
-        cycle.append(cycle)
+        cycle = Node()
+        cycle.self = cycle
+        freed = weakref.ref(cycle)
         del cycle
         counted = pause_log.long_pauses
-        assert idle() and gc.get_count()[2] == 0
+        assert idle() and gc.get_count()[2] == 0 and freed() is None
         assert pause_log.long_pauses == counted   # the idle collection is no one's pause
         assert not idle()
     finally:
