@@ -84,6 +84,35 @@ def test_write_blocks_equals_per_block_copies(monkeypatch, piece):
     assert all(not t.any() for t in untouched.values())
 
 
+def test_write_blocks_copies_runs_of_consecutive_blocks_straight_in(monkeypatch):
+    """Stretches of DIRECT_MIN_BLOCKS rows of one run bound for consecutive blocks are one copy a tensor into the
+    blocks (no scatter); the other rows are scattered; every block ends up with its row's bytes."""
+    monkeypatch.setattr(cache_entry, "DIRECT_MIN_BLOCKS", 3)
+    source, target = pool(seed=5, blocks=16), pool(blocks=16)
+    runs = [read_blocks(source, [0, 1, 2, 3, 4]), read_blocks(source, [5, 6, 7, 8, 9, 10])]
+    rows = list(range(11))
+    blocks = [2, 3, 4, 5, 9, 13, 14, 15, 0, 1, 11]   # 2–5 and 13–15 (which crosses into the second run: split)
+    direct, rest = cache_entry._direct_stretches(runs, blocks, rows)
+    assert direct == [(0, 0, 2, 4), (1, 0, 13, 3)]
+    assert rest == [(9, 4), (0, 8), (1, 9), (11, 10)]
+    scattered = []
+    real = torch.Tensor.index_copy_
+    monkeypatch.setattr(torch.Tensor, "index_copy_", lambda t, d, i, src: scattered.append(len(i)) or real(t, d, i, src))
+    write_blocks(target, blocks, runs, rows)
+    assert sum(scattered) == 4 * len(list(cache_entry._pool_tensors(target)))
+    for src, dst in zip(range(11), blocks):
+        for name, t in read_block(target, dst).items():
+            assert torch.equal(t, read_block(source, src)[name])
+
+
+def test_blocks_freed_together_are_allocated_again_in_ascending_order():
+    kv = pool(blocks=12)
+    first = kv.allocate(6)
+    kv.release(first)
+    again = kv.allocate(4)   # the last four freed, which the free list hands out last first
+    assert again == [2, 3, 4, 5]
+
+
 def test_put_reads_a_long_conversation_in_pieces(monkeypatch):
     """TierIndex.put gathers at most WRITE_PIECE blocks at a time (a whole 58K-token conversation at once was a
     1.5 GB device allocation while the pool is short); the entry comes back whole and in order."""

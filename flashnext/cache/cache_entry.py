@@ -104,20 +104,51 @@ def batch_rows(runs: list[dict[str, torch.Tensor]], rows: list[int]) -> dict[str
 
 
 def write_blocks(kv, blocks: list[int], runs: list[dict[str, torch.Tensor]], rows: list[int]) -> None:
-    """Rows `rows` of `runs` (see row_segments) into device blocks `blocks`: per stretch of consecutive rows of one
-    run, at most WRITE_PIECE rows at a time, one copy to the device and one scatter per tensor of the pool — from
-    the run's own rows (page-locked in the host tier: an asynchronous copy), never joined on the host first (that
-    was a host memcpy into pageable memory, then a synchronous copy, for pieces across runs)."""
+    """Rows `rows` of `runs` (see row_segments) into device blocks `blocks`, from the runs' own rows (page-locked in
+    the host tier: asynchronous copies), never joined on the host first (that was a host memcpy into pageable memory,
+    then a synchronous copy, for pieces across runs). A stretch of DIRECT_MIN_BLOCKS or more consecutive rows of one
+    run bound for consecutive blocks is one copy per tensor of the pool, straight into its blocks; the other rows go
+    per stretch of consecutive rows, at most WRITE_PIECE at a time, as one copy to the device and one scatter per
+    tensor. On the H200 a 58K-token Flash-Next entry (~3,600 blocks, 36 pool tensors) took 25–46 ms of host time to
+    install as scatters (~1,100 launches, session 23), against ~26 ms for its bytes over PCIe."""
+    direct, rest = _direct_stretches(runs, blocks, rows)
+    for i, j, block, count in direct:
+        for name, t in _pool_tensors(kv):
+            t[block: block + count].copy_(runs[i][name][j: j + count], non_blocking=True)
+    if not rest:
+        return
+    rest_blocks, rest_rows = zip(*rest)
     # the block ids sent once, without a host wait (torch.tensor(..., device=) would wait for the stream each time)
-    targets = to_device(blocks, kv.device)
+    targets = to_device(list(rest_blocks), kv.device)
     at = 0
-    for i, j, count in row_segments(runs, rows):
+    for i, j, count in row_segments(runs, list(rest_rows)):
         for first in range(j, j + count, WRITE_PIECE):
             n = min(WRITE_PIECE, j + count - first)
             index = targets[at: at + n]
             for name, t in _pool_tensors(kv):
                 t.index_copy_(0, index, runs[i][name][first: first + n].to(kv.device, non_blocking=True))
             at += n
+
+
+DIRECT_MIN_BLOCKS = 8
+
+
+def _direct_stretches(runs, blocks: list[int], rows: list[int]):
+    """→ ((run, first row in it, first block, count) of each stretch of at least DIRECT_MIN_BLOCKS consecutive rows of
+    one run bound for consecutive blocks, [(block, row) of every other row, in order])."""
+    direct, rest, at = [], [], 0
+    for i, j, count in row_segments(runs, rows):
+        start = 0
+        for k in range(1, count + 1):
+            if k < count and blocks[at + k] == blocks[at + k - 1] + 1:
+                continue
+            if k - start >= DIRECT_MIN_BLOCKS:
+                direct.append((i, j + start, blocks[at + start], k - start))
+            else:
+                rest.extend((blocks[at + m], rows[at + m]) for m in range(start, k))
+            start = k
+        at += count
+    return direct, rest
 
 
 def tensor_bytes(tensors: dict[str, torch.Tensor] | None) -> int:

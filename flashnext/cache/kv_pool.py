@@ -59,7 +59,9 @@ class KVPool:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfBlocks(f"need {n} KV blocks, {len(self._free)} free")
-        blocks = [self._free.pop() for _ in range(n)]
+        # ascending: blocks freed together come back as a run, which a lower tier's entry is copied into at once
+        # (cache_entry.write_blocks; the free list hands them out last freed first, descending)
+        blocks = sorted(self._free.pop() for _ in range(n))
         for b in blocks:
             self.refcount[b] = 1
         return blocks
