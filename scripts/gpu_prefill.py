@@ -110,7 +110,7 @@ def main() -> int:
             if args.compare:
                 same &= compare_variants(llm, prompt(tokens), variants, f"{tokens} tokens, chunk {chunk}")
             for variant in variants:
-                with row_graphs_off(llm.engine) if variant == {"rows": "off"} else environment(variant):
+                with under(llm, variant):
                     # warm-up at the full length: compiles and autotunes (fla) every kernel variant the prompt meets
                     # (the QSA list kernels compile one per power of two of the context's blocks)
                     llm.generate([prompt(tokens)], params)
@@ -127,12 +127,17 @@ def main() -> int:
     return 0 if same else 1
 
 
+def under(llm, variant: dict[str, str]):
+    """The context a variant runs in: `rows=off` (no row-wise graphs), else its environment switches."""
+    return row_graphs_off(llm.engine) if variant == {"rows": "off"} else environment(variant)
+
+
 def compare_variants(llm, fixed_prompt, variants, what: str, new_tokens: int = 8) -> bool:
     """Greedy tokens from `fixed_prompt` under each variant against the default's; prints one line a variant."""
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     outputs = []
     for variant in variants:
-        with row_graphs_off(llm.engine) if variant == {"rows": "off"} else environment(variant):
+        with under(llm, variant):
             outputs.append(llm.generate([fixed_prompt], params)[0].token_ids)
     ok = True
     for variant, tokens in zip(variants[1:], outputs[1:]):

@@ -4,8 +4,8 @@ kept out of its full collections.
 A full (generation 2) collection walks every tracked container object of the process and stops the event loop and
 the engine meanwhile. On the H200, two idle benches (sessions 21 and 22) each had one resume of eight whose host-tier
 restore took 0.36–0.39 s against ~0.03 s for the others (session 22: 0.389 s of it the install), with nothing else
-to tell it apart — the pattern of a full collection landing there (a prefix-cache install allocates thousands of trie
-nodes at once). Freezing the startup heap after the warm-up (the model's modules, the imports: what lives as long as
+to tell it apart — what a full collection landing there would look like (a prefix-cache install allocates thousands
+of trie nodes at once); not shown to be one, and not seen again in the three idle benches after the freeze. Freezing the startup heap after the warm-up (the model's modules, the imports: what lives as long as
 the server) leaves the collector to walk only what serving has created since (`gc.freeze`: frozen objects are still
 freed when their references go; only reference cycles among them would never be collected, and the startup heap is
 collected first). The log line names each collection over LONG_PAUSE_S, so that a slow first token can be matched to
