@@ -19,7 +19,9 @@ Run: python3 scripts/gpu_moe.py [--check-only] [--quick] [--prefill] [flash-next
      --prefill: only the prefill sizes PREFILL_PARTS_M, FLASHNEXT_MOE_PREFILL=dequant taken apart into its steps
      beside the grouped kernels and the transposed-tile kernels' SWAPPED_SWEEP; --swapped-sizes: the transposed-tile
      kernels' SIZES_SWEEP against the grouped kernels' tiles and the dequant path from 128 to 16,384 tokens, one line
-     a size; a model name: only its shapes)
+     a size; --magic: the transposed-tile kernels with ops/int4_magic.py's dequantisation against the plain one,
+     bits compared and times from 8 to 16,384 tokens beside the decode kernels and the dequant path; a model name:
+     only its shapes)
 """
 import sys
 
@@ -276,6 +278,39 @@ def swapped_sizes(name, h, i):
     return ok
 
 
+MAGIC_SIZES_M = (8, 16, 32, 64, 128, 256, 1024, 2048, 4096, 8192, 10000, 16384)
+
+
+def magic_sizes(name, h, i):
+    """One line a size: ms per layer of the transposed-tile kernels (config_for's tiles) with the plain
+    dequantisation (FLASHNEXT_INT4_MAGIC=0) and with the trick, whether their outputs are the same bits (sym and
+    asym weights), and the path the engine would take otherwise (the decode kernels up to DECODE_MAX_M, the dequant
+    path from 4,096). → whether all were equal."""
+    import os
+
+    ok = True
+    print(f"\n{name}: transposed tiles, plain vs magic dequantisation, ms per layer (do_bench medians, L2 flushed)")
+    print(f"  {'M':>6} {'plain':>8} {'magic':>8} {'gain':>6} {'decode':>8} {'dequant':>8}  bits")
+    for asym in (False, True):
+        wgu, wd = random_experts(2 * i, h, asym, seed=0), random_experts(h, i, asym, seed=1)
+        for m in MAGIC_SIZES_M if not asym else (16, 4096):
+            x, ids, w = routing(m, h, seed=m)
+            runs = {}
+            for flag in ("0", "1"):
+                os.environ["FLASHNEXT_INT4_MAGIC"] = flag
+                out = moe_int4_swapped(x, ids, w, wgu, wd)
+                runs[flag] = (out, _median_ms(lambda: moe_int4_swapped(x, ids, w, wgu, wd)))
+            os.environ.pop("FLASHNEXT_INT4_MAGIC")
+            equal = torch.equal(runs["0"][0], runs["1"][0])
+            ok &= equal
+            plain, magic = runs["0"][1], runs["1"][1]
+            decode = _median_ms(lambda: moe_int4_decode(x, ids, w, wgu, wd)) if m <= DECODE_MAX_M else float("nan")
+            dequant = _median_ms(lambda: moe_int4_dequant(x, ids, w, wgu, wd)) if m >= 4096 else float("nan")
+            print(f"  {m:6d} {plain:8.3f} {magic:8.3f} {plain / magic:6.2f} {decode:8.3f} {dequant:8.3f}  "
+                  f"{'equal' if equal else 'DIFFER'}{' (asym)' if asym else ''}")
+    return ok
+
+
 def _cfg(c) -> str:
     if c is None:
         return "(cuBLAS grouped)"
@@ -312,7 +347,9 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     ok = all([check(name, h, i) for name, (h, i) in shapes.items()]) and expert_order_check()
     for name, (h, i) in shapes.items() if "--check-only" not in sys.argv else ():
-        if "--swapped-sizes" in sys.argv:
+        if "--magic" in sys.argv:
+            ok &= magic_sizes(name, h, i)
+        elif "--swapped-sizes" in sys.argv:
             ok &= swapped_sizes(name, h, i)
         elif "--prefill" in sys.argv:
             ok &= prefill_parts(name, h, i)

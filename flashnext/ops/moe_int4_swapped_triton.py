@@ -10,7 +10,8 @@ takes each packed tile of TILE_K rows as eight sub-tiles, nibble j of every word
 plain shifts of the loaded words — and the activations' columns come in the matching order: `swizzle_columns`
 permutes them once per call (within each TILE_K block, column 8i+j moves to j·TILE_K/8 + i), and the gate|up kernel
 writes h in that order for the down kernel. A sum over K in another order: the same products, added in another
-order.
+order (sub-tiles 0, 4, 1, 5, 2, 6, 3, 7 of each packed tile: nibbles j and j + 4 of a word are dequantised together,
+by ops/int4_magic.py's trick for 16-bit activations on a GPU).
 
     1. gate_up: h[row] = silu(x[token] @ gate_e) * (x[token] @ up_e), rounded to x's dtype, rows in expert order.
     2. down: rows[row] = h[row] @ down_e, rounded to x's dtype, in expert order.
@@ -29,6 +30,7 @@ import triton.language as tl
 
 from flashnext.ops.moe_combine import combine_choices
 from flashnext.ops.expert_order import expert_order
+from flashnext.ops.int4_magic import magic_dequant, magic_operands, magic_pair
 from flashnext.ops.moe_int4_triton import _block_rows
 from flashnext.weights.int4_layout import Int4Weight
 
@@ -90,14 +92,24 @@ def _nibble_tile(packed, j: tl.constexpr, zero, scale, dtype: tl.constexpr):
     """Sub-tile j of a packed tile [BLOCK_N, SUB] of words: the weights of rows 8i+j, scaled, in `dtype`. (Forming
     q − zero from the nibbles' bits as fp32, without the int→float conversion, measured 1–3% slower: session 20.)"""
     q = (packed >> (4 * j)) & 0xF
-    return ((q - zero[:, None]).to(tl.float32) * scale[:, None]).to(dtype)
+    return ((q - zero[:, None]).to(tl.float32) * scale[:, None].to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _nibble_pair(packed, j: tl.constexpr, zero, scale, dtype: tl.constexpr, MAGIC: tl.constexpr):
+    """Sub-tiles j and j + 4 (j < 4) of a packed tile, by ops/int4_magic.py's trick with MAGIC, else one at a time:
+    the same bits either way."""
+    if MAGIC:
+        offset_pair, scale_pair = magic_operands(zero, scale, dtype)
+        return magic_pair(packed, j, offset_pair, scale_pair, dtype)
+    return _nibble_tile(packed, j, zero, scale, dtype), _nibble_tile(packed, j + 4, zero, scale, dtype)
 
 
 @triton.jit
 def _packed_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, N,
                  HAS_ZEROS: tl.constexpr, SUB: tl.constexpr):
-    """The words of rows k0 .. k0+8·SUB of columns offs_n ([BLOCK_N, SUB]), their zero points (as `_nibble_tile` takes
-    them) and scales."""
+    """The words of rows k0 .. k0+8·SUB of columns offs_n ([BLOCK_N, SUB]), their zero points (int32) and scales (in
+    their dtype)."""
     words = k0 // 8 + tl.arange(0, SUB)
     packed = tl.load(qweight_ptr + words[None, :] * N + offs_n[:, None], mask=n_ok[:, None], other=0)
     group = k0 // group_size
@@ -105,14 +117,14 @@ def _packed_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_o
         zero = tl.load(zeros_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.int32)
     else:
         zero = tl.full(offs_n.shape, 8, tl.int32)
-    scale = tl.load(scales_ptr + group * N + offs_n, mask=n_ok, other=0).to(tl.float32)
+    scale = tl.load(scales_ptr + group * N + offs_n, mask=n_ok, other=0)
     return packed, zero, scale
 
 
 @triton.jit(do_not_specialize=["n_pairs"])
 def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr, qweight_ptr, scales_ptr, zeros_ptr,
                     n_pairs, H, I, group_size, TOP_K: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                    PRECISION: tl.constexpr, SUB: tl.constexpr, DOWN_SUB: tl.constexpr,
+                    MAGIC: tl.constexpr, PRECISION: tl.constexpr, SUB: tl.constexpr, DOWN_SUB: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start = tl.load(block_start_ptr + tl.program_id(0))
     if start < 0:  # a spare entry of the block table
@@ -133,13 +145,17 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr, qw
                                                  HAS_ZEROS, SUB)
         packed_u, zero_u, scale_u = _packed_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, I + offs_n, n_ok,
                                                  N, HAS_ZEROS, SUB)
-        for j in tl.static_range(8):
-            # swizzled columns: sub-tile j of this packed tile is SUB contiguous columns
-            a = tl.load(x_ptr + token[None, :] * H + (k0 + j * SUB + offs_s)[:, None], mask=ok[None, :], other=0)
-            w_gate = _nibble_tile(packed_g, j, zero_g, scale_g, a.dtype)
-            w_up = _nibble_tile(packed_u, j, zero_u, scale_u, a.dtype)
-            gate = tl.dot(w_gate, a, gate, input_precision=PRECISION)
-            up = tl.dot(w_up, a, up, input_precision=PRECISION)
+        for j in tl.static_range(4):
+            # swizzled columns: sub-tile j of this packed tile is SUB contiguous columns; j and j + 4 come together
+            a_low = tl.load(x_ptr + token[None, :] * H + (k0 + j * SUB + offs_s)[:, None], mask=ok[None, :], other=0)
+            a_high = tl.load(x_ptr + token[None, :] * H + (k0 + (j + 4) * SUB + offs_s)[:, None], mask=ok[None, :],
+                             other=0)
+            gate_low, gate_high = _nibble_pair(packed_g, j, zero_g, scale_g, a_low.dtype, MAGIC)
+            up_low, up_high = _nibble_pair(packed_u, j, zero_u, scale_u, a_low.dtype, MAGIC)
+            gate = tl.dot(gate_low, a_low, gate, input_precision=PRECISION)
+            up = tl.dot(up_low, a_low, up, input_precision=PRECISION)
+            gate = tl.dot(gate_high, a_high, gate, input_precision=PRECISION)
+            up = tl.dot(up_high, a_high, up, input_precision=PRECISION)
     h = (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty)
     # h's columns in the down kernel's order: within each block of 8·DOWN_SUB, column 8i+j at j·DOWN_SUB + i
     tile = 8 * DOWN_SUB
@@ -149,8 +165,8 @@ def _gate_up_kernel(x_ptr, h_ptr, sorted_ids_ptr, order_ptr, block_start_ptr, qw
 
 @triton.jit(do_not_specialize=["n_pairs"])
 def _down_kernel(h_ptr, y_ptr, sorted_ids_ptr, order_ptr, block_start_ptr, qweight_ptr, scales_ptr, zeros_ptr,
-                 n_pairs, H, I, group_size, HAS_ZEROS: tl.constexpr, PRECISION: tl.constexpr, SUB: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 n_pairs, H, I, group_size, HAS_ZEROS: tl.constexpr, MAGIC: tl.constexpr, PRECISION: tl.constexpr,
+                 SUB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start = tl.load(block_start_ptr + tl.program_id(0))
     if start < 0:  # a spare entry of the block table
         return
@@ -165,9 +181,13 @@ def _down_kernel(h_ptr, y_ptr, sorted_ids_ptr, order_ptr, block_start_ptr, qweig
     for k0 in range(0, I, 8 * SUB):
         packed, zero, scale = _packed_tile(qweight_ptr, scales_ptr, zeros_ptr, k0, group_size, offs_n, n_ok, H,
                                            HAS_ZEROS, SUB)
-        for j in tl.static_range(8):
-            a = tl.load(h_ptr + rows[None, :] * I + (k0 + j * SUB + offs_s)[:, None], mask=ok[None, :], other=0)
-            acc = tl.dot(_nibble_tile(packed, j, zero, scale, a.dtype), a, acc, input_precision=PRECISION)
+        for j in tl.static_range(4):
+            a_low = tl.load(h_ptr + rows[None, :] * I + (k0 + j * SUB + offs_s)[:, None], mask=ok[None, :], other=0)
+            a_high = tl.load(h_ptr + rows[None, :] * I + (k0 + (j + 4) * SUB + offs_s)[:, None], mask=ok[None, :],
+                             other=0)
+            w_low, w_high = _nibble_pair(packed, j, zero, scale, a_low.dtype, MAGIC)
+            acc = tl.dot(w_low, a_low, acc, input_precision=PRECISION)
+            acc = tl.dot(w_high, a_high, acc, input_precision=PRECISION)
     tl.store(y_ptr + rows[None, :] * H + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
              mask=ok[None, :] & n_ok[:, None])
 
@@ -188,7 +208,8 @@ def moe_int4_swapped(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: I
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     h = torch.empty(n_pairs, inter, dtype=x.dtype, device=x.device)
     rows = torch.empty(n_pairs, hidden, dtype=x.dtype, device=x.device)
-    common = dict(PRECISION=precision, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+    magic = magic_dequant(x.dtype, w_gate_up.scales.dtype, x.device) and w_down.scales.dtype == x.dtype
+    common = dict(PRECISION=precision, MAGIC=magic, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                   num_warps=config.num_warps, num_stages=config.num_stages)
     tile_up, tile_down = tile_k(w_gate_up.group_size), tile_k(w_down.group_size)
     _gate_up_kernel[(block_start.numel(), triton.cdiv(inter, config.block_n))](
