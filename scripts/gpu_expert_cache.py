@@ -51,10 +51,10 @@ def kernels() -> bool:
         table = torch.arange(experts.num_experts, device="cuda")
         table[1::2] = -1                      # odd experts from host memory
         g = torch.Generator(device="cuda").manual_seed(0)
-        for m in (1, 3, 8, 41, 97):   # the decode kernels up to DECODE_MAX_M (64) rows, the grouped ones above
+        for m in (1, 3, 8, 41, 97):   # the decode kernels up to decode_max_m() (32) rows, the grouped ones above
             x = torch.randn(m, model.cfg.hidden_size, device="cuda", generator=g).to(dtype)
-            weights, ids, logit = moe._route(x, decode=m <= moe_ops.DECODE_MAX_M)
-            if m <= moe_ops.DECODE_MAX_M:
+            weights, ids, logit = moe._route(x, decode=moe_ops.runs_shared_expert(x))
+            if moe_ops.runs_cached_experts(x):
                 fused = experts.shared_int4(moe.shared_expert, x)
                 shared = None if fused is None else moe_ops.SharedExpert(*fused, logit)
                 want = moe_ops.moe_int4(x, ids, weights, gate_up, down, shared=shared)
@@ -62,7 +62,7 @@ def kernels() -> bool:
                                        cached=moe_ops.CachedExperts(table, *host))
                 what = "decode kernels, odd experts from host"
             else:
-                want = moe_ops.moe_int4(x, ids, weights, gate_up, down)
+                want = moe_ops.routed_pairs(x, ids, weights, gate_up, down).sum(1).to(dtype)
                 terms = None
                 for chunk in ([0, 1, 2], [3, 4, 5], [6, 7]):
                     mask = torch.isin(ids, torch.tensor(chunk, device="cuda"))

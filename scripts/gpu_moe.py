@@ -284,7 +284,7 @@ MAGIC_SIZES_M = (8, 16, 32, 64, 128, 256, 1024, 2048, 4096, 8192, 10000, 16384)
 def magic_sizes(name, h, i):
     """One line a size: ms per layer of the transposed-tile kernels (config_for's tiles) with the plain
     dequantisation (FLASHNEXT_INT4_MAGIC=0) and with the trick, whether their outputs are the same bits (sym and
-    asym weights), and the path the engine would take otherwise (the decode kernels up to DECODE_MAX_M, the dequant
+    asym weights), and the other paths the engine could take (the decode kernels up to 64 tokens, the dequant
     path from 4,096). → whether all were equal."""
     import os
 
@@ -304,7 +304,7 @@ def magic_sizes(name, h, i):
             equal = torch.equal(runs["0"][0], runs["1"][0])
             ok &= equal
             plain, magic = runs["0"][1], runs["1"][1]
-            decode = _median_ms(lambda: moe_int4_decode(x, ids, w, wgu, wd)) if m <= DECODE_MAX_M else float("nan")
+            decode = _median_ms(lambda: moe_int4_decode(x, ids, w, wgu, wd)) if m <= 64 else float("nan")
             dequant = _median_ms(lambda: moe_int4_dequant(x, ids, w, wgu, wd)) if m >= 4096 else float("nan")
             print(f"  {m:6d} {plain:8.3f} {magic:8.3f} {plain / magic:6.2f} {decode:8.3f} {dequant:8.3f}  "
                   f"{'equal' if equal else 'DIFFER'}{' (asym)' if asym else ''}")

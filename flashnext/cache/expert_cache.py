@@ -150,7 +150,7 @@ class LayerExpertCache:
 
     def decode(self, x, weights, ids, shared: moe_ops.SharedExpert | None = None):
         """The graph-safe forward of a decode step when the ClaimPool is installed (ExpertCache.enable_graphs):
-        no host sync, no copy. Without one, and for batches the decode kernels do not take (above DECODE_MAX_M rows;
+        no host sync, no copy. Without one, and for batches the decode kernels do not take (above decode_max_m() rows;
         the engine captures none above expert_claim_pool.CACHED_MAX_M), `forward`."""
         if self.claim_pool is None or not moe_ops.runs_cached_experts(x):
             return self.forward(x, weights, ids, shared)

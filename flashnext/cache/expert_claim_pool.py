@@ -24,7 +24,7 @@ from flashnext.weights.pinned import upload
 
 # The most rows of a captured decode step with an expert cache (LLMEngine's graph batches): the in-step admission was
 # measured at up to 8, and the decode kernels read a missing expert from host memory once per token that chose it.
-# (The eager path takes the decode kernels up to ops.moe_int4.DECODE_MAX_M, as all-resident does: the same bits.)
+# (The eager path takes the decode kernels up to ops.moe_int4.decode_max_m(), as all-resident does: the same bits.)
 CACHED_MAX_M = 8
 
 

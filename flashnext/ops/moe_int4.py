@@ -20,23 +20,35 @@ import torch.nn.functional as F
 
 from flashnext.weights.int4_layout import Int4Weight, dequantize
 
-# FLASHNEXT_MOE_INT4: "auto" (default: decode kernels up to DECODE_MAX_M tokens, grouped kernels above),
+# FLASHNEXT_MOE_INT4: "auto" (default: decode kernels up to decode_max_m() tokens, prefill_path's kernels above),
 # "grouped" (the grouped kernels at every M), "reference" (the torch reference on CUDA too; debugging).
 _BACKEND = os.environ.get("FLASHNEXT_MOE_INT4", "auto")
-# The decode kernels re-read an expert per token that chose it, and still beat the grouped kernels up to here: on
-# the H200 (scripts/gpu_moe.py, Flash-Next, per layer in a graph, session 14, c076246) 191 / 370 / 726 µs at M = 16 /
-# 32 / 64 against 392 / 588 / 805 for the grouped kernels' small-M tiles (moe_int4_triton.SMALL); at 128, 1,435
-# against 1,000.
-DECODE_MAX_M = 64
+# The decode kernels re-read an expert per token that chose it. They take resident experts up to DECODE_MAX_M rows
+# (FLASHNEXT_MOE_DECODE_MAX_M, read at each call: a step traced or captured keeps what it read), the transposed
+# tiles above: on the H200 (scripts/gpu_moe.py flash-next --magic, session 24, per layer, L2 flushed) the decode
+# kernels 0.108 / 0.199 / 0.379 / 0.732 ms at 8 / 16 / 32 / 64 tokens against the transposed tiles' 0.187 / 0.205 /
+# 0.337 / 0.450 (0.187 / 0.290 / 0.467 / 0.640 with fp16 scales beside bf16 activations, which the magic-number
+# dequantisation does not take) — so 32, where they tie once the shared expert, inside the decode kernels, runs on
+# its own beside the tiles. (Session 14 measured the grouped kernels' 392 / 588 / 805 µs at 16 / 32 / 64.) An expert
+# cache's pool goes through the decode kernels in the same range (runs_cached_experts), its larger batches through
+# the grouped kernels a round of experts at a time.
+DECODE_MAX_M = 32
+
+
+def decode_max_m() -> int:
+    """The most rows the decode kernels take (see DECODE_MAX_M)."""
+    return int(os.environ.get("FLASHNEXT_MOE_DECODE_MAX_M", DECODE_MAX_M))
+
 
 # Prefill-sized MoE of resident experts (FLASHNEXT_MOE_PREFILL, read at each call — prefill sizes only — so a script
 # can time every path on one model): "auto" (default) by the average (token, choice) rows an expert gets — the
-# grouped kernels below SWAPPED_MIN_ROWS_PER_EXPERT, the transposed-tile kernels (ops/moe_int4_swapped_triton.py)
-# up to DEQUANT_MIN_ROWS_PER_EXPERT, the grouped GEMM over dequantised experts (ops/moe_int4_dequant.py) from
-# there; experts the transposed tiles do not take (act-order, groups below 128) go from the grouped kernels to the
-# dequantised ones at GROUPED_MAX_ROWS_PER_EXPERT (session 18's measured crossing); "triton", "swapped", "dequant":
-# that path at every size past DECODE_MAX_M. H200, ms per layer (scripts/gpu_moe.py --swapped-sizes, session 20; 512
-# experts, top-10, so rows an expert = tokens / 51.2; the transposed tiles at their `config_for` tiles):
+# transposed-tile kernels (ops/moe_int4_swapped_triton.py) below DEQUANT_MIN_ROWS_PER_EXPERT, the grouped GEMM over
+# dequantised experts (ops/moe_int4_dequant.py) from there; experts the transposed tiles do not take (act-order,
+# groups below 128) go from the grouped kernels to the dequantised ones at GROUPED_MAX_ROWS_PER_EXPERT (session 18's
+# measured crossing); "triton", "swapped", "dequant": that path at every size past decode_max_m(). H200, ms per layer
+# (scripts/gpu_moe.py --swapped-sizes, session 20; 512 experts, top-10, so rows an expert = tokens / 51.2; the
+# transposed tiles at their `config_for` tiles, before the magic-number dequantisation, which took 1.4× off them up
+# to 256 tokens and 5–9% from 4,096: docs/int4.md):
 #     tokens (rows an expert)   Flash-Next: grouped / transposed / dequant   Qwen3-Next: grouped / transposed / dequant
 #     128 (2.5)                 1.043 / 0.910 / 3.196                        0.794 / 0.925 / 2.083
 #     256 (5)                   1.626 / 0.932 / 3.289                        1.107 / 0.941 / 2.145
@@ -45,8 +57,8 @@ DECODE_MAX_M = 64
 #     8,192 (160)               5.046 / 3.942 / 4.090                        3.415 / 2.731 / 2.784
 #     10,000 (195)              5.886 / 4.288 / 4.249                        3.993 / 2.950 / 2.918
 #     16,384 (320)              9.484 / 7.001 / 6.384                        6.124 / 4.546 / 4.323
-# So the transposed tiles from 4 rows an expert (the models part at 2.5) to DEQUANT_MIN_ROWS_PER_EXPERT.
-SWAPPED_MIN_ROWS_PER_EXPERT = 4
+# Session 24 with the trick: the transposed tiles 0.571 ms at 128 tokens, 0.450 at 64 (Flash-Next), so they take
+# every size past the decode kernels.
 DEQUANT_MIN_ROWS_PER_EXPERT = 195
 GROUPED_MAX_ROWS_PER_EXPERT = 100
 
@@ -54,8 +66,8 @@ GROUPED_MAX_ROWS_PER_EXPERT = 100
 def prefill_path(rows: int, top_k: int, num_experts: int, w_gate_up: Int4Weight, w_down: Int4Weight,
                  device: torch.device) -> str:
     """Which kernels `moe_int4` runs `rows` tokens of resident experts through on CUDA: "decode" (up to
-    DECODE_MAX_M), "grouped" (also at every size past it with FLASHNEXT_MOE_INT4=grouped), "swapped" or "dequant"."""
-    if rows <= DECODE_MAX_M and _BACKEND != "grouped":
+    decode_max_m()), "grouped" (also at every size past it with FLASHNEXT_MOE_INT4=grouped), "swapped" or "dequant"."""
+    if rows <= decode_max_m() and _BACKEND != "grouped":
         return "decode"
     mode = os.environ.get("FLASHNEXT_MOE_PREFILL", "auto")
     if _BACKEND != "auto" or mode == "triton":
@@ -63,7 +75,7 @@ def prefill_path(rows: int, top_k: int, num_experts: int, w_gate_up: Int4Weight,
     per_expert = rows * top_k / num_experts
     if mode == "dequant" or (mode == "auto" and per_expert >= DEQUANT_MIN_ROWS_PER_EXPERT):
         return "dequant"
-    if mode == "swapped" or (mode == "auto" and per_expert >= SWAPPED_MIN_ROWS_PER_EXPERT):
+    if mode in ("swapped", "auto"):
         from flashnext.ops.moe_int4_swapped_triton import runs_swapped
 
         if runs_swapped(w_gate_up, w_down, device):
@@ -148,16 +160,16 @@ def add_shared_reference(out: torch.Tensor, xf: torch.Tensor, shared: SharedExpe
 
 def runs_shared_expert(x) -> bool:
     """Whether `moe_int4` takes a SharedExpert for this input: the decode kernels run it as one more expert (CUDA,
-    M <= DECODE_MAX_M, FLASHNEXT_MOE_INT4=auto), the reference adds it; the grouped kernels do not (the model then
+    M <= decode_max_m(), FLASHNEXT_MOE_INT4=auto), the reference adds it; the grouped kernels do not (the model then
     runs the shared expert on its own)."""
     if not x.is_cuda or _BACKEND == "reference":
         return True
-    return x.shape[0] <= DECODE_MAX_M and _BACKEND != "grouped"
+    return x.shape[0] <= decode_max_m() and _BACKEND != "grouped"
 
 
 def moe_int4(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weight,
              shared: SharedExpert | None = None, cached: CachedExperts | None = None) -> torch.Tensor:
-    """CUDA: M <= DECODE_MAX_M -> the decode GEMV kernels (moe_int4_decode_triton; they run `shared` as one more
+    """CUDA: M <= decode_max_m() -> the decode GEMV kernels (moe_int4_decode_triton; they run `shared` as one more
     expert), larger M -> as `prefill_path` says: the grouped kernels (moe_int4_triton), the transposed-tile kernels
     (moe_int4_swapped_triton) or the grouped GEMM over dequantised experts (moe_int4_dequant); elsewhere the
     reference.
@@ -233,7 +245,7 @@ def runs_cached_experts(x) -> bool:
     reference (over the host store, on the CPU)."""
     if x.device.type == "cpu":
         return True
-    return x.is_cuda and _BACKEND == "auto" and x.shape[0] <= DECODE_MAX_M
+    return x.is_cuda and _BACKEND == "auto" and x.shape[0] <= decode_max_m()
 
 
 def routed_pairs(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: Int4Weight) -> torch.Tensor:

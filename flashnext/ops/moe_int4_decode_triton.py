@@ -1,5 +1,5 @@
-"""Routed experts with INT4 weights for decode (M <= DECODE_MAX_M tokens): two GEMV kernels, no sort (reference: ops/moe_int4.py;
-ops.moe_int4.moe_int4 sends M <= DECODE_MAX_M here on CUDA).
+"""Routed experts with INT4 weights for decode (M <= decode_max_m() tokens): two GEMV kernels, no sort (reference:
+ops/moe_int4.py; ops.moe_int4.moe_int4 sends M <= decode_max_m() here on CUDA).
 
 At decode the expert weights are the whole cost (Flash-Next: ~25 MB of INT4 per layer at M = 1, ~6 µs at
 4.27 TB/s), so the kernels are shaped for bytes in flight, not for tensor cores:
@@ -13,7 +13,7 @@ expert's words instead of a routed one's and weighs it by sigmoid of its gate lo
 is skipped (its K loop empty, nothing read): under expert parallel the choices routed to other ranks reach a rank's
 kernels that way (parallel/layers.py LocalExperts.decode), about half of them with two ranks.
 No padding of M, no sort, no block table; an expert chosen by several tokens is read once per token
-(up to M times: accepted up to ops.moe_int4.DECODE_MAX_M, where the grouped kernels of moe_int4_triton take over).
+(up to M times: accepted up to ops.moe_int4.decode_max_m(), where the transposed-tile kernels take over).
 
 Split-K and the sum over k without atomics on the values: each program stores its fp32 partial, then
 counts itself in with one atomic on a per-tile counter; the program that arrives last adds all the

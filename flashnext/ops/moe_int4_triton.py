@@ -38,7 +38,7 @@ class MoeConfig:
     scale_in_tile: bool = False   # see _dequant_dot
 
 
-# Up to SMALL_MAX_M tokens (past the decode kernels' ops.moe_int4.DECODE_MAX_M: the chained steps of a short chunk):
+# Up to SMALL_MAX_M tokens (past the decode kernels' ops.moe_int4.decode_max_m(): an expert cache's short chunks):
 # the fewest rows tl.dot takes and wide N tiles — the best of scripts/gpu_moe.py's 13-config H200 sweep at every M
 # of 16–128 (session 14, cd6b6ac, Flash-Next, per layer in a graph: 394 / 590 / 810 / 1021 µs at M = 16 / 32 / 64 / 128,
 # against 442 / 702 / 1007 / 1296 for the earlier 32-wide tiles and 517 / 821 / 1172 / 1483 for PREFILL's);
