@@ -109,7 +109,7 @@ def test_dequant_grouped_gemm_equals_reference(m, k, h, i, g_up, g_down, asym, a
 
 def test_prefill_path_by_rows_an_expert(monkeypatch):
     """FLASHNEXT_MOE_PREFILL=auto: past the decode kernels (decode_max_m(), FLASHNEXT_MOE_DECODE_MAX_M) the transposed
-    tiles below DEQUANT_MIN_ROWS_PER_EXPERT (token, choice) rows an expert on average (512 experts, top-10: 9,984
+    tiles below DEQUANT_MIN_ROWS_PER_EXPERT (token, choice) rows an expert on average (512 experts, top-10: 16,384
     tokens), dequantised experts from there; experts the transposed tiles do not take (act-order, groups of 32) the
     grouped kernels below GROUPED_MAX_ROWS_PER_EXPERT (5,120 tokens), then dequantised experts; the decode kernels
     at decode sizes whatever the mode; triton / swapped / dequant force their path past them (swapped where it can)."""
@@ -128,7 +128,7 @@ def test_prefill_path_by_rows_an_expert(monkeypatch):
     monkeypatch.setenv("FLASHNEXT_MOE_DECODE_MAX_M", "64")
     assert path(64) == "decode" and path(65) == "swapped"
     monkeypatch.delenv("FLASHNEXT_MOE_DECODE_MAX_M")
-    assert path(9983) == "swapped" and path(9984) == "dequant"
+    assert path(16_383) == "swapped" and path(16_384) == "dequant"
     for unsuited in ((gate_up_ao, down_ao), (gate_up_32, down_32)):
         assert path(ops.DECODE_MAX_M + 1, unsuited) == "grouped" and path(5119, unsuited) == "grouped"
         assert path(5120, unsuited) == "dequant" and path(8000, unsuited) == "dequant"

@@ -57,9 +57,11 @@ def decode_max_m() -> int:
 #     8,192 (160)               5.046 / 3.942 / 4.090                        3.415 / 2.731 / 2.784
 #     10,000 (195)              5.886 / 4.288 / 4.249                        3.993 / 2.950 / 2.918
 #     16,384 (320)              9.484 / 7.001 / 6.384                        6.124 / 4.546 / 4.323
-# Session 24 with the trick: the transposed tiles 0.571 ms at 128 tokens, 0.450 at 64 (Flash-Next), so they take
-# every size past the decode kernels.
-DEQUANT_MIN_ROWS_PER_EXPERT = 195
+# Session 24 with the trick (scripts/gpu_moe.py --magic): the transposed tiles 0.571 ms at 128 tokens, 0.450 at 64
+# (Flash-Next), so they take every size past the decode kernels; against the dequant path 3.970 / 4.177 ms at
+# 10,000 tokens, 6.306 / 6.314 at 16,384 (Qwen3-Next 2.702 / 2.828, 4.251 / 4.226), so the dequant path from 320 rows
+# an expert (16,384 tokens; 195 before).
+DEQUANT_MIN_ROWS_PER_EXPERT = 320
 GROUPED_MAX_ROWS_PER_EXPERT = 100
 
 
