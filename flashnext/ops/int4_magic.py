@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-# dtype → (magic: 1.0 as the last mantissa place, its bits; the bits of 1.0)
-_MAGIC = {torch.bfloat16: (128.0, 0x4300, 0x3F80), torch.float16: (1024.0, 0x6400, 0x3C00)}
+# dtype → (MAGIC: 1.0 in its last mantissa place, MAGIC's bits, the bits of 1.0, PTX's packed type)
+_MAGIC = {torch.bfloat16: (128.0, 0x4300, 0x3F80, "bf16x2"), torch.float16: (1024.0, 0x6400, 0x3C00, "f16x2")}
 
 
 def magic_dequant(x_dtype: torch.dtype, scales_dtype: torch.dtype, device: torch.device) -> bool:
@@ -39,7 +39,7 @@ def magic_pair_reference(words: torch.Tensor, j: int, zero: torch.Tensor, scale:
     j and j + 4, in scale's dtype. torch rounds each 16-bit op once from an exact fp32 result, as the packed fma
     does."""
     dtype = scale.dtype
-    magic, magic_bits, _ = _MAGIC[dtype]
+    magic, magic_bits, _, _ = _MAGIC[dtype]
     t = ((words >> (4 * j)) & 0x000F000F) | (magic_bits * 0x10001)
     lanes = torch.stack([t & 0xFFFF, (t >> 16) & 0xFFFF], dim=-1).to(torch.int16)   # low lane: nibble j
     values = lanes.view(dtype)                                                       # MAGIC + q, exactly
@@ -53,7 +53,7 @@ def magic_operands(zero, scale, dtype: tl.constexpr):
     """[BLOCK_N] zero points (int32) and scales (dtype) → the packed pairs the trick takes: −(MAGIC + zero) and the
     scale, each in both halves of an int32."""
     if dtype == tl.bfloat16:
-        negative_magic = 0xC300     # −128.0
+        negative_magic = 0xC300     # −128.0: _MAGIC's bits with the sign bit
     else:
         negative_magic = 0xE400     # −1024.0
     offset = negative_magic + zero                      # −(MAGIC + zero): its mantissa holds the zero point
@@ -78,10 +78,15 @@ _MAGIC_PAIR_ASM = """{
     prmt.b32 $0, t0, t1, 0x5410;
     prmt.b32 $1, t0, t1, 0x7632;
 }"""
-_BF16_ASM = tl.constexpr(_MAGIC_PAIR_ASM.replace("MAGIC", "0x43004300").replace("ONE", "0x3F803F80")
-                         .replace("KIND", "bf16x2"))
-_FP16_ASM = tl.constexpr(_MAGIC_PAIR_ASM.replace("MAGIC", "0x64006400").replace("ONE", "0x3C003C00")
-                         .replace("KIND", "f16x2"))
+
+
+def _pair_asm(dtype: torch.dtype) -> tl.constexpr:
+    _, magic_bits, one_bits, kind = _MAGIC[dtype]
+    return tl.constexpr(_MAGIC_PAIR_ASM.replace("MAGIC", f"{magic_bits * 0x10001:#010x}")
+                        .replace("ONE", f"{one_bits * 0x10001:#010x}").replace("KIND", kind))
+
+
+_BF16_ASM, _FP16_ASM = _pair_asm(torch.bfloat16), _pair_asm(torch.float16)
 
 
 @triton.jit
