@@ -38,7 +38,7 @@ from flashnext.ops.moe_int4_dequant import moe_int4_dequant
 from flashnext.ops.moe_int4_swapped_triton import SwappedConfig, moe_int4_swapped, runs_swapped
 from flashnext.ops.moe_int4_triton import PREFILL, SMALL, MoeConfig, moe_int4_triton
 from flashnext.weights.int4_layout import Int4Weight
-from gpu_common import rel
+from gpu_common import environment, rel
 
 CEILING = 4.27e12
 SHAPES = {"flash-next": (2560, 640), "qwen3-next": (2048, 512)}
@@ -286,8 +286,6 @@ def magic_sizes(name, h, i):
     dequantisation (FLASHNEXT_INT4_MAGIC=0) and with the trick, whether their outputs are the same bits (sym and
     asym weights), and the other paths the engine could take (the decode kernels up to 64 tokens, the dequant
     path from 4,096). → whether all were equal."""
-    import os
-
     ok = True
     print(f"\n{name}: transposed tiles, plain vs magic dequantisation, ms per layer (do_bench medians, L2 flushed)")
     print(f"  {'M':>6} {'plain':>8} {'magic':>8} {'gain':>6} {'decode':>8} {'dequant':>8}  bits")
@@ -297,10 +295,9 @@ def magic_sizes(name, h, i):
             x, ids, w = routing(m, h, seed=m)
             runs = {}
             for flag in ("0", "1"):
-                os.environ["FLASHNEXT_INT4_MAGIC"] = flag
-                out = moe_int4_swapped(x, ids, w, wgu, wd)
-                runs[flag] = (out, _median_ms(lambda: moe_int4_swapped(x, ids, w, wgu, wd)))
-            os.environ.pop("FLASHNEXT_INT4_MAGIC")
+                with environment({"FLASHNEXT_INT4_MAGIC": flag}):
+                    out = moe_int4_swapped(x, ids, w, wgu, wd)
+                    runs[flag] = (out, _median_ms(lambda: moe_int4_swapped(x, ids, w, wgu, wd)))
             equal = torch.equal(runs["0"][0], runs["1"][0])
             ok &= equal
             plain, magic = runs["0"][1], runs["1"][1]

@@ -91,7 +91,7 @@ def test_write_blocks_copies_runs_of_consecutive_blocks_straight_in(monkeypatch)
     source, target = pool(seed=5, blocks=16), pool(blocks=16)
     runs = [read_blocks(source, [0, 1, 2, 3, 4]), read_blocks(source, [5, 6, 7, 8, 9, 10])]
     rows = list(range(11))
-    blocks = [2, 3, 4, 5, 9, 13, 14, 15, 0, 1, 11]   # 2–5 and 13–15 (which crosses into the second run: split)
+    blocks = [2, 3, 4, 5, 9, 13, 14, 15, 0, 1, 11]   # 2–5 (the first run's rows 0–3) and 13–15 (the second's 0–2)
     direct, rest = cache_entry._direct_stretches(runs, blocks, rows)
     assert direct == [(0, 0, 2, 4), (1, 0, 13, 3)]
     assert rest == [(9, 4), (0, 8), (1, 9), (11, 10)]

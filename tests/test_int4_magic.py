@@ -1,5 +1,5 @@
-"""The magic-number INT4 dequantisation (ops/int4_magic.py): its constants and bit layout, stepped through in torch,
-give exactly the plain conversion — (q − zero) × scale in fp32, rounded to the dtype — for every nibble, zero point
+"""The magic-number INT4 dequantisation (ops/int4_magic.py): its constants and bit layout (the magic, −(magic +
+zero) as the kernels build it, the lanes), stepped through in torch, give exactly the plain conversion — (q − zero) × scale in fp32, rounded to the dtype — for every nibble, zero point
 and both halves of a word. (The PTX runs on the GPU only: scripts/gpu_moe.py --magic compares the kernels' bits.)"""
 import pytest
 import torch
@@ -27,12 +27,12 @@ def test_magic_pairs_equal_the_plain_dequantisation(dtype):
 def test_the_trick_is_taken_only_where_it_is_exact_and_compiled(monkeypatch):
     cuda = torch.device("cuda")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert magic_dequant(torch.bfloat16, torch.bfloat16, cuda) and magic_dequant(torch.float16, torch.float16, cuda)
-    assert not magic_dequant(torch.bfloat16, torch.float16, cuda)     # fp16 scales would round to bf16
-    assert not magic_dequant(torch.float32, torch.float32, cuda)
-    assert not magic_dequant(torch.bfloat16, torch.bfloat16, torch.device("cpu"))
+    assert magic_dequant(torch.bfloat16, cuda, torch.bfloat16) and magic_dequant(torch.float16, cuda, torch.float16)
+    assert not magic_dequant(torch.bfloat16, cuda, torch.bfloat16, torch.float16)     # fp16 scales would round to bf16
+    assert not magic_dequant(torch.float32, cuda, torch.float32)
+    assert not magic_dequant(torch.bfloat16, torch.device("cpu"), torch.bfloat16)
     monkeypatch.setenv("FLASHNEXT_INT4_MAGIC", "0")
-    assert not magic_dequant(torch.bfloat16, torch.bfloat16, cuda)
+    assert not magic_dequant(torch.bfloat16, cuda, torch.bfloat16)
     monkeypatch.setenv("FLASHNEXT_INT4_MAGIC", "1")
     monkeypatch.setenv("TRITON_INTERPRET", "1")                       # the interpreter runs no PTX
-    assert not magic_dequant(torch.bfloat16, torch.bfloat16, cuda)
+    assert not magic_dequant(torch.bfloat16, cuda, torch.bfloat16)

@@ -26,11 +26,16 @@ import triton.language as tl
 _MAGIC = {torch.bfloat16: (128.0, 0x4300, 0x3F80, "bf16x2"), torch.float16: (1024.0, 0x6400, 0x3C00, "f16x2")}
 
 
-def magic_dequant(x_dtype: torch.dtype, scales_dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the kernels dequantise by the trick: 16-bit activations, scales of the same dtype, a CUDA device
-    under the compiler (not the interpreter), FLASHNEXT_INT4_MAGIC not 0 (read at each call)."""
-    return (x_dtype in _MAGIC and scales_dtype == x_dtype and device.type == "cuda"
+def magic_dequant(x_dtype: torch.dtype, device: torch.device, *scales_dtypes: torch.dtype) -> bool:
+    """Whether the kernels dequantise by the trick: 16-bit activations, every weight's scales of the same dtype, a
+    CUDA device under the compiler (not the interpreter), FLASHNEXT_INT4_MAGIC not 0 (read at each call)."""
+    return (x_dtype in _MAGIC and all(d == x_dtype for d in scales_dtypes) and device.type == "cuda"
             and os.environ.get("TRITON_INTERPRET", "0") != "1" and os.environ.get("FLASHNEXT_INT4_MAGIC", "1") != "0")
+
+
+def _negative(magic_bits: int) -> int:
+    """The bits of −MAGIC; plus a zero point z (< one mantissa's range) they are the bits of −(MAGIC + z)."""
+    return (magic_bits | 0x8000) - 0x10000     # as an int16 (the reference's view; the kernel keeps the low half)
 
 
 def magic_pair_reference(words: torch.Tensor, j: int, zero: torch.Tensor, scale: torch.Tensor
@@ -43,9 +48,13 @@ def magic_pair_reference(words: torch.Tensor, j: int, zero: torch.Tensor, scale:
     t = ((words >> (4 * j)) & 0x000F000F) | (magic_bits * 0x10001)
     lanes = torch.stack([t & 0xFFFF, (t >> 16) & 0xFFFF], dim=-1).to(torch.int16)   # low lane: nibble j
     values = lanes.view(dtype)                                                       # MAGIC + q, exactly
-    offset = (magic + zero.to(torch.float32)).to(dtype)[..., None]
-    weights = (values - offset) * scale[..., None]
+    offset = (_negative(magic_bits) + zero).to(torch.int16).view(dtype)[..., None]     # −(MAGIC + zero), as built
+    weights = (values + offset) * scale[..., None]
     return weights[..., 0], weights[..., 1]
+
+
+_BF16_NEGATIVE = tl.constexpr(_negative(_MAGIC[torch.bfloat16][1]) & 0xFFFF)
+_FP16_NEGATIVE = tl.constexpr(_negative(_MAGIC[torch.float16][1]) & 0xFFFF)
 
 
 @triton.jit
@@ -53,9 +62,9 @@ def magic_operands(zero, scale, dtype: tl.constexpr):
     """[BLOCK_N] zero points (int32) and scales (dtype) → the packed pairs the trick takes: −(MAGIC + zero) and the
     scale, each in both halves of an int32."""
     if dtype == tl.bfloat16:
-        negative_magic = 0xC300     # −128.0: _MAGIC's bits with the sign bit
+        negative_magic = _BF16_NEGATIVE
     else:
-        negative_magic = 0xE400     # −1024.0
+        negative_magic = _FP16_NEGATIVE
     offset = negative_magic + zero                      # −(MAGIC + zero): its mantissa holds the zero point
     bits = scale.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     return offset | (offset << 16), bits | (bits << 16)

@@ -27,9 +27,9 @@ _BACKEND = os.environ.get("FLASHNEXT_MOE_INT4", "auto")
 # (FLASHNEXT_MOE_DECODE_MAX_M, read at each call: a step traced or captured keeps what it read), the transposed
 # tiles above: on the H200 (scripts/gpu_moe.py flash-next --magic, session 24, per layer, L2 flushed) the decode
 # kernels 0.108 / 0.199 / 0.379 / 0.732 ms at 8 / 16 / 32 / 64 tokens against the transposed tiles' 0.187 / 0.205 /
-# 0.337 / 0.450 (0.187 / 0.290 / 0.467 / 0.640 with fp16 scales beside bf16 activations, which the magic-number
-# dequantisation does not take) — so 32, where they tie once the shared expert, inside the decode kernels, runs on
-# its own beside the tiles. (Session 14 measured the grouped kernels' 392 / 588 / 805 µs at 16 / 32 / 64.) An expert
+# 0.337 / 0.450 (0.187 / 0.290 / 0.467 / 0.640 without the magic-number dequantisation, FLASHNEXT_INT4_MAGIC=0: how
+# fp16 scales beside bf16 activations run) — so 32, where the tiles' lead is small enough that the shared expert,
+# inside the decode kernels and on its own beside the tiles (its launches not timed apart), may take it back. (Session 14 measured the grouped kernels' 392 / 588 / 805 µs at 16 / 32 / 64.) An expert
 # cache's pool goes through the decode kernels in the same range (runs_cached_experts), its larger batches through
 # the grouped kernels a round of experts at a time.
 DECODE_MAX_M = 32

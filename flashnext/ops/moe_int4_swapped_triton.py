@@ -208,7 +208,7 @@ def moe_int4_swapped(x, topk_ids, topk_weights, w_gate_up: Int4Weight, w_down: I
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     h = torch.empty(n_pairs, inter, dtype=x.dtype, device=x.device)
     rows = torch.empty(n_pairs, hidden, dtype=x.dtype, device=x.device)
-    magic = magic_dequant(x.dtype, w_gate_up.scales.dtype, x.device) and w_down.scales.dtype == x.dtype
+    magic = magic_dequant(x.dtype, x.device, w_gate_up.scales.dtype, w_down.scales.dtype)
     common = dict(PRECISION=precision, MAGIC=magic, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                   num_warps=config.num_warps, num_stages=config.num_stages)
     tile_up, tile_down = tile_k(w_gate_up.group_size), tile_k(w_down.group_size)
